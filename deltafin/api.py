@@ -1,0 +1,107 @@
+"""The public Python API: ``deltafin.load(path, **settings)`` -> ``Model``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .model.state import DecodeState
+from .settings import Settings
+
+
+class NoTokenizerError(RuntimeError):
+    pass
+
+
+def _load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def open_source(path: str | Path):
+    """A weight source for a converted store or a Hugging Face checkpoint folder."""
+    path = Path(path)
+    from .checkpoint.source import HFSource
+    if (path / "deltafin-store.json").exists():
+        from .checkpoint.store import StoreSource
+        return StoreSource(path)
+    return HFSource(path)
+
+
+def _want_stream(settings: Settings, source) -> bool:
+    if settings.stream != "auto":
+        return settings.stream == "on"
+    import psutil
+    from .inspect import model_bytes
+    # Keep the model in RAM only when it fits with plenty of room to spare.
+    return model_bytes(source) > 0.5 * psutil.virtual_memory().available
+
+
+class Model:
+    def __init__(self, path: str | Path, settings: Settings):
+        self.path = Path(path)
+        self.settings = settings
+        self.source = open_source(self.path)
+        self.config = self.source.config
+        self.name = self.path.name
+        self.streaming = _want_stream(settings, self.source)
+        if self.streaming:
+            from .io.stream import StreamProvider
+            provider = StreamProvider(self.source, settings)
+        else:
+            from .io.ram import RAMProvider
+            provider = RAMProvider(self.source)
+        self.engine = Engine(self.config, provider, settings)
+        self.tokenizer = _load_tokenizer(self.path)
+        self.last_generation_stats: dict = {}
+
+    # -- low level -------------------------------------------------------------------------
+    def new_state(self) -> DecodeState:
+        return self.engine.new_state()
+
+    def forward(self, ids, state: DecodeState, keep_states: bool = False) -> torch.Tensor:
+        return self.engine.forward(ids, state, keep_states)
+
+    def logits(self, token_ids) -> torch.Tensor:
+        """float32 [len(ids), vocab]: a full prefill from a fresh state."""
+        return self.forward(list(token_ids), self.new_state())
+
+    # -- text ------------------------------------------------------------------------------
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise NoTokenizerError(f"{self.path}: this checkpoint has no tokenizer files "
+                                   "(tokenizer.json); use the token-id API instead")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.require_tokenizer().encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        tok = self.require_tokenizer()
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    def decode(self, ids) -> str:
+        return self.require_tokenizer().decode(list(ids), skip_special_tokens=True)
+
+    def generate(self, token_ids, max_new_tokens=None, speculate=None, temperature=0.0, top_p=1.0, top_k=0,
+                 seed=None, stop=None, on_token=None) -> list[int]:
+        """Greedy by default; returns the new token ids. Statistics land in last_generation_stats."""
+        from .generate import generate
+        g = generate(self, list(token_ids), max_new_tokens, speculate=speculate, temperature=temperature,
+                     top_p=top_p, top_k=top_k, seed=seed, stop=stop, on_token=on_token)
+        self.last_generation_stats = dict(g.stats, finish_reason=g.finish_reason)
+        return g.tokens
+
+
+def load(path: str | Path, **settings) -> Model:
+    """Open a checkpoint folder or converted store. Keyword arguments are settings (see Settings)."""
+    s = settings.pop("settings", None) or Settings.resolve(settings)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return Model(path, s)

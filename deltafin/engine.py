@@ -1,0 +1,105 @@
+"""One forward pass over all layers: get the layer's weights, bind, compute, account.
+
+The engine does not know where weights come from. A *provider* hands it each layer's spine (in
+order, so it can read ahead) and the routed experts the router chose; ``io.ram`` keeps a whole
+model in memory, ``io.stream`` reads it from disk per layer. Timing and byte counts are kept in a
+``PassStats`` the engine owns and returns.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ModelConfig
+from .model.binding import bind, unbind
+from .model.layers import build_templates, layer_kind
+from .model.ops import linear, rms_norm
+from .model.layers import attn_res
+from .model.state import DecodeState
+from .settings import Settings
+
+
+@dataclass
+class PassStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    compute_seconds: float = 0.0
+    spine_wait_seconds: float = 0.0
+    expert_wait_seconds: float = 0.0
+    bytes_read: int = 0
+    bytes_from_ram: int = 0
+    experts_loaded: int = 0
+
+    def add(self, other: "PassStats") -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass
+class Totals:
+    passes: int = 0
+    stats: PassStats = field(default_factory=PassStats)
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, provider, settings: Settings):
+        self.cfg = cfg
+        self.provider = provider
+        self.settings = settings
+        self.device = settings.torch_device()
+        self.dtype = settings.torch_dtype()
+        self.templates = build_templates(cfg)
+        self.last_pass = PassStats()
+        self.totals = Totals()
+
+    def new_state(self) -> DecodeState:
+        layers = []
+        for i in range(self.cfg.num_layers):
+            attn = self.templates[layer_kind(self.cfg, i)].self_attn
+            layers.append(attn.new_state(self.dtype))
+        return DecodeState(layers=layers)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], state: DecodeState, keep_states: bool = False) -> torch.Tensor:
+        """Consume `ids` after what `state` holds; return float32 logits [len(ids), vocab]."""
+        cfg = self.cfg
+        ids_t = torch.as_tensor(list(ids), dtype=torch.long)
+        if ids_t.numel() == 0:
+            raise ValueError("forward() needs at least one token id")
+        bad = ids_t[(ids_t < 0) | (ids_t >= cfg.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {cfg.vocab_size})")
+        stats = PassStats(tokens=len(ids_t))
+        t0 = time.perf_counter()
+        state.begin_pass(keep_states)
+        g = self.provider.globals()
+        h = g["embed"][ids_t].to(self.device, self.dtype)
+        blocks: list[torch.Tensor] = []
+        chunk = self.settings.kda_chunk
+        self.provider.start_pass(stats)
+        try:
+            for i in range(cfg.num_layers):
+                weights = self.provider.spine(i, stats)
+                tmpl = self.templates[layer_kind(cfg, i)]
+                bind(tmpl, weights)
+                c0 = time.perf_counter()
+                h = tmpl(i, h, blocks, state.layers[i], keep_states, chunk,
+                         lambda chosen, i=i: self.provider.experts(i, chosen, stats))
+                stats.compute_seconds += time.perf_counter() - c0
+                unbind(tmpl)
+                del weights
+        finally:
+            self.provider.end_pass(stats)
+        c0 = time.perf_counter()
+        if cfg.attn_res_block_size:
+            h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
+        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), g["lm_head"]).float()
+        stats.compute_seconds += time.perf_counter() - c0
+        stats.seconds = time.perf_counter() - t0
+        state.num_tokens += len(ids_t)
+        self.last_pass = stats
+        self.totals.passes += 1
+        self.totals.stats.add(stats)
+        return logits

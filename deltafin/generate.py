@@ -1,0 +1,396 @@
+"""The generation loop: greedy with lossless n-gram speculation, or seeded sampling.
+
+One function, ``generate``, serves the CLI, the HTTP server and the Python API. It owns the
+contract every front end relies on: at most ``max_new_tokens`` tokens, nothing after an EOS
+token, stop strings never shown, text released only once it is safe, cancellation through the
+``on_token`` callback, and a decode state that is exactly a plain prefill of what was produced.
+
+Speculation (greedy only): the drafter proposes up to ``draft_len`` tokens by matching the most
+recent n-gram of prompt + output against earlier text. One forward pass over
+``[last token, d1..dk]`` scores every draft position; the longest prefix of the draft that equals
+the verifier's argmax is accepted together with the verifier's own next token, and the state is
+rolled back to the last accepted position. Every emitted token is therefore the argmax the model
+gives after exactly the tokens before it, so the output equals plain greedy decoding.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from deltafin.model.state import DecodeState
+
+# (context, max_len) -> up to max_len proposed token ids following the context
+Drafter = Callable[[Sequence[int], int], Sequence[int]]
+# (token_id, newly safe text) -> False to cancel
+OnToken = Callable[[int, str], "bool | None"]
+
+# Prompt tokens handed to the detokenizer as left context, so a tokenizer that decides leading
+# spaces from the previous token decodes the first generated token as it would mid-sequence.
+_DECODE_CONTEXT = 4
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # emitted tokens (no EOS, nothing from inside a stop string)
+    text: str | None  # emitted text; None when the model has no tokenizer
+    finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
+    stats: dict[str, Any]
+    # Every token the model produced, in order: ``tokens`` plus a final EOS, the tokens dropped by
+    # a stop string, or tokens produced but still held back when the caller cancelled. The decode
+    # state holds the prompt followed by all of these except the last one (which was never fed).
+    generated: list[int] = field(default_factory=list)
+    state: "DecodeState | None" = None
+
+
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None, *,
+             speculate: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int | None = None, stop: str | Sequence[str] | None = None,
+             on_token: OnToken | None = None, state: "DecodeState | None" = None,
+             eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    ``None`` for ``max_new_tokens`` or ``speculate`` means the model's settings. The prompt is
+    prefilled in one forward pass (after whatever ``state`` already holds, if one is given; else a
+    fresh state is used). The state is returned in ``Generation.state``.
+
+    Decoding is greedy when ``temperature`` is 0. With ``temperature > 0`` tokens are sampled
+    (``top_k`` > 0 keeps the k most likely, ``top_p`` < 1 keeps the smallest set whose probability
+    reaches top_p) from a ``torch.Generator`` seeded with ``seed``: the same seed gives the same
+    output. Sampling never speculates (``speculate`` is ignored), which keeps it trivially exact.
+
+    Greedy decoding speculates with n-gram drafts when ``speculate`` is on; the output is the same
+    token for token. ``drafter(context, max_len)`` replaces the n-gram drafter (its proposals only
+    change speed, never the output).
+
+    Termination: an EOS token (``eos_token_ids``, default the model config's) ends generation with
+    finish_reason "stop"; it is not returned and not passed to ``on_token``. A stop string ends it
+    with "stop": ``text`` ends right before the stop string; a token is kept in ``tokens`` iff its
+    text starts before the stop string, so a token straddling the start of the stop string is kept
+    (its part before the stop string is in ``text``) and tokens starting inside it are dropped.
+    Reaching ``max_new_tokens`` gives "length".
+
+    ``on_token(token_id, text)`` is called once per returned token, in order, with that token's
+    text. A token whose text might still be the start of a stop string is held back until that is
+    settled, so a call can come a few tokens late; a token cut by a stop string gets its text
+    before the stop string; a token ending inside a multi-byte character gets "" and the character
+    comes with the token that completes it; without a tokenizer text is always "". Returning False
+    stops generation at once with finish_reason "cancelled"; ``tokens`` and ``text`` are then
+    exactly what was passed so far.
+
+    After generation the state holds the prompt followed by ``Generation.generated[:-1]``, exactly
+    as plain greedy decoding leaves it: the last produced token is known but not yet fed.
+    """
+    config, settings = model.config, model.settings
+    prompt = _check_ids(prompt_ids, config.vocab_size, "prompt")
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed to start generating")
+    max_new = settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if max_new < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    stops = _check_stops(stop, model.tokenizer)
+    state = model.new_state() if state is None else state
+    held = state.num_tokens
+    limit = config.max_position_embeddings
+    if held + len(prompt) + max_new > limit:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens" + (f" after {held} cached tokens" if held else "")
+            + f" + max_new_tokens {max_new} = {held + len(prompt) + max_new} tokens exceeds the model's "
+            f"context of {limit} tokens (max_position_embeddings)")
+    eos = frozenset(config.eos_token_ids if eos_token_ids is None else (int(t) for t in eos_token_ids))
+
+    sampling = temperature > 0
+    if sampling:
+        rng = torch.Generator()
+        if seed is None:
+            rng.seed()  # fresh entropy for this call only; the global generator is untouched
+        else:
+            rng.manual_seed(int(seed))
+
+        def pick(logits: torch.Tensor) -> list[int]:
+            return [_sample(logits[-1], temperature, top_k, top_p, rng)]
+    else:
+        def pick(logits: torch.Tensor) -> list[int]:
+            return logits.argmax(dim=-1).tolist()
+
+    spec = (settings.speculate if speculate is None else bool(speculate)) and not sampling
+    if spec and drafter is None:
+        drafter = NgramDrafter(settings.ngram)
+    draft_len = settings.draft_len
+    out = _Output(model.tokenizer, prompt, stops, on_token)
+    stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0, "drafted_tokens": 0,
+             "tokens_per_pass": 0.0, "prefill_tokens": len(prompt), "prefill_seconds": 0.0,
+             "decode_seconds": 0.0, "decode_tok_s": 0.0}
+    if max_new == 0:  # nothing to produce: the prompt is not even fed
+        return Generation([], out.text(), "length", stats, [], state)
+
+    def consume(token: int) -> str | None:
+        """Record one produced token; return a finish reason when generation must end here."""
+        generated.append(token)
+        if token in eos:
+            return "stop"
+        reason = out.add(token)
+        if reason is None and len(generated) >= max_new:
+            reason = "length"
+        return reason
+
+    t0 = time.perf_counter()
+    generated: list[int] = []
+    finish = consume(pick(model.forward(prompt, state))[-1])
+    t1 = time.perf_counter()
+    context = prompt + generated  # what the drafter matches against; grows with the output
+
+    while finish is None:
+        token = generated[-1]
+        draft: list[int] = []
+        if spec:
+            # No point verifying more tokens than may still be produced (the bonus token is one).
+            room = min(draft_len, max_new - len(generated) - 1)
+            if room > 0:
+                draft = _check_ids(list(drafter(context, room))[:room], config.vocab_size, "draft")
+        before = state.num_tokens
+        logits = model.forward([token] + draft, state, keep_states=bool(draft))
+        stats["passes"] += 1
+        stats["drafted_tokens"] += len(draft)
+        preds = pick(logits)
+        ok = 0
+        while ok < len(draft) and draft[ok] == preds[ok]:
+            ok += 1
+        used = 0  # tokens of this burst (preds[:ok + 1]) that generation actually took
+        for t in preds[:ok + 1]:
+            used += 1
+            context.append(t)
+            finish = consume(t)
+            if finish is not None:
+                break
+        stats["accepted_draft_tokens"] += used - 1
+        if draft:
+            # Fed: [token] + draft; keep [token] + the used-1 accepted drafts. The last used token
+            # is the new "known but not fed" one.
+            state.rollback(before + used)
+    t2 = time.perf_counter()
+
+    finish = out.finish(finish)
+    stats.update(tokens=len(out.tokens), generated_tokens=len(generated), prefill_seconds=t1 - t0,
+                 decode_seconds=t2 - t1)
+    decoded = len(generated) - 1  # tokens produced by decode passes (the first came from prefill)
+    if stats["passes"]:
+        stats["tokens_per_pass"] = decoded / stats["passes"]
+    if t2 > t1:
+        stats["decode_tok_s"] = decoded / (t2 - t1)
+    return Generation(out.tokens, out.text(), finish, stats, generated, state)
+
+
+class NgramDrafter:
+    """Drafts by prompt lookup: find the most recent earlier occurrence of the context's last
+    n tokens (n = max_n down to 1, longest match first) and propose the tokens that followed it.
+
+    When the match is so recent that the text after it runs into the end of the context, the
+    context is periodic with period (length - match end) and the draft continues that period
+    (``a b a b`` -> ``a b a b``...). One instance serves one growing context: it indexes the
+    new tail on each call and assumes earlier tokens never change.
+    """
+
+    def __init__(self, max_n: int):
+        if max_n < 1:
+            raise ValueError(f"n-gram length must be >= 1, got {max_n}")
+        self.max_n = max_n
+        # last_end[n][ngram] = position right after its most recent occurrence that ends before
+        # the context's last token (so the context's own suffix never matches itself)
+        self._last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._indexed = 1  # n-grams ending at positions < _indexed are in the index
+
+    def __call__(self, context: Sequence[int], max_len: int) -> list[int]:
+        length = len(context)
+        for end in range(self._indexed, length):
+            for n in range(1, min(self.max_n, end) + 1):
+                self._last_end[n][tuple(context[end - n:end])] = end
+        self._indexed = max(self._indexed, length)
+        if max_len <= 0:
+            return []
+        for n in range(min(self.max_n, length - 1), 0, -1):
+            end = self._last_end[n].get(tuple(context[length - n:]))
+            if end is not None:
+                period = length - end
+                return [context[end + i % period] for i in range(max_len)]
+        return []
+
+
+def _check_ids(ids: Sequence[int], vocab: int, what: str) -> list[int]:
+    out = []
+    for i, t in enumerate(ids):
+        try:
+            t = operator.index(t)
+        except TypeError:
+            raise ValueError(f"{what} token {i} is {t!r}, not an integer token id") from None
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what} token {i} has id {t}, outside the vocabulary [0, {vocab})")
+        out.append(t)
+    return out
+
+
+def _check_stops(stop: str | Sequence[str] | None, tokenizer) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    if stops and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer, and this model has none")
+    return stops
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rng: torch.Generator) -> int:
+    # On the CPU in fp32 so that one seed gives one output on every device.
+    x = logits.detach().float().cpu() / temperature
+    if 0 < top_k < x.numel():
+        kth = torch.topk(x, top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the more likely ones already reach top_p (the most likely always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng).item())
+
+
+class _Detokenizer:
+    """Incremental decoding: text grows only by whole characters, never revised.
+
+    Decodes a short window (a few tokens of left context + the undecoded tail) per token, so the
+    cost per token does not grow with the output. A token that ends inside a multi-byte character
+    yields "" and its bytes come out with the token that completes the character.
+    """
+
+    def __init__(self, tokenizer, prompt: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt[-_DECODE_CONTEXT:])
+        self.read = len(self.ids)  # ids[:read] have been turned into text; ids[:0] is context
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is left at the end, incomplete characters included (as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self.ids[:self.read])
+        now = self._decode(self.ids)
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            # the tokens just decoded become the left context of the next window
+            self.ids = self.ids[self.read:]
+            self.read = len(self.ids)
+            return now[len(before):]
+        return ""
+
+
+class _Output:
+    """Turns produced tokens into returned tokens and text: stop strings, hold-back, on_token."""
+
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str], on_token: OnToken | None):
+        self.decoder = _Detokenizer(tokenizer, prompt) if tokenizer is not None else None
+        self.stops = stops
+        self.longest_stop = max((len(s) for s in stops), default=0)
+        self.on_token = on_token
+        self.tokens: list[int] = []  # returned, i.e. passed to on_token
+        self.pending: list[tuple[int, int]] = []  # (token, offset where its text starts), held back
+        self.full = ""  # text of every token added so far
+        self.released = 0  # full[:released] has been passed to on_token
+        self.searched = 0  # no stop string starts before this offset
+        self.done: str | None = None  # set once a stop string or a cancel ended the output
+
+    def text(self) -> str | None:
+        return None if self.decoder is None else self.full[:self.released]
+
+    def add(self, token: int) -> str | None:
+        """Take one produced (non-EOS) token; return "stop" or "cancelled" when generation must end."""
+        self.pending.append((token, len(self.full)))
+        if self.decoder is None:
+            return self._release(0, final=True)
+        self.full += self.decoder.add(token)
+        at = self._find_stop()
+        if at is not None:
+            return self._stop(at)
+        return self._release(len(self.full) - self._stop_prefix_len(), final=False)
+
+    def finish(self, reason: str) -> str:
+        """Generation ended with ``reason``: release what is still held back; return the final reason."""
+        if self.done is not None:
+            return self.done
+        if self.decoder is not None:
+            self.full += self.decoder.flush()
+            at = self._find_stop()
+            if at is not None:
+                return self._stop(at)
+        return self._release(len(self.full), final=True) or reason
+
+    def _find_stop(self) -> int | None:
+        if not self.stops:
+            return None
+        hits = [i for s in self.stops if (i := self.full.find(s, self.searched)) >= 0]
+        self.searched = max(self.searched, len(self.full) - self.longest_stop + 1)
+        return min(hits) if hits else None
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.full)), best, -1):
+                if self.full.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _stop(self, at: int) -> str:
+        """A stop string starts at offset ``at``: return the tokens whose text starts before it."""
+        reason = self._release(at, final=True) or "stop"
+        self.pending = []
+        self.done = reason
+        return reason
+
+    def _release(self, upto: int, final: bool) -> str | None:
+        """Return held tokens with their text, cut at ``upto``; "cancelled" if on_token asked to stop.
+
+        Not ``final``: only tokens whose whole text lies before ``upto`` (an empty-text token, the
+        first bytes of a character, only when that character starts before ``upto``), so every
+        call carries its own token's complete text. ``final``: every token that starts before
+        ``upto`` (or every token, when ``upto`` is the end of the text).
+        """
+        n = 0
+        while n < len(self.pending):
+            token, start = self.pending[n]
+            end = self.pending[n + 1][1] if n + 1 < len(self.pending) else len(self.full)
+            if final:
+                if start >= upto and upto < len(self.full):
+                    break
+            elif end > upto or start >= upto:
+                break
+            end = min(end, upto)
+            piece = self.full[self.released:end] if end > self.released else ""
+            self.released = max(self.released, end)
+            self.tokens.append(token)
+            n += 1
+            if self.on_token is not None and self.on_token(token, piece) is False:
+                self.pending = []
+                self.done = "cancelled"
+                return "cancelled"
+        del self.pending[:n]
+        return None

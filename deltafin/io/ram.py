@@ -1,0 +1,52 @@
+"""The in-RAM provider: every weight read once at load, then served from memory."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _nbytes(w) -> int:
+    if isinstance(w, tuple):
+        return sum(_nbytes(x) for x in w)
+    return w.nbytes if not hasattr(w, "element_size") else w.numel() * w.element_size()
+
+
+class RAMProvider:
+    def __init__(self, source, progress=None):
+        cfg = self.config = source.config
+        self._globals = source.read_globals()
+        self._spines = []
+        self._experts: list[dict] = []
+        layers = range(cfg.num_layers)
+        for i in (progress(layers) if progress else layers):
+            self._spines.append(source.read_spine(i))
+            self._experts.append({e: source.read_expert(i, e) for e in range(cfg.num_experts)}
+                                 if cfg.is_moe(i) else {})
+        self._spine_bytes = [sum(_nbytes(w) for w in s.values()) for s in self._spines]
+
+    def globals(self) -> dict:
+        return self._globals
+
+    def start_pass(self, stats) -> None:
+        pass
+
+    def end_pass(self, stats) -> None:
+        pass
+
+    def spine(self, i: int, stats) -> dict:
+        stats.bytes_from_ram += self._spine_bytes[i]
+        return self._spines[i]
+
+    def experts(self, i: int, chosen: list[int], stats) -> Future:
+        t0 = time.perf_counter()
+        got = {e: self._experts[i][e] for e in chosen}
+        stats.bytes_from_ram += sum(_nbytes(w) for w in got.values())
+        stats.experts_loaded += len(got)
+        stats.expert_wait_seconds += time.perf_counter() - t0
+        return _done(got)

@@ -1,0 +1,128 @@
+"""Kimi Delta Attention (K3_MODEL.md section 3.1).
+
+Per head, with state S in R^{Dk x Dv} (fp32):  S <- diag(exp(g)) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q.
+Decode uses that recurrence step by step; prefill uses the equivalent chunked form below.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .binding import Bindable
+from .ops import l2_normalize, linear, rms_norm
+from .state import KDAState
+
+
+def kda_recurrent(q, k, v, g, beta, S):
+    """q, k, g: [T, H, Dk]; v: [T, H, Dv]; beta: [T, H]; S: [H, Dk, Dv]. Returns o [T, H, Dv], new S."""
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * torch.exp(g[t]).unsqueeze(-1)
+        kv = torch.einsum("hd,hdv->hv", k[t], S)
+        u = beta[t].unsqueeze(-1) * (v[t] - kv)
+        S = S + k[t].unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append(torch.einsum("hd,hdv->hv", q[t], S))
+    return torch.stack(outs), S
+
+
+def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
+    """The same recurrence over chunks of length `chunk`, exact up to rounding.
+
+    Within a chunk with cumulative log decay G_t = sum_{s<=t} g_s and start state S0, the updates
+    u_i = beta_i (v_i - S_{i-1,decayed}^T k_i) solve a unit lower-triangular system
+    (I + A) u = beta (v - (k * exp(G)) S0),   A_ti = beta_t sum_d k_td k_id exp(G_td - G_id)  (i < t),
+    and then o_t = (q_t * exp(G_t)) S0 + sum_{i<=t} (sum_d q_td k_id exp(G_td - G_id)) u_i.
+    Decay ratios are formed as exp of differences (always <= 1), so nothing overflows.
+    """
+    T = q.shape[0]
+    outs = []
+    for s in range(0, T, chunk):
+        qc, kc, vc, gc, bc = (x[s:s + chunk].transpose(0, 1) for x in (q, k, v, g, beta))  # head-major
+        C = qc.shape[1]
+        G = gc.cumsum(dim=1)  # [H, C, Dk]
+        diff = G.unsqueeze(2) - G.unsqueeze(1)  # [H, C(t), C(i), Dk]
+        incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp(diff.masked_fill(~incl[None, :, :, None], float("-inf")))
+        A = torch.einsum("htd,hid,htid->hti", kc, kc, decay) * bc.unsqueeze(-1)
+        A = A.masked_fill(~incl.tril(-1)[None], 0.0)
+        rhs = bc.unsqueeze(-1) * (vc - torch.einsum("htd,hdv->htv", kc * torch.exp(G), S))
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        qk = torch.einsum("htd,hid,htid->hti", qc, kc, decay)
+        o = torch.einsum("htd,hdv->htv", qc * torch.exp(G), S) + qk @ u
+        G_end = G[:, -1:]  # [H, 1, Dk]
+        S = torch.exp(G_end).transpose(1, 2) * S + torch.einsum("hid,hiv->hdv", kc * torch.exp(G_end - G), u)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs), S
+
+
+def causal_conv(x: torch.Tensor, tail: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv over time. x [T, D], tail [K-1, D] (previous inputs), w [D, K]."""
+    seq = torch.cat([tail.to(x.dtype), x], dim=0)  # [K-1+T, D]
+    K = w.shape[1]
+    out = F.conv1d(seq.t().unsqueeze(0), w.to(x.dtype).unsqueeze(1), groups=w.shape[0])
+    return out[0].t()[-x.shape[0]:] if K > 1 else out[0].t()
+
+
+class KDAttention(Bindable):
+    """Template for the KDA sublayer; weights are bound per layer (see binding.py)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H, nh, d, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel
+        D = nh * d
+        self.cfg = cfg
+        self.slots(q_proj=(D, H), k_proj=(D, H), v_proj=(D, H), q_conv=(D, K), k_conv=(D, K), v_conv=(D, K),
+                   A_log=(nh,), dt_bias=(D,), f_a_proj=(d, H), f_b_proj=(D, d), b_proj=(nh, H),
+                   o_norm=(d,), o_proj=(H, D))
+        if cfg.kda_full_rank_gate:
+            self.slots(g_proj=(D, H))
+        else:
+            self.slots(g_a_proj=(d, H), g_b_proj=(D, d))
+
+    def new_state(self, dtype) -> KDAState:
+        c = self.cfg
+        D = c.kda_num_heads * c.kda_head_dim
+        return KDAState(conv=torch.zeros(3, c.conv_kernel - 1, D, dtype=dtype),
+                        S=torch.zeros(c.kda_num_heads, c.kda_head_dim, c.kda_head_dim, dtype=torch.float32))
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay g [T, H, Dk], fp32."""
+        c = self.cfg
+        nh, d = c.kda_num_heads, c.kda_head_dim
+        r = linear(linear(x, self.f_a_proj), self.f_b_proj).float() + self.dt_bias.float()
+        r = r.view(-1, nh, d)
+        a = torch.exp(self.A_log.float()).view(1, nh, 1)
+        if c.kda_gate_lower_bound is not None:  # K3's bounded ("safe") gate
+            return c.kda_gate_lower_bound * torch.sigmoid(a * r)
+        return -a * F.softplus(r)
+
+    def forward(self, x: torch.Tensor, st: KDAState, keep_states: bool, chunk: int) -> torch.Tensor:
+        c = self.cfg
+        T = x.shape[0]
+        nh, d = c.kda_num_heads, c.kda_head_dim
+        xin = torch.stack([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)])  # [3, T, D]
+        conv0 = st.conv
+        q, k, v = (F.silu(causal_conv(xin[j], conv0[j], w))
+                   for j, w in enumerate((self.q_conv, self.k_conv, self.v_conv)))
+        Km1 = conv0.shape[1]
+        if Km1:
+            st.conv = torch.cat([conv0.to(xin.dtype), xin], dim=1)[:, -Km1:].clone()
+        q = l2_normalize(q.float().view(T, nh, d)) * d ** -0.5
+        k = l2_normalize(k.float().view(T, nh, d))
+        v = v.float().view(T, nh, d)
+        g = self.decay(x)
+        beta = torch.sigmoid(linear(x, self.b_proj).float())
+        S0 = st.S
+        if T <= 16 or keep_states:
+            o, st.S = kda_recurrent(q, k, v, g, beta, S0)
+        else:
+            o, st.S = kda_chunked(q, k, v, g, beta, S0, chunk)
+        if keep_states:
+            st.pending = dict(S0=S0, q=q, k=k, v=v, g=g, beta=beta, conv0=conv0, xin=xin)
+        if c.kda_full_rank_gate:
+            gate = linear(x, self.g_proj)
+        else:
+            gate = linear(linear(x, self.g_a_proj), self.g_b_proj)
+        o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
+        return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)

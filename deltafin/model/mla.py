@@ -1,0 +1,88 @@
+"""Gated multi-head latent attention without rotary embeddings (K3_MODEL.md section 3.2).
+
+The cache holds, per token, only the normalized latent c_kv and the rope-part key k_rot shared by
+all heads. Decoding absorbs kv_b into the query: for head h with kv_b split into W_k [nope, r] and
+W_v [v, r],  q_nope . (W_k c) = (W_k^T q_nope) . c  and  sum_j p_j W_v c_j = W_v (sum_j p_j c_j),
+so keys and values are never expanded. Prefill of a fresh sequence expands them (cheaper there).
+"""
+from __future__ import annotations
+
+import torch
+
+from .binding import Bindable
+from .ops import linear, rms_norm
+from .state import MLAState
+
+# The latent norms use a fixed eps of 1e-6 (not rms_norm_eps), like the published implementations.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(Bindable):
+    def __init__(self, cfg):
+        super().__init__()
+        c = self.cfg = cfg
+        H, nh = c.hidden_size, c.mla_num_heads
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        if c.q_lora_rank:
+            self.slots(q_a_proj=(c.q_lora_rank, H), q_a_layernorm=(c.q_lora_rank,),
+                       q_b_proj=(nh * qk, c.q_lora_rank))
+        else:
+            self.slots(q_proj=(nh * qk, H))
+        self.slots(kv_a_proj_with_mqa=(c.kv_lora_rank + c.qk_rope_head_dim, H),
+                   kv_a_layernorm=(c.kv_lora_rank,),
+                   kv_b_proj=(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+                   o_proj=(H, nh * c.v_head_dim))
+        if c.mla_output_gate:
+            self.slots(g_proj=(nh * c.v_head_dim, H))
+        self.scale = qk ** -0.5
+
+    def new_state(self, dtype) -> MLAState:
+        c = self.cfg
+        return MLAState(ckv=torch.zeros(0, c.kv_lora_rank, dtype=dtype),
+                        krot=torch.zeros(0, c.qk_rope_head_dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, st: MLAState, keep_states: bool, chunk: int) -> torch.Tensor:
+        c = self.cfg
+        T, nh = x.shape[0], c.mla_num_heads
+        nope, rope, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        if c.q_lora_rank:
+            q = linear(rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+        else:
+            q = linear(x, self.q_proj)
+        q = q.view(T, nh, nope + rope)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        kv = linear(x, self.kv_a_proj_with_mqa)
+        ckv_new = rms_norm(kv[:, :r], self.kv_a_layernorm, LATENT_NORM_EPS)
+        past = st.length
+        st.append(ckv_new, kv[:, r:])
+        ckv, krot = st.view()  # [P+T, r], [P+T, rope]
+        wkv = self.kv_b_proj
+        wkv = wkv if isinstance(wkv, torch.Tensor) else _dequant(wkv)
+        wkv = wkv.to(x.dtype).view(nh, nope + dv, r)
+        w_k, w_v = wkv[:, :nope], wkv[:, nope:]  # [nh, nope, r], [nh, dv, r]
+        # causal mask: new token t sits at position past + t
+        pos_q = torch.arange(past, past + T, device=x.device)
+        mask = torch.arange(past + T, device=x.device)[None, :] > pos_q[:, None]  # [T, P+T]
+        if past == 0 and T > 1:
+            k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k)  # expand keys/values once for the prompt
+            vals = torch.einsum("nr,hdr->hnd", ckv, w_v)
+            scores = (torch.einsum("thd,hnd->htn", q_nope, k_nope)
+                      + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
+            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(x.dtype)
+            out = torch.einsum("htn,hnd->thd", probs, vals)
+        else:
+            q_lat = torch.einsum("thd,hdr->htr", q_nope, w_k)  # absorb W_k into the query
+            scores = (torch.einsum("htr,nr->htn", q_lat, ckv)
+                      + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
+            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(x.dtype)
+            lat = torch.einsum("htn,nr->htr", probs, ckv)
+            out = torch.einsum("htr,hdr->thd", lat, w_v)  # absorb W_v on the way out
+        out = out.reshape(T, nh * dv)
+        if c.mla_output_gate:
+            out = out * torch.sigmoid(linear(x, self.g_proj).float()).to(out.dtype)
+        return linear(out, self.o_proj)
+
+
+def _dequant(w):
+    from ..kernels.linear import dequantize
+    return dequantize(w)

@@ -1,0 +1,93 @@
+"""Dense MLP and (Latent)MoE with a sigmoid router (K3_MODEL.md section 3.3)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .binding import Bindable
+from .ops import linear, rms_norm, silu_glu, situ_glu
+
+
+def glu(cfg, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if cfg.hidden_act == "situ":
+        return situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    return silu_glu(gate, up)
+
+
+def mlp(cfg, x, w_gate, w_up, w_down) -> torch.Tensor:
+    return linear(glu(cfg, linear(x, w_gate), linear(x, w_up)), w_down)
+
+
+class DenseMLP(Bindable):
+    def __init__(self, cfg, intermediate: int):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.slots(gate_proj=(intermediate, H), up_proj=(intermediate, H), down_proj=(H, intermediate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mlp(self.cfg, x, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids [T, k] and their weights [T, k] (fp32) for rows x [T, H]."""
+    logits = torch.nn.functional.linear(x.float(), gate_w.float())
+    scores = torch.sigmoid(logits) if cfg.router_activation == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores + bias.float()  # the correction bias steers selection only
+    G = cfg.num_expert_group
+    if G > cfg.topk_group:
+        T, E = choice.shape
+        grouped = choice.view(T, G, E // G)
+        group_score = grouped.topk(min(2, E // G), dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+    ids = choice.topk(cfg.experts_per_token, dim=-1).indices
+    w = scores.gather(1, ids)
+    if cfg.renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * cfg.routed_scaling_factor
+
+
+# fetch(expert_ids) -> a handle whose .result() is {expert_id: (w1, w3, w2)}; the handle lets the
+# caller compute the shared expert while the routed experts are being read.
+ExpertFetch = Callable[[list[int]], "object"]
+
+
+class MoE(Bindable):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        H, E = cfg.hidden_size, cfg.num_experts
+        self.slots(gate=(E, H), e_score_correction_bias=(E,))
+        if cfg.num_shared_experts:
+            Is = cfg.moe_intermediate_size * cfg.num_shared_experts
+            self.slots(shared_gate_proj=(Is, H), shared_up_proj=(Is, H), shared_down_proj=(H, Is))
+        if cfg.latent_size:
+            L = cfg.latent_size
+            self.slots(routed_expert_down_proj=(L, H), routed_expert_up_proj=(H, L))
+            if cfg.latent_norm:
+                self.slots(routed_expert_norm=(L,))
+
+    def forward(self, x: torch.Tensor, fetch: ExpertFetch) -> torch.Tensor:
+        c = self.cfg
+        ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
+        chosen = sorted(set(ids.flatten().tolist()))
+        pending = fetch(chosen)  # reads start now ...
+        shared = (mlp(c, x, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
+                  if c.num_shared_experts else 0.0)  # ... while the shared expert computes
+        z = linear(x, self.routed_expert_down_proj) if c.latent_size else x
+        experts = pending.result()
+        y = torch.zeros(x.shape[0], z.shape[1], dtype=torch.float32, device=x.device)
+        for e in chosen:
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            w1, w3, w2 = experts[e]
+            out = mlp(c, z[rows], w1, w3, w2)
+            y.index_add_(0, rows, out.float() * weights[rows, slot].unsqueeze(-1))
+        y = y.to(x.dtype)
+        if c.latent_size:
+            if c.latent_norm:
+                y = rms_norm(y, self.routed_expert_norm, c.rms_norm_eps)
+            y = linear(y, self.routed_expert_up_proj)
+        return y + shared

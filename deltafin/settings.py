@@ -1,0 +1,171 @@
+"""Every knob deltafin has, in one typed object.
+
+Priority: explicit value (CLI flag or keyword argument) > ``DELTAFIN_<NAME>`` environment
+variable > default. Settings are resolved once, at start, and passed explicitly; nothing
+reads the environment anywhere else.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def _knob(default, help: str, choices=None, group: str = "engine"):
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deltafin")
+
+
+@dataclass
+class Settings:
+    device: str = _knob("auto", "compute device: auto (cuda, then mps, then cpu) | cpu | cuda[:N] | mps")
+    dtype: str = _knob("float32", "compute dtype; float32 is the reference, the others are faster and labeled",
+                       choices=("float32", "bfloat16", "float16"))
+    stream: str = _knob("auto", "stream weights from disk per layer (on), keep them in RAM (off), "
+                        "or decide from the model size and free RAM (auto)", choices=("auto", "on", "off"))
+    spine: str = _knob("auto", "which spine of a converted store to use: auto (int8 if present, else bf16) "
+                       "| bf16 | int8 | mixed", choices=("auto", "bf16", "int8", "mixed"))
+    pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming")
+    io_workers: int = _knob(8, "parallel pread workers for routed experts")
+    read_mode: str = _knob("buffered", "how expert and spine bytes are read: buffered (page cache), "
+                           "nocache (drop pages after use / O_DIRECT), mmap",
+                           choices=("buffered", "nocache", "mmap"))
+    kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill")
+    speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
+    ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")
+    draft_len: int = _knob(4, "maximum drafted tokens verified per pass", group="generate")
+    max_new_tokens: int = _knob(128, "default number of tokens to generate", group="generate")
+    profile: bool = _knob(False, "print where time and bytes went, per token and in total", group="generate")
+    cache_dir: str = _knob(_default_cache_dir(), "where the built-in default model is made and kept")
+    host: str = _knob("127.0.0.1", "address the server listens on", group="serve")
+    port: int = _knob(8000, "port the server listens on", group="serve")
+    queue_size: int = _knob(8, "requests that may wait for the engine before 429", group="serve")
+    queue_timeout: float = _knob(60.0, "seconds a request may wait for the engine before 429", group="serve")
+    memo_size: int = _knob(64, "deterministic-response memo entries (0 disables)", group="serve")
+    max_tokens_cap: int = _knob(4096, "server-side cap on max_tokens per request", group="serve")
+
+    @classmethod
+    def resolve(cls, explicit: dict | None = None, env: dict | None = None) -> "Settings":
+        """explicit (non-None values win) > DELTAFIN_* in env > defaults."""
+        env = os.environ if env is None else env
+        explicit = {k: v for k, v in (explicit or {}).items() if v is not None}
+        names = {f.name for f in fields(cls)}
+        unknown = set(explicit) - names
+        if unknown:
+            raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))} "
+                                f"(known: {', '.join(sorted(names))})")
+        values = {}
+        for f in fields(cls):
+            var = "DELTAFIN_" + f.name.upper()
+            if f.name in explicit:
+                raw, source = explicit[f.name], f"setting '{f.name}'"
+            elif var in env:
+                raw, source = env[var], f"environment variable {var}"
+            else:
+                continue
+            values[f.name] = _coerce(f, raw, source)
+        s = cls(**values)
+        s._check()
+        return s
+
+    def _check(self) -> None:
+        parse_device(self.device)  # raises with a message
+        for name in ("io_workers", "kda_chunk", "ngram", "draft_len"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"setting '{name}' must be >= 1, got {getattr(self, name)}")
+        for name in ("pin_layers", "max_new_tokens", "queue_size", "memo_size", "max_tokens_cap"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"setting '{name}' must be >= 0, got {getattr(self, name)}")
+
+    def torch_device(self):
+        import torch
+        return torch.device(resolve_device(self.device))
+
+    def torch_dtype(self):
+        import torch
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    def summary(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if f.metadata.get("group") != "serve")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir)
+
+
+def _coerce(f, raw, source: str):
+    typ = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                val = raw
+            elif str(raw).lower() in ("1", "true", "yes", "on"):
+                val = True
+            elif str(raw).lower() in ("0", "false", "no", "off"):
+                val = False
+            else:
+                raise ValueError
+        else:
+            val = typ(raw)
+    except (TypeError, ValueError):
+        allowed = "true/false/1/0/on/off" if typ is bool else f"a {typ.__name__}"
+        raise SettingsError(f"{source}: invalid value {raw!r} (allowed: {allowed})") from None
+    choices = f.metadata.get("choices")
+    if choices and val not in choices:
+        raise SettingsError(f"{source}: invalid value {raw!r} (allowed: {', '.join(choices)})")
+    return val
+
+
+def parse_device(spec: str) -> str:
+    spec = str(spec).strip().lower()
+    if spec in ("auto", "cpu", "mps", "cuda"):
+        return spec
+    if spec.startswith("cuda:") and spec[5:].isdigit():
+        return spec
+    raise SettingsError(f"setting 'device' (DELTAFIN_DEVICE): invalid value {spec!r} "
+                        "(allowed: auto, cpu, cuda, cuda:N, mps)")
+
+
+def resolve_device(spec: str) -> str:
+    import torch
+    spec = parse_device(spec)
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise SettingsError(f"device {spec!r} was asked for but CUDA is not available here")
+    if spec == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise SettingsError("device 'mps' was asked for but MPS is not available here")
+    return spec
+
+
+def add_arguments(parser: argparse.ArgumentParser, groups=("engine", "generate")) -> None:
+    """Add a --flag for every knob in the given groups (default None = not given)."""
+    for f in fields(Settings):
+        if f.metadata.get("group") not in groups:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        env = "DELTAFIN_" + f.name.upper()
+        help_ = f"{f.metadata['help']} [env {env}, default {f.default!r}]"
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=help_)
+
+
+def from_args(args: argparse.Namespace) -> Settings:
+    names = {f.name for f in fields(Settings)}
+    return Settings.resolve({k: v for k, v in vars(args).items() if k in names})
