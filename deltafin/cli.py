@@ -1,0 +1,146 @@
+"""The `deltafin` command line. Each subcommand only translates arguments and prints."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .settings import Settings, SettingsError, add_arguments, from_args
+
+DEFAULT_PRESET = "small-k3"
+
+
+def default_model_path(settings: Settings) -> Path:
+    """The built-in default model, made on first use under the cache directory."""
+    path = settings.cache_path / DEFAULT_PRESET
+    if not (path / "config.json").exists():
+        from .checkpoint.synthetic import make_checkpoint
+        print(f"deltafin: making the built-in default model ({DEFAULT_PRESET}, synthetic weights) in {path}",
+              file=sys.stderr)
+        make_checkpoint(DEFAULT_PRESET, path, seed=0)
+    return path
+
+
+# -- run ---------------------------------------------------------------------------------------
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate text from a prompt",
+                       description="Generate text. Without --model, runs the built-in default model.")
+    p.add_argument("prompt", nargs="?", default="The quick brown fox",
+                   help="prompt text (default: %(default)r)")
+    p.add_argument("--model", help="checkpoint folder or converted store (default: built-in synthetic model)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt with the checkpoint's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    import deltafin
+    from .generate import generate
+    settings = from_args(args)
+    path = args.model or default_model_path(settings)
+    print(f"deltafin: {settings.summary()}", file=sys.stderr)
+    model = deltafin.load(path, settings=settings)
+    print(f"deltafin: {Path(path).name}: {model.config.architecture}, {model.config.num_layers} layers, "
+          f"{'streaming from disk' if model.streaming else 'in RAM'}", file=sys.stderr)
+    ids = model.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else model.encode(args.prompt)
+    if args.profile:
+        from .profile import PassPrinter
+        printer = PassPrinter(model.engine, sys.stderr)
+    else:
+        printer = None
+
+    def on_token(token_id: int, text: str):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if printer:
+            printer.on_token()
+
+    g = generate(model, ids, settings.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                 top_k=args.top_k, seed=args.seed, stop=args.stop, on_token=on_token)
+    sys.stdout.write("\n")
+    s = g.stats
+    print(f"deltafin: {s['tokens']} tokens in {s['decode_seconds']:.2f} s ({s['decode_tok_s']:.2f} tok/s), "
+          f"prefill {s['prefill_tokens']} tokens in {s['prefill_seconds']:.2f} s, "
+          f"{s['passes']} passes ({s['tokens_per_pass']:.2f} tokens/pass), finish: {g.finish_reason}",
+          file=sys.stderr)
+    if printer:
+        printer.summary()
+    return 0
+
+
+# -- inspect / make-checkpoint ------------------------------------------------------------------
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a checkpoint: layers, parameters, bytes per token")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=lambda a: print(__import__("deltafin.inspect", fromlist=["x"]).inspect_path(a.path, a.json))
+                   or 0)
+
+
+def _add_make_checkpoint(sub) -> None:
+    p = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the published format")
+    p.add_argument("--preset", required=True, help="tiny-k3 | tiny-kimi-linear | small-k3 | k3-slice")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (JSON value), e.g. --set num_hidden_layers=6")
+    p.set_defaults(func=cmd_make_checkpoint)
+
+
+def cmd_make_checkpoint(args) -> int:
+    from .checkpoint.synthetic import make_checkpoint
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SettingsError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    out = make_checkpoint(args.preset, args.out, seed=args.seed, overrides=overrides)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deltafin",
+        description="Run Kimi K3 / Kimi Linear MoE models larger than RAM by streaming weights from disk. "
+                    "Every engine setting is also a DELTAFIN_<NAME> environment variable.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_inspect(sub)
+    _add_make_checkpoint(sub)
+    for module in ("serve", "bench", "checkpoint.convert"):
+        try:
+            mod = __import__(f"deltafin.{module}", fromlist=["add_cli"])
+        except ImportError:
+            continue
+        if hasattr(mod, "add_cli"):
+            mod.add_cli(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from .api import NoTokenizerError
+    from .checkpoint.hf import CheckpointError
+    from .config import ConfigError
+    try:
+        return args.func(args) or 0
+    except (SettingsError, ConfigError, CheckpointError, NoTokenizerError, FileNotFoundError, ValueError) as e:
+        print(f"deltafin: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,239 @@
+"""Each K3-only piece against a direct, loop-style computation written here from K3_MODEL.md."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deltafin.config import parse_config
+from deltafin.model.binding import bind, slot_names
+from deltafin.model.kda import KDAttention, kda_chunked, kda_recurrent
+from deltafin.model.layers import attn_res
+from deltafin.model.mla import MLAttention
+from deltafin.model.moe import MoE
+from deltafin.model.ops import situ_glu
+
+
+def k3_config(**over):
+    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=5, rms_norm_eps=1e-5, hidden_act="situ",
+                activation_situ_beta=4.0, activation_situ_linear_beta=25.0, num_attention_heads=2,
+                q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                mla_use_output_gate=True, first_k_dense_replace=1, intermediate_size=48,
+                num_experts=8, num_experts_per_token=3, num_shared_experts=2, moe_intermediate_size=16,
+                routed_expert_hidden_size=32, latent_moe_use_norm=True, routed_scaling_factor=2.0,
+                num_expert_group=1, topk_group=1, attn_res_block_size=2,
+                linear_attn_config=dict(num_heads=2, head_dim=8, short_conv_kernel_size=4, kda_layers=[1, 2, 4],
+                                        full_attn_layers=[3, 5], use_full_rank_gate=True, gate_lower_bound=-5.0))
+    text.update(over)
+    return parse_config({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": text})
+
+
+def random_weights(module, gen, scale=1.0):
+    w = {}
+    for name, shape in slot_names(module).items():
+        t = torch.randn(shape, generator=gen)
+        if len(shape) == 2:
+            t = t * scale / math.sqrt(shape[1])
+        elif "norm" in name:
+            t = 1 + 0.2 * t
+        w[name] = t
+    return w
+
+
+def rms(x, w, eps):
+    return [w[i] * x[i] / math.sqrt(sum(v * v for v in x) / len(x) + eps) for i in range(len(x))]
+
+
+def sigmoid(v):
+    return 1 / (1 + math.exp(-v))
+
+
+def test_situ_matches_formula():
+    g = torch.tensor([-30.0, -3.0, -0.5, 0.0, 0.7, 2.0, 6.0, 40.0])
+    u = torch.tensor([-80.0, -1.0, 0.3, 2.0, -4.0, 10.0, 30.0, 100.0])
+    got = situ_glu(g, u, 4.0, 25.0)
+    for i in range(len(g)):
+        gi, ui = g[i].item(), u[i].item()
+        want = (4.0 * math.tanh(gi / 4.0) * sigmoid(gi)) * (25.0 * math.tanh(ui / 25.0))
+        assert abs(got[i].item() - want) <= 1e-5 * max(1.0, abs(want))
+    # it is not SiLU: large gates saturate at beta
+    assert abs(situ_glu(torch.tensor([40.0]), torch.tensor([1.0]), 4.0, None).item() - 4.0) < 1e-4
+
+
+def test_safe_gate_matches_formula():
+    cfg = k3_config()
+    gen = torch.Generator().manual_seed(0)
+    attn = KDAttention(cfg)
+    w = random_weights(attn, gen)
+    bind(attn, w)
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+    g = attn.decay(x)
+    fa = x @ w["f_a_proj"].t()
+    r = fa @ w["f_b_proj"].t() + w["dt_bias"]
+    nh, d = cfg.kda_num_heads, cfg.kda_head_dim
+    for t in range(3):
+        for h in range(nh):
+            for c in range(d):
+                want = -5.0 * sigmoid(math.exp(w["A_log"][h].item()) * r[t, h * d + c].item())
+                assert abs(g[t, h, c].item() - want) < 1e-5
+    assert (g > -5.0).all() and (g < 0).all()
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 4), (7, 4), (70, 16), (130, 64)])
+def test_chunked_kda_equals_recurrent(T, chunk):
+    gen = torch.Generator().manual_seed(T)
+    H, D = 3, 8
+    q = torch.nn.functional.normalize(torch.randn(T, H, D, generator=gen), dim=-1) * D ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(T, H, D, generator=gen), dim=-1)
+    v = torch.randn(T, H, D, generator=gen)
+    g = -5.0 * torch.sigmoid(torch.randn(T, H, D, generator=gen))  # the safe gate's range
+    beta = torch.sigmoid(torch.randn(T, H, generator=gen))
+    S0 = torch.randn(H, D, D, generator=gen) * 0.1
+    o1, S1 = kda_recurrent(q, k, v, g, beta, S0)
+    o2, S2 = kda_chunked(q, k, v, g, beta, S0, chunk)
+    assert (o1 - o2).abs().max() < 1e-4
+    assert (S1 - S2).abs().max() < 1e-4
+
+
+def test_kda_recurrence_matches_loop():
+    """The recurrent step itself, element by element, as K3_MODEL.md 3.1 writes it."""
+    gen = torch.Generator().manual_seed(3)
+    T, H, D = 4, 2, 3
+    q, k, v, g = (torch.randn(T, H, D, generator=gen) for _ in range(4))
+    g = -g.abs()
+    beta = torch.rand(T, H, generator=gen)
+    o, S = kda_recurrent(q, k, v, g, beta, torch.zeros(H, D, D))
+    for h in range(H):
+        Sl = [[0.0] * D for _ in range(D)]
+        for t in range(T):
+            Sl = [[Sl[a][b] * math.exp(g[t, h, a].item()) for b in range(D)] for a in range(D)]
+            stk = [sum(Sl[a][b] * k[t, h, a].item() for a in range(D)) for b in range(D)]
+            u = [beta[t, h].item() * (v[t, h, b].item() - stk[b]) for b in range(D)]
+            Sl = [[Sl[a][b] + k[t, h, a].item() * u[b] for b in range(D)] for a in range(D)]
+            for b in range(D):
+                want = sum(Sl[a][b] * q[t, h, a].item() for a in range(D))
+                assert abs(o[t, h, b].item() - want) < 1e-5
+
+
+def naive_mla(cfg, w, x):
+    """Expanded keys/values, one head and one query at a time."""
+    T, nh = x.shape[0], cfg.mla_num_heads
+    nope, rope, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    out = torch.zeros(T, nh * dv)
+    for t in range(T):
+        ca = x[t] @ w["q_a_proj"].t()
+        q = torch.tensor(rms(ca.tolist(), w["q_a_layernorm"].tolist(), 1e-6)) @ w["q_b_proj"].t()
+        gate = torch.sigmoid(x[t] @ w["g_proj"].t())
+        for h in range(nh):
+            qh = q[h * (nope + rope):(h + 1) * (nope + rope)]
+            scores, vals = [], []
+            for s in range(t + 1):
+                kv = x[s] @ w["kv_a_proj_with_mqa"].t()
+                c = torch.tensor(rms(kv[:r].tolist(), w["kv_a_layernorm"].tolist(), 1e-6))
+                kvb = (c @ w["kv_b_proj"].t()).view(nh, nope + dv)[h]
+                key = torch.cat([kvb[:nope], kv[r:]])
+                scores.append((qh @ key).item() / math.sqrt(nope + rope))
+                vals.append(kvb[nope:])
+            m = max(scores)
+            p = [math.exp(s_ - m) for s_ in scores]
+            z = sum(p)
+            out[t, h * dv:(h + 1) * dv] = sum(pi / z * vi for pi, vi in zip(p, vals)) * gate[h * dv:(h + 1) * dv]
+    return out @ w["o_proj"].t()
+
+
+def test_mla_with_output_gate_prefill_and_absorbed_decode():
+    cfg = k3_config()
+    gen = torch.Generator().manual_seed(1)
+    attn = MLAttention(cfg)
+    w = random_weights(attn, gen)
+    bind(attn, w)
+    x = torch.randn(6, cfg.hidden_size, generator=gen)
+    want = naive_mla(cfg, w, x)
+    st = attn.new_state(torch.float32)
+    got_prefill = attn(x, st, False, 64)  # expanded path
+    assert (got_prefill - want).abs().max() < 1e-5
+    st = attn.new_state(torch.float32)
+    got = torch.cat([attn(x[:2], st, False, 64)] + [attn(x[t:t + 1], st, False, 64) for t in range(2, 6)])
+    assert (got - want).abs().max() < 1e-5  # absorbed path, token by token
+    assert st.length == 6
+
+
+def test_latent_moe_matches_loop():
+    cfg = k3_config()
+    gen = torch.Generator().manual_seed(2)
+    moe = MoE(cfg)
+    w = random_weights(moe, gen, scale=3.0)
+    w["e_score_correction_bias"] = torch.randn(cfg.num_experts, generator=gen) * 0.2
+    bind(moe, w)
+    L, I = cfg.latent_size, cfg.moe_intermediate_size
+    experts = {e: (torch.randn(I, L, generator=gen) * 3 / L ** .5, torch.randn(I, L, generator=gen) / L ** .5,
+                   torch.randn(L, I, generator=gen) / I ** .5) for e in range(cfg.num_experts)}
+
+    class Ready:
+        def __init__(self, chosen):
+            self.chosen = chosen
+
+        def result(self):
+            return {e: experts[e] for e in self.chosen}
+
+    x = torch.randn(4, cfg.hidden_size, generator=gen)
+    got = moe(x, Ready)
+
+    def situ_vec(g, u):
+        return [(4 * math.tanh(a / 4) * sigmoid(a)) * (25 * math.tanh(b / 25)) for a, b in zip(g, u)]
+
+    for t in range(4):
+        xt = x[t]
+        s = [sigmoid((xt @ w["gate"][e]).item()) for e in range(cfg.num_experts)]
+        order = sorted(range(cfg.num_experts), key=lambda e: -(s[e] + w["e_score_correction_bias"][e].item()))
+        top = order[:cfg.experts_per_token]
+        tot = sum(s[e] for e in top)
+        z = xt @ w["routed_expert_down_proj"].t()
+        y = torch.zeros(L)
+        for e in top:
+            w1, w3, w2 = experts[e]
+            h = torch.tensor(situ_vec((w1 @ z).tolist(), (w3 @ z).tolist()))
+            y += (s[e] / tot * cfg.routed_scaling_factor) * (w2 @ h)
+        y = torch.tensor(rms(y.tolist(), w["routed_expert_norm"].tolist(), cfg.rms_norm_eps))
+        routed = y @ w["routed_expert_up_proj"].t()
+        hs = torch.tensor(situ_vec((xt @ w["shared_gate_proj"].t()).tolist(), (xt @ w["shared_up_proj"].t()).tolist()))
+        want = routed + hs @ w["shared_down_proj"].t()
+        assert (got[t] - want).abs().max() < 1e-4
+
+
+def test_grouped_routing_masks_groups():
+    from deltafin.model.moe import route
+    cfg = k3_config(num_expert_group=4, topk_group=2, num_experts_per_token=3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, cfg.hidden_size, generator=gen)
+    gate = torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen)
+    bias = torch.randn(cfg.num_experts, generator=gen) * 0.1
+    ids, _ = route(cfg, x, gate, bias)
+    for t in range(6):
+        s = [sigmoid((x[t] @ gate[e]).item()) + bias[e].item() for e in range(8)]
+        groups = [sorted(s[2 * g:2 * g + 2], reverse=True) for g in range(4)]
+        gscore = [sum(gr[:2]) for gr in groups]
+        keep = sorted(range(4), key=lambda g: -gscore[g])[:2]
+        allowed = [e for e in range(8) if e // 2 in keep]
+        want = sorted(sorted(allowed, key=lambda e: -s[e])[:3])
+        assert sorted(ids[t].tolist()) == want
+
+
+def test_attn_res_mix_matches_loop():
+    gen = torch.Generator().manual_seed(4)
+    H = 16
+    blocks = [torch.randn(2, H, generator=gen) for _ in range(3)]
+    p = torch.randn(2, H, generator=gen)
+    w_proj, w_norm = torch.randn(1, H, generator=gen), 1 + 0.1 * torch.randn(H, generator=gen)
+    got = attn_res(p, blocks, w_proj, w_norm, 1e-5)
+    for t in range(2):
+        values = [b[t] for b in blocks] + [p[t]]
+        scores = []
+        for v in values:
+            r = math.sqrt(sum(a * a for a in v.tolist()) / H + 1e-5)
+            scores.append(sum(v[d].item() / r * w_norm[d].item() * w_proj[0, d].item() for d in range(H)))
+        m = max(scores)
+        e = [math.exp(s - m) for s in scores]
+        want = sum(ei / sum(e) * v for ei, v in zip(e, values))
+        assert (got[t] - want).abs().max() < 1e-5
