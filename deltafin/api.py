@@ -18,8 +18,9 @@ class NoTokenizerError(RuntimeError):
 def _load_tokenizer(path: Path):
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    # The fast tokenizer class directly: AutoTokenizer would try to interpret K3's config.json.
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def open_source(path: str | Path):

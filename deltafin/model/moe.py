@@ -84,7 +84,8 @@ class MoE(Bindable):
             rows, slot = (ids == e).nonzero(as_tuple=True)
             w1, w3, w2 = experts[e]
             out = mlp(c, z[rows], w1, w3, w2)
-            y.index_add_(0, rows, out.float() * weights[rows, slot].unsqueeze(-1))
+            # each token picks an expert at most once, so `rows` has no repeats
+            y[rows] += out.float() * weights[rows, slot].unsqueeze(-1)
         y = y.to(x.dtype)
         if c.latent_size:
             if c.latent_norm:
