@@ -72,7 +72,9 @@ def layer_spine_tensors(cfg: ModelConfig, i: int) -> dict[str, TensorSpec]:
             t[f"{a}{p}_proj.weight"] = TensorSpec((D, H), BF16)
             t[f"{a}{p}_conv1d.weight"] = TensorSpec((D, 1, K), F32, alt_shapes=((D, K),))
         padded = -(-nh // 128) * 128
-        t[a + "A_log"] = TensorSpec((nh,), F32, alt_shapes=((1, 1, nh, 1), (padded,)))
+        # K3 publishes A_log zero-padded to a multiple of 128 entries; Kimi Linear as [1, 1, heads, 1].
+        shapes = [(padded,), (1, 1, nh, 1), (nh,)] if cfg.is_k3 else [(1, 1, nh, 1), (nh,), (padded,)]
+        t[a + "A_log"] = TensorSpec(shapes[0], F32, alt_shapes=tuple(shapes[1:]))
         t[a + "dt_bias"] = TensorSpec((D,), F32)
         t[a + "f_a_proj.weight"] = TensorSpec((d, H), BF16)
         t[a + "f_b_proj.weight"] = TensorSpec((D, d), BF16)
