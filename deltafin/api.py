@@ -1,7 +1,8 @@
 """The public Python API: ``deltafin.load(path, **settings)`` -> ``Model``."""
 from __future__ import annotations
 
-import os
+import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -33,6 +34,20 @@ def open_source(path: str | Path):
     return HFSource(path)
 
 
+def _with_generation_eos(cfg, path: Path):
+    """Chat models end turns with tokens listed only in generation_config.json: stop on those too."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return cfg
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return cfg
+    extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+    return dataclasses.replace(cfg, eos_token_ids=ids)
+
+
 def _want_stream(settings: Settings, source) -> bool:
     if settings.stream != "auto":
         return settings.stream == "on"
@@ -47,7 +62,7 @@ class Model:
         self.path = Path(path)
         self.settings = settings
         self.source = open_source(self.path)
-        self.config = self.source.config
+        self.config = _with_generation_eos(self.source.config, self.path)
         self.name = self.path.name
         self.streaming = _want_stream(settings, self.source)
         if self.streaming:
@@ -64,8 +79,9 @@ class Model:
     def new_state(self) -> DecodeState:
         return self.engine.new_state()
 
-    def forward(self, ids, state: DecodeState, keep_states: bool = False) -> torch.Tensor:
-        return self.engine.forward(ids, state, keep_states)
+    def forward(self, ids, state: DecodeState, keep_states: bool = False, last_only: bool = False) -> torch.Tensor:
+        """Consume ids after what state holds; float32 logits for every position (or the last)."""
+        return self.engine.forward(ids, state, keep_states, last_only)
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(ids), vocab]: a full prefill from a fresh state."""
@@ -104,5 +120,4 @@ class Model:
 def load(path: str | Path, **settings) -> Model:
     """Open a checkpoint folder or converted store. Keyword arguments are settings (see Settings)."""
     s = settings.pop("settings", None) or Settings.resolve(settings)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     return Model(path, s)

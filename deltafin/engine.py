@@ -62,8 +62,10 @@ class Engine:
         return DecodeState(layers=layers)
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], state: DecodeState, keep_states: bool = False) -> torch.Tensor:
-        """Consume `ids` after what `state` holds; return float32 logits [len(ids), vocab]."""
+    def forward(self, ids: list[int], state: DecodeState, keep_states: bool = False,
+                last_only: bool = False) -> torch.Tensor:
+        """Consume `ids` after what `state` holds; return float32 logits [len(ids), vocab]
+        (or [1, vocab] for the last position only: a long prompt's full logits are large)."""
         cfg = self.cfg
         ids_t = torch.as_tensor(list(ids), dtype=torch.long)
         if ids_t.numel() == 0:
@@ -84,15 +86,18 @@ class Engine:
                 weights = self.provider.spine(i, stats)
                 tmpl = self.templates[layer_kind(cfg, i)]
                 bind(tmpl, weights)
-                c0 = time.perf_counter()
+                w0, c0 = stats.expert_wait_seconds, time.perf_counter()
                 h = tmpl(i, h, blocks, state.layers[i], keep_states, chunk,
                          lambda chosen, i=i: self.provider.experts(i, chosen, stats))
-                stats.compute_seconds += time.perf_counter() - c0
+                # Waiting for routed experts happens inside the layer; it is I/O, not compute.
+                stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
                 unbind(tmpl)
                 del weights
         finally:
             self.provider.end_pass(stats)
         c0 = time.perf_counter()
+        if last_only:
+            h, blocks = h[-1:], [b[-1:] for b in blocks]
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
         logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), g["lm_head"]).float()

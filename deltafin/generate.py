@@ -27,12 +27,15 @@ if TYPE_CHECKING:
 
 # (context, max_len) -> up to max_len proposed token ids following the context
 Drafter = Callable[[Sequence[int], int], Sequence[int]]
-# (token_id, newly safe text) -> False to cancel
+# (token_id, its text once safe to show) -> False to cancel
 OnToken = Callable[[int, str], "bool | None"]
 
 # Prompt tokens handed to the detokenizer as left context, so a tokenizer that decides leading
 # spaces from the previous token decodes the first generated token as it would mid-sequence.
 _DECODE_CONTEXT = 4
+# Shortest n-gram that may draft. A verified draft token costs its own routed experts (top-k reads
+# per MoE layer), so drafts must be likely to be accepted; single-token matches rarely are.
+MIN_NGRAM = 2
 
 
 @dataclass
@@ -126,7 +129,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
 
     spec = (settings.speculate if speculate is None else bool(speculate)) and not sampling
     if spec and drafter is None:
-        drafter = NgramDrafter(settings.ngram)
+        drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
     draft_len = settings.draft_len
     out = _Output(model.tokenizer, prompt, stops, on_token)
     stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0, "drafted_tokens": 0,
@@ -134,6 +137,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
              "decode_seconds": 0.0, "decode_tok_s": 0.0}
     if max_new == 0:  # nothing to produce: the prompt is not even fed
         return Generation([], out.text(), "length", stats, [], state)
+
+    generated: list[int] = []
 
     def consume(token: int) -> str | None:
         """Record one produced token; return a finish reason when generation must end here."""
@@ -146,8 +151,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
         return reason
 
     t0 = time.perf_counter()
-    generated: list[int] = []
-    finish = consume(pick(model.forward(prompt, state))[-1])
+    finish = consume(pick(model.forward(prompt, state, last_only=True))[0])
     t1 = time.perf_counter()
     context = prompt + generated  # what the drafter matches against; grows with the output
 
@@ -202,10 +206,10 @@ class NgramDrafter:
     new tail on each call and assumes earlier tokens never change.
     """
 
-    def __init__(self, max_n: int):
-        if max_n < 1:
-            raise ValueError(f"n-gram length must be >= 1, got {max_n}")
-        self.max_n = max_n
+    def __init__(self, max_n: int, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
         # last_end[n][ngram] = position right after its most recent occurrence that ends before
         # the context's last token (so the context's own suffix never matches itself)
         self._last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
@@ -219,7 +223,7 @@ class NgramDrafter:
         self._indexed = max(self._indexed, length)
         if max_len <= 0:
             return []
-        for n in range(min(self.max_n, length - 1), 0, -1):
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self._last_end[n].get(tuple(context[length - n:]))
             if end is not None:
                 period = length - end
@@ -278,7 +282,8 @@ class _Detokenizer:
     def __init__(self, tokenizer, prompt: list[int]):
         self.tokenizer = tokenizer
         self.ids = list(prompt[-_DECODE_CONTEXT:])
-        self.read = len(self.ids)  # ids[:read] have been turned into text; ids[:0] is context
+        # ids[:read] are already text (at first: the prompt's last tokens, as left context)
+        self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: one thread avoids oversubscription on small machines
 
 
 @pytest.fixture(scope="session")

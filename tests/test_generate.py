@@ -1,0 +1,334 @@
+"""The generation loop on the real tiny K3 model: speculation is lossless, the decode state after
+generation is a plain prefill of what was produced, and the EOS / stop string / max_new_tokens /
+cancel contract holds wherever in a verified burst it triggers."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deltafin.generate import NgramDrafter, generate
+
+STATE_TOL = 1e-4
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The tiny model's ops are far too small to gain from threads, and on a shared machine a
+    # second thread makes every op wait for a busy core.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_k3_model):
+    torch.set_num_threads(1)  # deltafin.load sets the thread count; take it back for this module
+    return tiny_k3_model
+
+
+def plain_greedy(model, prompt, n, eos=()):
+    """Reference decoding written out by hand: prefill, then one token per forward."""
+    state = model.new_state()
+    token = int(model.forward(list(prompt), state)[-1].argmax())
+    out = []
+    while token not in eos:
+        out.append(token)
+        if len(out) == n:
+            break
+        token = int(model.forward([token], state)[-1].argmax())
+    return out
+
+
+def prefilled(model, ids):
+    state = model.new_state()
+    model.forward(list(ids), state)
+    return state
+
+
+def assert_state_is_prefill(model, prompt, g):
+    assert g.state.num_tokens == len(prompt) + len(g.generated) - 1
+    assert g.state.max_abs_diff(prefilled(model, list(prompt) + g.generated[:-1])) <= STATE_TOL
+
+
+PROMPT_NAMES = ["random-short", "random", "repetitive-ids", "repetitive-text", "code", "code-loop"]
+
+
+def _prompts(model):
+    r = random.Random(0)
+    vocab = model.config.vocab_size
+    return {
+        "random-short": [r.randrange(6, vocab) for _ in range(3)],
+        "random": [r.randrange(6, vocab) for _ in range(40)],
+        "repetitive-ids": [7, 8, 9, 10, 11] * 6,
+        "repetitive-text": model.encode("the cat sat on the mat. " * 5),
+        "code": model.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"),
+        "code-loop": model.encode("for i in range(10):\n    print(i)\nfor j in range(10):\n    print("),
+    }
+
+
+@pytest.fixture(scope="module")
+def truths(model):
+    """prompt name -> (prompt, plain greedy continuation of MAX_NEW tokens, no EOS)."""
+    return {name: (p, plain_greedy(model, p, MAX_NEW)) for name, p in _prompts(model).items()}
+
+
+class Oracle:
+    """Drafts the known greedy continuation (``length`` tokens, default as many as asked), with
+    the token at ``wrong_at`` changed so that the verifier must reject it there."""
+
+    def __init__(self, prompt, truth, vocab, wrong_at=None, length=None):
+        self.prompt_len, self.truth, self.vocab = len(prompt), truth, vocab
+        self.wrong_at, self.length = wrong_at, length
+        self.calls = []  # (tokens produced before the call, draft)
+
+    def __call__(self, context, max_len):
+        done = len(context) - self.prompt_len
+        draft = list(self.truth[done:done + (max_len if self.length is None else self.length)])
+        if self.wrong_at is not None and self.wrong_at < len(draft):
+            draft[self.wrong_at] = (draft[self.wrong_at] + 1) % self.vocab
+        self.calls.append((done, draft))
+        return draft
+
+
+# -- speculation is lossless -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PROMPT_NAMES)
+def test_speculation_equals_plain_greedy(model, truths, name):
+    prompt, truth = truths[name]
+    assert len(truth) == MAX_NEW  # the tiny model's EOS never comes first here
+    if name in ("random", "code"):  # the non-speculative path of generate() itself
+        plain = generate(model, prompt, MAX_NEW, speculate=False)
+        assert plain.tokens == truth and plain.stats["drafted_tokens"] == 0
+        assert plain.stats["passes"] == MAX_NEW - 1
+        assert_state_is_prefill(model, prompt, plain)
+    for n in (1, 7, MAX_NEW):
+        g = generate(model, prompt, n, speculate=True)
+        assert g.tokens == truth[:n] and g.generated == truth[:n]
+        assert g.finish_reason == "length"
+        assert_state_is_prefill(model, prompt, g)
+        s = g.stats
+        assert s["tokens"] == n and s["prefill_tokens"] == len(prompt)
+        assert s["passes"] + s["accepted_draft_tokens"] == n - 1  # each pass: its accepted drafts + 1
+        assert s["accepted_draft_tokens"] <= s["drafted_tokens"]
+        if s["passes"]:
+            assert s["tokens_per_pass"] == pytest.approx((n - 1) / s["passes"])
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2, 3])
+def test_draft_rejected_at_every_position(model, truths, wrong_at):
+    prompt, truth = truths["code"]
+    n = 16
+    draft_len = model.settings.draft_len
+    assert draft_len == 4
+    oracle = Oracle(prompt, truth, model.config.vocab_size, wrong_at=wrong_at)
+    g = generate(model, prompt, n, drafter=oracle)
+    assert g.tokens == truth[:n]
+    assert_state_is_prefill(model, prompt, g)
+    # One pass per draft, and each pass took exactly the drafts before the wrong one plus the
+    # verifier's own token: a rejection never costs a second pass.
+    end = 1
+    for done, draft in oracle.calls:
+        assert done == end
+        end = done + (wrong_at if wrong_at < len(draft) else len(draft)) + 1
+    # with one token left to produce there is nothing to draft: that last pass asks no drafter
+    assert g.stats["passes"] == len(oracle.calls) + (n - end) and n - end in (0, 1)
+    assert g.stats["accepted_draft_tokens"] == sum(
+        (wrong_at if wrong_at < len(d) else len(d)) for _, d in oracle.calls)
+
+
+def test_full_acceptance_and_longer_drafts_are_trimmed(model, truths):
+    prompt, truth = truths["random"]
+    oracle = Oracle(prompt, truth, model.config.vocab_size, length=9)  # ignores max_len
+    for n in (2, 5, 7, 13):
+        oracle.calls.clear()
+        g = generate(model, prompt, n, drafter=oracle)
+        assert g.tokens == truth[:n] and g.finish_reason == "length"
+        assert_state_is_prefill(model, prompt, g)
+        # bursts of draft_len + 1 tokens; the last one shortened to what may still be produced
+        assert g.stats["passes"] == -(-(n - 1) // (model.settings.draft_len + 1))
+        assert g.stats["accepted_draft_tokens"] == n - 1 - g.stats["passes"]
+
+
+# -- the stop contract inside a burst ---------------------------------------------------------
+
+def test_eos_inside_an_accepted_burst(model, truths):
+    prompt, truth = truths["code"]
+    span = model.settings.draft_len + 1
+    # bursts cover truth[1:6], truth[6:11], ...; pick a drafted (not the bonus) position whose
+    # token has not occurred before, and call it EOS
+    i = next(j for j in range(3 * span, 1, -1) if (j - 1) % span != span - 1 and truth[j] not in truth[:j])
+    eos = [truth[i]]
+    oracle = Oracle(prompt, truth, model.config.vocab_size)
+    seen = []
+    g = generate(model, prompt, MAX_NEW, eos_token_ids=eos, drafter=oracle,
+                 on_token=lambda t, text: seen.append(t))
+    assert g.tokens == truth[:i] == plain_greedy(model, prompt, MAX_NEW, eos=eos)
+    assert g.finish_reason == "stop" and seen == g.tokens
+    assert g.generated == truth[:i + 1]  # the EOS was produced, never returned
+    done, draft = oracle.calls[-1]
+    assert done <= i < done + len(draft)  # EOS was an accepted draft with more accepted after it
+    assert_state_is_prefill(model, prompt, g)
+    # EOS as the very first token: nothing returned, the state is the prompt
+    g = generate(model, prompt, MAX_NEW, eos_token_ids=[truth[0]])
+    assert (g.tokens, g.generated, g.finish_reason, g.stats["passes"]) == ([], truth[:1], "stop", 0)
+    assert_state_is_prefill(model, prompt, g)
+
+
+def test_cancel_inside_a_burst(model, truths):
+    prompt, truth = truths["repetitive-text"]
+    oracle = Oracle(prompt, truth, model.config.vocab_size)
+    seen = []
+
+    def on_token(token, text):
+        seen.append(token)
+        return len(seen) < 4  # False on the 4th token: inside the first verified burst
+
+    g = generate(model, prompt, MAX_NEW, drafter=oracle, on_token=on_token)
+    assert g.finish_reason == "cancelled"
+    assert g.tokens == seen == truth[:4] and g.generated == truth[:4]
+    assert len(oracle.calls) == 1 and g.stats["passes"] == 1
+    assert_state_is_prefill(model, prompt, g)
+
+
+def _text_after(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _stop_across_boundary(model, truths, burst):
+    """Find a prompt and a burst boundary b where the two characters around it make a stop
+    string whose first occurrence is at that boundary."""
+    tok = model.tokenizer
+    for name in truths:
+        prompt, truth = truths[name]
+        for b in range(1 + burst, MAX_NEW - 1, burst):
+            before, after = _text_after(tok, truth[:b]), _text_after(tok, truth[:b + 1])
+            if (not before or "\ufffd" in before[-1] + after[len(before):len(before) + 1]
+                    or _text_after(tok, truth[:b - 1]).endswith("\ufffd") or not after.startswith(before)
+                    or len(after) == len(before)):
+                continue
+            stop = before[-1] + after[len(before)]
+            full = _text_after(tok, truth)
+            if full.find(stop) == len(before) - 1:
+                return prompt, truth, b, stop
+    raise AssertionError("no usable burst boundary in the test prompts")
+
+
+def test_stop_string_across_a_burst_boundary(model, truths):
+    tok = model.tokenizer
+    burst = 3  # drafts of 2 tokens: bursts truth[1:4], truth[4:7], ...
+    prompt, truth, b, stop = _stop_across_boundary(model, truths, burst)
+    at = len(_text_after(tok, truth[:b])) - 1  # the stop string starts in token b-1, ends in token b
+    # a token is kept iff its text starts before the stop string
+    kept = b if len(_text_after(tok, truth[:b - 1])) < at else b - 1
+    full = _text_after(tok, truth)
+    for speculate in (True, False):
+        oracle = Oracle(prompt, truth, model.config.vocab_size, length=2)
+        calls = []
+        g = generate(model, prompt, MAX_NEW, speculate=speculate, drafter=oracle, stop=["\x00none", stop],
+                     on_token=lambda t, text: calls.append((t, text)))
+        assert g.finish_reason == "stop"
+        assert g.text == full[:at] and stop not in g.text
+        assert g.tokens == truth[:kept] and g.generated == truth[:b + 1]
+        assert [t for t, _ in calls] == g.tokens and "".join(x for _, x in calls) == g.text
+        assert all(stop not in x for _, x in calls)
+        assert_state_is_prefill(model, prompt, g)
+        if speculate:
+            assert oracle.calls[-1][0] == b  # token b began the burst that completed the stop string
+
+
+def test_text_held_back_for_a_possible_stop_string_is_released(model, truths):
+    prompt, truth = truths["code"]
+    base = generate(model, prompt, MAX_NEW)
+    assert base.text == _text_after(model.tokenizer, truth)
+    # stop strings that begin like pieces of the output but never complete
+    stops = [base.text[k] + "\x00" for k in range(0, len(base.text), 3)] + [base.text[-2:] + "\x00"]
+    calls = []
+    g = generate(model, prompt, MAX_NEW, stop=stops, on_token=lambda t, text: calls.append((t, text)))
+    assert (g.tokens, g.text, g.finish_reason) == (truth, base.text, "length")
+    assert [t for t, _ in calls] == truth and "".join(x for _, x in calls) == base.text
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+def test_seeded_sampling_is_reproducible(model, truths):
+    prompt, truth = truths["random"]
+    n = 12
+    kw = dict(temperature=0.9, top_p=0.95, top_k=40)
+    a = generate(model, prompt, n, seed=123, **kw)
+    b = generate(model, prompt, n, seed=123, **kw)
+    assert a.tokens == b.tokens and len(a.tokens) == n
+    assert a.stats["drafted_tokens"] == 0  # sampling never speculates
+    assert_state_is_prefill(model, prompt, a)
+    others = {tuple(generate(model, prompt, n, seed=s, temperature=1.5).tokens) for s in (1, 2)}
+    assert len(others) > 1
+    # top_k=1 and a tiny top_p leave only the argmax
+    assert generate(model, prompt, n, seed=5, temperature=1.0, top_k=1).tokens == truth[:n]
+    assert generate(model, prompt, n, seed=5, temperature=1.0, top_p=1e-6).tokens == truth[:n]
+
+
+def test_sampling_respects_top_k(model, truths):
+    prompt, _ = truths["code"]
+    g = generate(model, prompt, 12, seed=7, temperature=2.0, top_k=3)
+    logits = model.forward(prompt + g.tokens[:-1], model.new_state())[len(prompt) - 1:]
+    allowed = logits.topk(3, dim=-1).indices.tolist()
+    assert all(t in row for t, row in zip(g.tokens, allowed))
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def test_bad_input_is_refused(model):
+    vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [], 4)
+    with pytest.raises(ValueError, match=r"id -1\b"):
+        generate(model, [5, -1], 4)
+    with pytest.raises(ValueError, match=rf"id {vocab}\b"):
+        generate(model, [5, vocab, 6], 4)
+    with pytest.raises(ValueError, match="not an integer"):
+        generate(model, [5, "6"], 4)
+    state = model.new_state()
+    with pytest.raises(ValueError, match=rf"{limit} tokens \(max_position_embeddings\)"):
+        generate(model, [5] * (limit - 3), 4, state=state)
+    assert state.num_tokens == 0
+    for kw in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(stop=[""]), dict(stop=[3])):
+        with pytest.raises(ValueError):
+            generate(model, [5, 6], 4, **kw)
+    with pytest.raises(ValueError, match=rf"draft token 0 has id {vocab}\b"):
+        generate(model, [5, 6], 4, drafter=lambda context, n: [vocab])
+    g = generate(model, [5, 6], 0)
+    assert (g.tokens, g.finish_reason, g.state.num_tokens) == ([], "length", 0)
+
+
+# -- the n-gram drafter -----------------------------------------------------------------------
+
+def test_ngram_drafter_prefers_longest_then_most_recent_match():
+    context = [1, 2, 3, 9, 8, 2, 3, 7, 6, 1, 2, 3]
+    assert NgramDrafter(3)(context, 4) == [9, 8, 2, 3]  # "1 2 3" seen at the start
+    assert NgramDrafter(2)(context, 3) == [7, 6, 1]  # "2 3": the most recent earlier occurrence
+    assert NgramDrafter(3)([4, 5, 6], 4) == []  # nothing repeats
+    assert NgramDrafter(3)([4, 5, 6], 0) == []
+    # a match that runs into the end continues with its period
+    assert NgramDrafter(3)([0, 5, 5, 5], 4) == [5, 5, 5, 5]
+    assert NgramDrafter(3)([1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]
+
+
+def test_ngram_drafter_min_length_skips_short_matches():
+    assert NgramDrafter(3)([1, 2, 3, 9, 3], 2) == [9, 3]  # a 1-gram match on "3"
+    assert NgramDrafter(3, min_n=2)([1, 2, 3, 9, 3], 2) == []
+    assert NgramDrafter(3, min_n=2)([1, 2, 3, 9, 2, 3], 2) == [9, 2]
+    with pytest.raises(ValueError):
+        NgramDrafter(2, min_n=3)
+
+
+def test_ngram_drafter_indexes_a_growing_context():
+    drafter = NgramDrafter(2)
+    context = [1, 2, 3]
+    assert drafter(context, 2) == []
+    context += [1, 2]
+    assert drafter(context, 2) == [3, 1]
+    context += [4, 1, 2]
+    assert drafter(context, 2) == [4, 1]  # the newest occurrence of "1 2" wins
