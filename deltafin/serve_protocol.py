@@ -125,8 +125,10 @@ def _json_type(v: Any) -> str:
         return "null"
     if isinstance(v, bool):
         return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
+    if isinstance(v, float):
+        return f"the number {v!r}" if math.isfinite(v) else repr(v)
+    if isinstance(v, int):
+        return "an integer"
     if isinstance(v, str):
         return "a string"
     if isinstance(v, list):
@@ -280,11 +282,12 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad("'prompt' must be a string or an array of token ids", param="prompt", code="invalid_type")
 
 
-# (parameter, accepted values, what to say). A parameter absent from the body is always fine.
 def _none_or(*ok):
+    """Accepts null and exactly the given values (1 but not 1.0 or true)."""
     return lambda v: v is None or any(v == o and type(v) is type(o) for o in ok)
 
 
+# (parameter, is this value acceptable, what to say). A parameter absent from the body is fine.
 _SHARED_UNSUPPORTED = [
     ("n", _none_or(1), "only n=1 is supported; send separate requests for more choices"),
     ("logit_bias", lambda v: v is None or v == {}, "logit_bias is not supported"),

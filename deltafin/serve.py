@@ -1,0 +1,553 @@
+"""``deltafin serve``: an OpenAI-compatible HTTP server over one loaded model.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (both with or without ``stream``),
+GET /v1/models, GET /v1/models/{id}, GET /health. The wire format lives in serve_protocol; this
+module owns the engine's use: one generation at a time on one engine thread, a bounded wait
+queue in front of it (429 beyond ``queue_size`` waiting or ``queue_timeout`` seconds), prompt
+cancellation when a client goes away, and a memo of deterministic answers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from deltafin import settings as settings_mod
+from deltafin.generate import generate
+from deltafin.serve_protocol import (
+    MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
+    resolve_max_tokens, sse)
+from deltafin.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+class EngineBusy(APIError):
+    def __init__(self, message: str, code: str):
+        super().__init__(429, message, code=code, type="rate_limit_error")
+
+
+class EngineGate:
+    """Admits one generation at a time. At most ``queue_size`` requests wait, first come first
+    served, each for at most ``queue_timeout`` seconds. Used from the event loop thread only."""
+
+    def __init__(self, queue_size: int, queue_timeout: float):
+        self.queue_size = queue_size
+        self.queue_timeout = max(float(queue_timeout), 0.0)
+        self.busy = False
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, abandon: asyncio.Event) -> bool:
+        """Wait for the engine. True: it is ours (call ``release`` once done). False: ``abandon``
+        was set while waiting. Raises EngineBusy when the queue is full or the wait times out."""
+        if not self.busy:
+            self.busy = True
+            return True
+        if len(self._waiters) >= self.queue_size:
+            raise EngineBusy(f"the engine is busy and {len(self._waiters)} request(s) are already waiting "
+                             f"(queue_size={self.queue_size}); retry later", code="queue_full")
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        gone = asyncio.ensure_future(abandon.wait())
+        try:
+            await asyncio.wait({turn, gone}, timeout=self.queue_timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.release()  # the engine was handed to us just as we were cancelled
+            raise
+        finally:
+            gone.cancel()
+            if not turn.done():
+                turn.cancel()
+                self._waiters.remove(turn)
+        if turn.cancelled():
+            if abandon.is_set():
+                return False
+            raise EngineBusy(f"the engine stayed busy for the whole queue_timeout of {self.queue_timeout:g} s; "
+                             "retry later", code="queue_timeout")
+        if abandon.is_set():
+            self.release()
+            return False
+        return True
+
+    def release(self) -> None:
+        # The engine passes straight to the next live waiter, so a newcomer cannot jump the queue.
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.busy = False
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation, as the engine sees it."""
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MemoEntry:
+    pieces: tuple[str, ...]  # the text as it was streamed
+    completion_tokens: int
+    finish_reason: str
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+class ResponseMemo:
+    """Least-recently-used answers to deterministic requests; size 0 keeps nothing."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: collections.OrderedDict[tuple, MemoEntry] = collections.OrderedDict()
+
+    def get(self, key: tuple) -> MemoEntry | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, entry: MemoEntry) -> None:
+        if self.size <= 0:
+            return
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Service:
+    """Everything one app serves with: the model, its name, the gate, the memo, the engine thread."""
+
+    def __init__(self, model, settings: Settings):
+        self.model = model
+        self.settings = settings
+        self.name = model_name(model)
+        self.tokenizer = getattr(model, "tokenizer", None)
+        self.context = int(model.config.max_position_embeddings)
+        self.started = int(time.time())
+        self.gate = EngineGate(settings.queue_size, settings.queue_timeout)
+        self.memo = ResponseMemo(settings.memo_size)
+        # One worker: the engine runs one generation at a time, off the event loop.
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-engine")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- request -> job ----------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        # A request without "model" means the one model served here.
+        if name is not None and name != self.name:
+            raise APIError(404, f"the model '{name}' does not exist here; this server serves '{self.name}'",
+                           param="model", code="model_not_found")
+
+    def encode(self, req: ParsedRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise APIError(500, f"the model '{self.name}' was loaded without a tokenizer, so the text endpoints "
+                           "cannot answer", code="no_tokenizer")
+        if req.kind == "chat":
+            if not getattr(tok, "chat_template", None):
+                raise bad(f"the model '{self.name}' has no chat template; use /v1/completions with a prompt",
+                          param="messages", code="no_chat_template")
+            try:
+                ids = self.model.encode_chat(req.messages)
+            except Exception as e:  # the template's own checks (role order, ...) raise here
+                raise bad(f"the chat template cannot render these messages: {e}", param="messages") from None
+        elif isinstance(req.prompt, list):
+            vocab = self.model.config.vocab_size
+            for i, t in enumerate(req.prompt):
+                if not 0 <= t < vocab:
+                    raise bad(f"'prompt[{i}]' is token id {t}, outside the vocabulary [0, {vocab})", param="prompt")
+            ids = list(req.prompt)
+        else:
+            ids = self.model.encode(req.prompt)
+        if not ids:
+            raise bad("the prompt is empty: at least one token is needed", param=req.prompt_param)
+        return list(ids)
+
+    def job(self, req: ParsedRequest, prompt_ids: list[int]) -> Job:
+        max_tokens = resolve_max_tokens(req, len(prompt_ids), self.context, self.settings.max_tokens_cap)
+        if req.temperature == 0:  # greedy decoding ignores the sampling knobs: one memo key for all
+            return Job(tuple(prompt_ids), max_tokens, 0.0, 1.0, 0, None, req.stop)
+        return Job(tuple(prompt_ids), max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop)
+
+    def memo_key(self, req: ParsedRequest, job: Job) -> tuple | None:
+        return (self.name, job) if req.deterministic and self.memo.size > 0 else None
+
+    # -- the engine ----------------------------------------------------------------------------
+    def start(self, job: Job, emit, cancel: threading.Event) -> concurrent.futures.Future:
+        """Run ``job`` on the engine thread (the caller holds the gate; it is released when the
+        engine is done). ``emit(text)`` is called from the engine thread for each new piece of
+        text and ``emit(None)`` once at the end; setting ``cancel`` stops the generation."""
+        loop = asyncio.get_running_loop()
+
+        def on_token(token_id: int, text: str) -> bool:
+            if text:
+                emit(text)
+            return not cancel.is_set()
+
+        def run():
+            try:
+                return generate(self.model, list(job.prompt_ids), job.max_tokens, temperature=job.temperature,
+                                top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=list(job.stop) or None,
+                                on_token=on_token)
+            finally:
+                emit(None)
+
+        def engine_done(_):
+            try:
+                loop.call_soon_threadsafe(self.gate.release)
+            except RuntimeError:  # the loop is already closed: nobody is left to admit
+                pass
+
+        try:
+            future = self.executor.submit(run)
+        except BaseException:
+            self.gate.release()
+            raise
+        future.add_done_callback(engine_done)
+        return future
+
+    # -- responses -----------------------------------------------------------------------------
+    async def respond(self, req: ParsedRequest) -> Response:
+        self.check_model(req.model)
+        prompt_ids = self.encode(req)
+        job = self.job(req, prompt_ids)
+        shaper = Shaper(req.kind, self.name, req.include_usage)
+        key = self.memo_key(req, job)
+        entry = self.memo.get(key) if key is not None else None
+        if entry is not None:
+            log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, len(prompt_ids),
+                     entry.completion_tokens)
+            return memo_response(shaper, req.stream, entry, len(prompt_ids))
+        return _GenerationResponse(self, req, job, key, shaper)
+
+
+def model_name(model) -> str:
+    name = getattr(model, "name", None)
+    if name:
+        return str(name)
+    path = getattr(model, "path", None)
+    return Path(path).name if path else "deltafin"
+
+
+def memo_response(shaper: Shaper, stream: bool, entry: MemoEntry, prompt_tokens: int) -> Response:
+    """A remembered answer, shaped like a fresh one (streamed the same way when asked to stream)."""
+    if not stream:
+        return JSONResponse(shaper.response(entry.text, entry.finish_reason, prompt_tokens, entry.completion_tokens))
+    events = [] if (opening := shaper.opening_chunk()) is None else [sse(opening)]
+    events += [sse(shaper.text_chunk(p)) for p in entry.pieces]
+    events.append(sse(shaper.final_chunk(entry.finish_reason)))
+    if shaper.include_usage:
+        events.append(sse(shaper.usage_chunk(prompt_tokens, entry.completion_tokens)))
+    events.append(SSE_DONE)
+    return Response(b"".join(events), headers={k.decode(): v.decode() for k, v in _SSE_HEADERS})
+
+
+async def _watch_disconnect(receive, left: asyncio.Event, cancel: threading.Event) -> None:
+    # The body has been read already, so the next message is the client going away (or the
+    # server reporting the response complete, after which cancelling is harmless).
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            left.set()
+            cancel.set()
+            return
+
+
+async def _send_json(send, status: int, obj: dict) -> None:
+    body = json.dumps(obj, ensure_ascii=False).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _GenerationResponse(Response):
+    """Waits for the engine, runs one generation and sends the answer, as one JSON body or as
+    server-sent events. The whole life of the request is in ``__call__``, so whatever happens
+    (a 429, a client leaving while queued or mid-stream, an engine error) the generation is
+    stopped and the engine handed on."""
+
+    def __init__(self, service: Service, req: ParsedRequest, job: Job, memo_key: tuple | None, shaper: Shaper):
+        super().__init__()
+        self.service, self.req, self.job, self.memo_key, self.shaper = service, req, job, memo_key, shaper
+
+    async def __call__(self, scope, receive, send) -> None:
+        left = asyncio.Event()  # the client went away
+        cancel = threading.Event()  # read by the engine thread
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, left, cancel))
+        try:
+            await self._run(scope, receive, send, left, cancel)
+        except OSError:  # the client is gone; nothing left to tell it
+            pass
+        finally:
+            cancel.set()
+            watcher.cancel()
+
+    async def _run(self, scope, receive, send, left: asyncio.Event, cancel: threading.Event) -> None:
+        service, req, job, shaper = self.service, self.req, self.job, self.shaper
+        try:
+            admitted = await service.gate.acquire(left)
+        except EngineBusy as e:
+            log.info("%s refused: %s", shaper.id, e.message)
+            await _send_json(send, e.status, e.body())
+            return
+        if not admitted:
+            log.info("%s: client left while waiting for the engine", shaper.id)
+            return
+
+        # An identical request may have finished while this one waited.
+        entry = service.memo.get(self.memo_key) if self.memo_key is not None else None
+        if entry is not None:
+            service.gate.release()
+            log.info("memo hit: %s (after waiting) -> %d completion tokens", shaper.id, entry.completion_tokens)
+            await memo_response(shaper, req.stream, entry, len(job.prompt_ids))(scope, receive, send)
+            return
+
+        loop = asyncio.get_running_loop()
+        texts: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def emit(text: str | None) -> None:
+            loop.call_soon_threadsafe(texts.put_nowait, text)
+
+        t0 = time.perf_counter()
+        future = service.start(job, emit, cancel)
+        if req.stream:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            if (opening := shaper.opening_chunk()) is not None:
+                await _send_body(send, sse(opening))
+        pieces: list[str] = []
+        ended = False
+        while not ended:
+            # Everything the engine produced since the last send goes out in one write.
+            batch = [await texts.get()]
+            while not texts.empty():
+                batch.append(texts.get_nowait())
+            if batch[-1] is None:
+                ended = True
+                batch.pop()
+            pieces += batch
+            if req.stream and batch and not left.is_set():
+                await _send_body(send, b"".join(sse(shaper.text_chunk(t)) for t in batch))
+        try:
+            gen = await asyncio.wrap_future(future)
+        except Exception as e:
+            if isinstance(e, ValueError):  # the engine's own checks on the prompt
+                error = bad(str(e), param=req.prompt_param)
+            else:
+                log.exception("%s: generation failed", shaper.id)
+                error = APIError(500, f"generation failed: {type(e).__name__}: {e}", code="engine_error")
+            if req.stream:  # headers are out: the error travels as an event
+                await _send_body(send, sse(error.body()) + SSE_DONE, more=False)
+            else:
+                await _send_json(send, error.status, error.body())
+            return
+
+        prompt_n, completion_n = len(job.prompt_ids), len(gen.tokens)
+        elapsed = time.perf_counter() - t0
+        if gen.finish_reason == "cancelled":
+            log.info("%s: generation cancelled (client disconnected) after %d tokens", shaper.id, completion_n)
+            return
+        log.info("%s: %d prompt + %d completion tokens, finish_reason=%s, %.2f s (%.1f tok/s)", shaper.id,
+                 prompt_n, completion_n, gen.finish_reason, elapsed, completion_n / elapsed if elapsed > 0 else 0.0)
+        text = "".join(pieces)  # equals gen.text: on_token is handed every piece of it
+        if self.memo_key is not None:
+            service.memo.put(self.memo_key, MemoEntry(tuple(pieces), completion_n, gen.finish_reason))
+        if not req.stream:
+            await _send_json(send, 200, shaper.response(text, gen.finish_reason, prompt_n, completion_n))
+            return
+        tail = sse(shaper.final_chunk(gen.finish_reason))
+        if shaper.include_usage:
+            tail += sse(shaper.usage_chunk(prompt_n, completion_n))
+        await _send_body(send, tail + SSE_DONE, more=False)
+
+
+async def _send_body(send, data: bytes, more: bool = True) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+async def _read_json(request: Request) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(int(declared))
+    raw = bytearray()
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise _too_large(None)
+    except ClientDisconnect:
+        raise bad("the client went away while sending the request body", code="incomplete_body") from None
+    return decode_body(bytes(raw))
+
+
+def _too_large(size: int | None) -> APIError:
+    got = f" (got {size} bytes)" if size is not None else ""
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes{got}",
+                    code="request_too_large")
+
+
+def create_app(model, settings: Settings | None = None) -> FastAPI:
+    """The server as an ASGI app. ``settings`` defaults to the model's own."""
+    service = Service(model, settings if settings is not None else model.settings)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.close()
+
+    app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            error = APIError(404, f"unknown route: {request.method} {request.url.path}", code="unknown_url")
+        elif e.status_code == 405:
+            error = APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+                             code="method_not_allowed")
+        else:
+            error = APIError(e.status_code, str(e.detail), code=None)
+        return JSONResponse(error.body(), status_code=error.status, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        first = (e.errors() or [{}])[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        error = bad(f"invalid request: {first.get('msg', 'malformed input')}", param=param)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        error = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": service.name, "busy": service.gate.busy,
+                "waiting": service.gate.waiting, "memo_entries": len(service.memo)}
+
+    def model_card() -> dict:
+        return {"id": service.name, "object": "model", "created": service.started, "owned_by": "deltafin",
+                "max_model_len": service.context}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str):
+        service.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await service.respond(parse_chat(await _read_json(request)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await service.respond(parse_completion(await _read_json(request)))
+
+    return app
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def _url_host(host: str) -> str:
+    # A wildcard address is not something to curl; the loopback of the same family is.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
+
+
+def serve(model, host: str | None = None, port: int | None = None) -> None:
+    """Serve ``model`` until interrupted. host/port default to the model's settings."""
+    settings = model.settings
+    host = settings.host if host is None else host
+    port = settings.port if port is None else int(port)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    app = create_app(model)
+    sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    base = f"http://{_url_host(host)}:{bound}"
+    name = app.state.service.name
+    print(f"deltafin serving '{name}' at {base}/v1 (queue_size={settings.queue_size}, "
+          f"queue_timeout={settings.queue_timeout:g}s, memo_size={settings.memo_size}, "
+          f"max_tokens_cap={settings.max_tokens_cap})", flush=True)
+    example = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
+    print(f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{example}'", flush=True)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Add ``serve`` to the CLI's subparsers (it runs ``run_cli``)."""
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                          "/v1/completions, /v1/models, /health). Without --model, serves the "
+                                          "built-in default model.")
+    p.add_argument("--model", metavar="PATH",
+                   help="checkpoint folder or converted store (default: built-in synthetic model)")
+    settings_mod.add_arguments(p, groups=("engine", "generate", "serve"))
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    import sys
+
+    import deltafin
+    from deltafin.cli import default_model_path
+
+    settings = settings_mod.from_args(args)
+    path = args.model or default_model_path(settings)
+    print(f"deltafin: {settings.summary()}", file=sys.stderr)
+    serve(deltafin.load(path, settings=settings))
+    return 0

@@ -1,0 +1,413 @@
+"""deltafin serve: the real server (uvicorn in a thread) driven by the openai client and raw HTTP.
+
+Expected answers come from calling the engine directly (deltafin.generate.generate) on the same
+model, so the server is checked against the engine, not against itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import logging
+import socket
+import threading
+
+import openai
+import pytest
+import uvicorn
+
+from deltafin.generate import generate
+from deltafin.serve import create_app
+from deltafin.serve_protocol import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, parse_chat, parse_completion,
+                                    resolve_max_tokens)
+
+# A generation long enough to still be running while a test sends other requests; it is always
+# cut short by closing its stream, so its length costs nothing.
+LONG = 4000
+LONG_PROMPT = "The river ran"  # greedy output of the tiny model runs hundreds of tokens without an EOS
+
+
+class RunningServer:
+    """uvicorn serving an app on 127.0.0.1, on a port picked by the OS, in a background thread.
+    The socket listens before the thread starts, so requests wait in its backlog, never fail."""
+
+    def __init__(self, app):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "RunningServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None, headers: dict | None = None):
+        """(status, decoded JSON body, headers) of one plain HTTP request."""
+        if isinstance(body, dict):
+            body = json.dumps(body)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, (json.loads(data) if data else None), dict(resp.getheaders())
+        finally:
+            conn.close()
+
+
+class LogWatch(logging.Handler):
+    """Collects deltafin.serve's log lines and lets a test wait for one (no sleeping)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.cond = threading.Condition()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.cond:
+            self.lines.append(record.getMessage())
+            self.cond.notify_all()
+
+    def count(self, needle: str) -> int:
+        with self.cond:
+            return sum(needle in line for line in self.lines)
+
+    def wait_for(self, needle: str, at_least: int = 1) -> list[str]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.count(needle) >= at_least, timeout=120), self.lines
+            return [line for line in self.lines if needle in line]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_k3_model):
+    return tiny_k3_model
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with RunningServer(create_app(model)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def logs():
+    logger = logging.getLogger("deltafin.serve")
+    watch, level = LogWatch(), logger.level
+    logger.addHandler(watch)
+    logger.setLevel(logging.INFO)
+    yield watch
+    logger.removeHandler(watch)
+    logger.setLevel(level)
+
+
+def _ask(text: str) -> list[dict]:
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}]
+
+
+def _start_long_stream(srv: RunningServer, model):
+    """A streaming completion that is generating when this returns (its first chunk arrived)."""
+    stream = srv.client().completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=LONG, temperature=0,
+                                             stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    return stream
+
+
+# -- the happy paths, checked against the engine ----------------------------------------------
+
+def test_models_and_health(server, model):
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [model.name]
+    assert c.models.retrieve(model.name).id == model.name
+    status, body, _ = server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["model"] == model.name
+
+
+def test_chat_matches_engine_and_tokenizer(server, model):
+    messages = _ask("What is the capital of France?")
+    r = server.client().chat.completions.create(model=model.name, messages=messages, max_tokens=6, temperature=0,
+                                                user="someone", metadata={"k": "v"})  # harmless extras
+    ids = model.encode_chat(messages)
+    tok = model.tokenizer
+    assert ids == tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)
+    want = generate(model, ids, 6)
+    assert want.tokens
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == model.name
+    assert r.created > 0 and len(r.choices) == 1
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
+    assert r.usage.total_tokens == len(ids) + len(want.tokens)
+
+
+def test_chat_stream_with_usage(server, model):
+    messages = _ask("How many days are there in a week?")
+    chunks = list(server.client().chat.completions.create(
+        model=model.name, messages=messages, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    ids = model.encode_chat(messages)
+    want = generate(model, ids, 5)
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == want.text
+    assert [c.choices[0].finish_reason for c in with_choices] == [None] * (len(with_choices) - 1) + [want.finish_reason]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), len(want.tokens))
+
+
+def test_completions_plain_and_streamed(server, model):
+    c = server.client()
+    prompt = "The river ran slowly past the old mill"
+    ids = model.encode(prompt)
+    assert ids == model.tokenizer.encode(prompt, add_special_tokens=False)
+    want = generate(model, ids, 6)
+    r = c.completions.create(model=model.name, prompt=prompt, max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (len(ids), len(want.tokens), len(ids) + len(want.tokens))
+
+    whole = want
+    want = generate(model, ids, 4)
+    chunks = list(c.completions.create(model=model.name, prompt=prompt, max_tokens=4, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    assert all(ch.usage is None for ch in chunks)  # usage only when stream_options asks for it
+
+    # a prompt given as token ids is the same prompt
+    r = c.completions.create(model=model.name, prompt=ids, max_tokens=6, temperature=0)
+    assert r.choices[0].text == whole.text
+
+
+def test_stop_strings_plain_and_streamed(server, model):
+    prompt = "Question: What is the capital of France?\nAnswer:"
+    ids = model.encode(prompt)
+    text = generate(model, ids, 12).text
+    # a stop string of plain letters that first occurs inside the output, not at its start
+    at = next((i for i in range(2, len(text) - 2)
+               if text[i:i + 2].isascii() and text[i:i + 2].isalpha() and text.find(text[i:i + 2]) == i), None)
+    assert at is not None, text
+    stop = [text[at:at + 2], "never-in-the-output"]
+    c = server.client()
+    r = c.completions.create(model=model.name, prompt=prompt, max_tokens=12, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (text[:at], "stop")
+    chunks = list(c.completions.create(model=model.name, prompt=prompt, max_tokens=13, temperature=0, stop=stop[0],
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == text[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_is_clamped_to_the_cap(model):
+    app = create_app(model, settings=dataclasses.replace(model.settings, max_tokens_cap=3))
+    messages = _ask("Tell me a long story.")
+    ids = model.encode_chat(messages)
+    want = generate(model, ids, 3)
+    with RunningServer(app) as srv:
+        c = srv.client()
+        for extra in ({}, {"max_tokens": 50}, {"max_completion_tokens": 50}):  # omitted: chat runs to EOS, capped
+            r = c.chat.completions.create(model=model.name, messages=messages, temperature=0, **extra)
+            assert r.choices[0].message.content == want.text
+            assert r.usage.completion_tokens == len(want.tokens) <= 3
+
+
+def test_max_tokens_resolution():
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]})
+    plain = parse_completion({"prompt": "hi"})
+    assert resolve_max_tokens(chat, 10, context=100, cap=0) == 90  # to EOS, bounded by the context
+    assert resolve_max_tokens(chat, 10, context=100, cap=50) == 50
+    assert resolve_max_tokens(plain, 10, context=10_000, cap=0) == COMPLETION_DEFAULT_MAX_TOKENS
+    assert resolve_max_tokens(parse_completion({"prompt": "hi", "max_tokens": 80}), 10, context=50, cap=0) == 40
+
+
+def test_memo_answers_repeated_deterministic_requests(server, model, logs):
+    c = server.client()
+    ask = dict(model=model.name, prompt="Memory is faster than disk, and", max_tokens=4)
+    first = c.completions.create(temperature=0, **ask)
+    hits = logs.count("memo hit")
+    again = c.completions.create(temperature=0, seed=5, top_p=0.5, **ask)  # greedy ignores seed and top_p
+    assert logs.count("memo hit") == hits + 1
+    assert again.choices[0].text == first.choices[0].text and again.usage == first.usage
+    assert again.id != first.id
+    streamed = list(c.completions.create(temperature=0, stream=True, **ask))  # replayed as a stream
+    assert logs.count("memo hit") == hits + 2
+    assert "".join(ch.choices[0].text for ch in streamed) == first.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == first.choices[0].finish_reason
+
+    seeded = [c.completions.create(temperature=0.9, seed=123, **ask) for _ in range(2)]
+    assert logs.count("memo hit") == hits + 3
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+    for _ in range(2):  # sampling without a seed is never remembered
+        c.completions.create(temperature=0.9, **{**ask, "max_tokens": 1})
+    assert logs.count("memo hit") == hits + 3
+
+
+# -- one generation at a time ----------------------------------------------------------------
+
+def test_second_request_waits_for_the_first(server, model, logs):
+    long = _start_long_stream(server, model)
+    result = {}
+    messages = _ask("Is this request waiting?")
+    waiter = threading.Thread(target=lambda: result.update(r=server.client().chat.completions.create(
+        model=model.name, messages=messages, max_tokens=3, temperature=0)))
+    waiter.start()
+    while server.request("GET", "/health")[1]["waiting"] < 1:  # returns once the request is queued
+        assert waiter.is_alive()
+    assert "r" not in result
+    long.close()  # the client leaves; its generation stops and the waiting request runs
+    waiter.join()
+    assert result["r"].choices[0].message.content == generate(model, model.encode_chat(messages), 3).text
+    logs.wait_for("generation cancelled")
+
+
+@pytest.mark.parametrize("queue_size,queue_timeout,code", [(0, 60.0, "queue_full"), (1, 0.0, "queue_timeout")])
+def test_busy_engine_answers_429(model, logs, queue_size, queue_timeout, code):
+    settings = dataclasses.replace(model.settings, queue_size=queue_size, queue_timeout=queue_timeout)
+    with RunningServer(create_app(model, settings=settings)) as srv:
+        long = _start_long_stream(srv, model)
+        with pytest.raises(openai.RateLimitError) as info:
+            srv.client().completions.create(model=model.name, prompt="hello", max_tokens=2, temperature=0)
+        assert info.value.status_code == 429
+        assert info.value.body["code"] == code and info.value.body["type"] == "rate_limit_error"
+        long.close()
+        logs.wait_for("generation cancelled")  # logged after the engine was handed back
+        r = srv.client().completions.create(model=model.name, prompt="hello", max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_client_disconnect_stops_generation(server, model, logs):
+    stream = _start_long_stream(server, model)
+    next(iter(stream))
+    stream.close()
+    line = logs.wait_for("generation cancelled")[-1]
+    assert int(line.split(" after ")[1].split()[0]) < LONG
+    status, health, _ = server.request("GET", "/health")
+    assert status == 200 and not health["busy"] and health["waiting"] == 0
+    r = server.client().chat.completions.create(model=model.name, messages=_ask("Still there?"), max_tokens=2,
+                                                temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize("path,body,param,code", [
+    (CHAT, "{not json", None, "invalid_json"),
+    (CHAT, "[1, 2]", None, "invalid_json"),
+    (CHAT, "", None, "invalid_json"),
+    (CHAT, {}, "messages", "missing_required_parameter"),
+    (CHAT, {"messages": "hi"}, "messages", "invalid_type"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
+     "invalid_value"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature", "invalid_type"),
+    (CHAT, {"messages": MSG, "temperature": 7}, "temperature", "invalid_value"),
+    (CHAT, {"messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    (CHAT, {"messages": MSG, "max_tokens": 1.5}, "max_tokens", "invalid_type"),
+    (CHAT, {"messages": MSG, "seed": "x"}, "seed", "invalid_type"),
+    (CHAT, {"messages": MSG, "stream": "yes"}, "stream", "invalid_type"),
+    (CHAT, {"messages": MSG, "stop": [1]}, "stop", "invalid_type"),
+    (CHAT, {"messages": MSG, "model": 3}, "model", "invalid_type"),
+    (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    (CHAT, {"messages": MSG, "n": 2}, "n", "unsupported_parameter"),
+    (CHAT, {"messages": MSG, "logprobs": True}, "logprobs", "unsupported_parameter"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "unsupported_parameter"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    (CHAT, {"messages": MSG, "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    (CHAT, {"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}, "messages[0]",
+     "unsupported_parameter"),
+    (COMPLETIONS, {}, "prompt", "missing_required_parameter"),
+    (COMPLETIONS, {"prompt": 5}, "prompt", "invalid_type"),
+    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": ""}, "prompt", "invalid_value"),
+    (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+])
+def test_bad_requests_answer_400(server, path, body, param, code):
+    status, got, _ = server.request("POST", path, body)
+    assert status == 400, got
+    assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
+    assert (got["error"]["param"], got["error"]["code"]) == (param, code)
+
+
+def test_unsupported_parameter_reaches_the_openai_client(server, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model=model.name, messages=MSG, n=2)
+    assert "n=1" in info.value.message and info.value.body["param"] == "n"
+
+
+def test_prompt_longer_than_the_context_is_a_400(server, model):
+    context = model.config.max_position_embeddings
+    status, got, _ = server.request("POST", COMPLETIONS, {"prompt": [1] * context, "max_tokens": 1})
+    assert status == 400 and got["error"]["param"] == "prompt"
+    assert got["error"]["code"] == "context_length_exceeded" and str(context) in got["error"]["message"]
+    words = " ".join(["river"] * context)
+    status, got, _ = server.request("POST", CHAT, {"messages": [{"role": "user", "content": words}]})
+    assert status == 400 and got["error"]["param"] == "messages"
+
+
+def test_model_names(server, model):
+    status, got, _ = server.request("POST", CHAT, {"model": "gpt-4o", "messages": MSG})
+    assert (status, got["error"]["param"], got["error"]["code"]) == (404, "model", "model_not_found")
+    assert server.request("GET", "/v1/models/gpt-4o")[0] == 404
+    status, got, _ = server.request("POST", CHAT, {"messages": MSG, "max_tokens": 2})  # no model: the served one
+    assert status == 200 and got["model"] == model.name
+
+
+def test_routes_and_methods(server):
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/nothing"), ("GET", "/")):
+        status, got, _ = server.request(method, path)
+        assert (status, got["error"]["code"]) == (404, "unknown_url")
+    status, got, headers = server.request("GET", CHAT)
+    assert (status, got["error"]["code"]) == (405, "method_not_allowed") and "POST" in headers["allow"]
+    assert server.request("DELETE", "/health")[0] == 405
+
+
+def _raw_exchange(port: int, head: bytes, body_part: bytes) -> tuple[int, dict]:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head + body_part)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, json.loads(resp.read())
+
+
+def test_body_too_large_is_a_413(server):
+    # Declared too large: refused from the headers alone, without waiting for the body.
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n").encode()
+    status, got = _raw_exchange(server.port, head, b'{"messages": ')
+    assert (status, got["error"]["code"]) == (413, "request_too_large")
+    # Chunked, so only counting the bytes can tell.
+    big = b'{"messages": [], "pad": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    status, got = _raw_exchange(server.port, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+    assert (status, got["error"]["code"]) == (413, "request_too_large")
+    assert server.request("GET", "/health")[0] == 200
+
+
+def test_model_without_tokenizer_explains_itself(model):
+    import copy
+    bare = copy.copy(model)
+    bare.tokenizer = None
+    with RunningServer(create_app(bare)) as srv:
+        status, got, _ = srv.request("POST", CHAT, {"messages": MSG})
+        assert status == 500 and got["error"]["code"] == "no_tokenizer" and "tokenizer" in got["error"]["message"]
