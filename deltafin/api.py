@@ -24,13 +24,16 @@ def _load_tokenizer(path: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
-def open_source(path: str | Path):
+def open_source(path: str | Path, spine: str = "auto"):
     """A weight source for a converted store or a Hugging Face checkpoint folder."""
     path = Path(path)
     from .checkpoint.source import HFSource
     if (path / "deltafin-store.json").exists():
         from .checkpoint.store import StoreSource
-        return StoreSource(path)
+        return StoreSource(path, spine=spine)
+    if spine not in ("auto", "bf16"):
+        raise ValueError(f"{path}: spine {spine!r} needs a converted store; this is a Hugging Face folder "
+                         f"(make one with: deltafin convert {path} STORE --spine {spine})")
     return HFSource(path)
 
 
@@ -61,7 +64,7 @@ class Model:
     def __init__(self, path: str | Path, settings: Settings):
         self.path = Path(path)
         self.settings = settings
-        self.source = open_source(self.path)
+        self.source = open_source(self.path, settings.spine)
         self.config = _with_generation_eos(self.source.config, self.path)
         self.name = self.path.name
         self.streaming = _want_stream(settings, self.source)

@@ -22,6 +22,16 @@ def default_model_path(settings: Settings) -> Path:
     return path
 
 
+def spine_message(source, path) -> str:
+    """Which spine this run reads, and how to get a faster one when there is one to get."""
+    if source.kind == "hf":
+        return (f"bf16 spine read from the Hugging Face folder (faster: deltafin convert {path} STORE --spine int8, "
+                "then --model STORE)")
+    if source.spine_codec == "bf16" and "int8" not in source.spines:
+        return f"bf16 spine (faster: deltafin convert SRC {path} --spine int8 adds an int8 spine)"
+    return f"{source.spine_codec} spine"
+
+
 # -- run ---------------------------------------------------------------------------------------
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate text from a prompt",
@@ -47,7 +57,8 @@ def cmd_run(args) -> int:
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
     model = deltafin.load(path, settings=settings)
     print(f"deltafin: {Path(path).name}: {model.config.architecture}, {model.config.num_layers} layers, "
-          f"{'streaming from disk' if model.streaming else 'in RAM'}", file=sys.stderr)
+          f"{'streaming from disk' if model.streaming else 'in RAM'}; {spine_message(model.source, path)}",
+          file=sys.stderr)
     ids = model.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else model.encode(args.prompt)
     if args.profile:
         from .profile import PassPrinter

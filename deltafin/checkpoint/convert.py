@@ -1,0 +1,551 @@
+"""Convert a Hugging Face checkpoint folder into a deltafin store (the format is in store.py).
+
+The work is a list of output files: the copied metadata files, one spine file for the globals
+and one per layer, one expert file per MoE layer. Each file is written to NAME.tmp, fsynced and
+renamed, and only then recorded in the journal DST/.progress together with its manifest entries
+(offsets, shapes, checksums). A rerun after a kill skips the recorded files and redoes the rest;
+the manifest is assembled from those entries in a fixed order and written last, so a resumed
+store is byte-identical to an uninterrupted one and a folder without a manifest is unfinished.
+
+Memory stays bounded whatever the model size: tensors are copied or quantized a block of rows
+at a time, and experts are copied one expert at a time through one reused buffer.
+
+Running convert on a finished store with another --spine adds that spine (``spine-int8/...``)
+next to the existing one; the experts and copied files are shared.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..kernels.linear import quantize
+from .hf import DTYPES, CheckpointError, TensorInfo, pread_exact
+from .source import HFSource
+from .store import (ALIGN, CHECKSUM, FORMAT, MANIFEST, PAGE, PLAIN, VERSION, StoreError, check_files,
+                    checksum, expert_file, expert_prefix, globals_file, hex_checksum, layer_file,
+                    read_manifest, round_up, verify_command)
+
+SPINE_MODES = ("bf16", "int8")
+JOURNAL = ".progress"
+JOURNAL_VERSION = 1
+CHUNK_BYTES = 32 << 20  # source bytes copied or quantized at once
+# Files of a Hugging Face folder that are weights (the store replaces them) rather than metadata.
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+TORCH_DTYPE_NAMES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
+                     torch.bfloat16: "BF16"}
+
+
+# -- which codec each spine tensor gets ----------------------------------------------------------
+def is_spine_projection(rel: str) -> bool:
+    """A 2-D projection of the spine: attention (KDA q/k/v/o/g/f/b, MLA), dense MLP, shared
+    experts, latent down/up, lm_head. Not: embeddings, norms, conv, router, attn-res queries."""
+    if rel == "lm_head.weight":
+        return True
+    if rel.startswith("model.") or rel.endswith("_res_proj.weight"):
+        return False
+    return rel.endswith("_proj.weight") or rel.endswith("_proj_with_mqa.weight")
+
+
+def spine_codec(rel_name: str, spine_mode: str) -> str:
+    """The codec a spine tensor is stored in: PLAIN (as in the source) or a QWeight codec.
+
+    The one place that decides; a per-role policy (e.g. int4/int6 "mixed") replaces it.
+    """
+    if spine_mode == "bf16":
+        return PLAIN
+    if spine_mode == "int8":
+        return "int8" if is_spine_projection(rel_name) else PLAIN
+    raise ValueError(f"unknown spine {spine_mode!r}; expected one of {SPINE_MODES}")
+
+
+def _estimated_parts(codec: str, info: TensorInfo) -> list[int]:
+    """Bytes of the tensors a weight becomes (exact for plain and int8, an upper bound otherwise)."""
+    if codec == "int8":
+        rows, cols = info.shape
+        return [rows * cols, rows * 4]
+    return [info.nbytes]
+
+
+# -- writing one file atomically -----------------------------------------------------------------
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of `data` at `offset` (the single point every store byte goes through)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """NAME.tmp, filled front to back; renamed to NAME only by commit() after an fsync."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.tmp = final.with_name(final.name + ".tmp")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.size = 0  # bytes laid out so far (every byte below it is written)
+        self.committed = False
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.committed:  # leave nothing behind that could look finished
+            self.tmp.unlink(missing_ok=True)
+
+    def write_at(self, data, offset: int) -> None:
+        _pwrite_all(self.fd, data, offset)
+
+    def reserve(self, nbytes: int, align: int = ALIGN) -> int:
+        """Lay out `nbytes` at the next aligned offset (zero-filling the gap); return that offset."""
+        start = self.pad_to(align)
+        self.size = start + nbytes
+        return start
+
+    def pad_to(self, multiple: int) -> int:
+        end = round_up(self.size, multiple)
+        if end > self.size:
+            self.write_at(bytes(end - self.size), self.size)
+            self.size = end
+        return end
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.final)
+        self.committed = True
+        _fsync_dir(self.final.parent)
+
+
+def _tensor_bytes(t: torch.Tensor):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+# -- the jobs: one per output file ---------------------------------------------------------------
+@dataclass
+class Job:
+    rel: str  # output file, relative to DST
+    kind: str  # "copy" | "globals" | "layer" | "experts"
+    index: int  # layer number for "layer" / "experts"
+    src_bytes: int  # source bytes it reads (the progress bar counts these)
+    est_bytes: int  # bytes it will occupy (the free-space check adds these up)
+    write: Callable[[AtomicFile, Callable[[int], None]], dict]  # fills the file, returns its manifest entry
+
+
+def _copy_file(src: Path):
+    def write(out: AtomicFile, tick) -> dict:
+        fd, crc, size = os.open(src, os.O_RDONLY), 0, src.stat().st_size
+        try:
+            for off in range(0, size, CHUNK_BYTES):
+                data = pread_exact(fd, min(CHUNK_BYTES, size - off), off, str(src))
+                crc = checksum(data, crc)
+                out.write_at(data, out.reserve(len(data), 1))
+                tick(len(data))
+        finally:
+            os.close(fd)
+        return {"checksum": hex_checksum(crc)}
+    return write
+
+
+def _write_plain(out: AtomicFile, fd: int, info: TensorInfo, rel_file: str, tick) -> dict:
+    start, crc = out.reserve(info.nbytes), 0
+    for off in range(0, info.nbytes, CHUNK_BYTES):
+        data = pread_exact(fd, min(CHUNK_BYTES, info.nbytes - off), info.offset + off, info.file)
+        crc = checksum(data, crc)
+        out.write_at(data, start + off)
+        tick(len(data))
+    return {"file": rel_file, "offset": start, "nbytes": info.nbytes, "shape": list(info.shape),
+            "dtype": info.dtype, "codec": PLAIN, "checksum": hex_checksum(crc)}
+
+
+def _write_quantized(out: AtomicFile, fd: int, rel: str, info: TensorInfo, codec: str, rel_file: str,
+                     tick) -> dict[str, dict]:
+    """Quantize a 2-D weight a block of rows at a time (every codec is row-wise, so the result is the
+    same as quantizing it whole) into its codec's tensors, laid out back to back."""
+    if len(info.shape) != 2:
+        raise CheckpointError(f"{info.file}: '{info.name}' is not 2-D ({list(info.shape)}); cannot store it as {codec}")
+    rows, cols = info.shape
+    row_bytes = info.nbytes // rows
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    prefix = rel[: -len("weight")]
+    parts: dict[str, dict] = {}
+    crcs: dict[str, int] = {}
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        raw = pread_exact(fd, (r1 - r0) * row_bytes, info.offset + r0 * row_bytes, info.file)
+        w = torch.frombuffer(raw, dtype=DTYPES[info.dtype][0]).reshape(r1 - r0, cols)
+        pieces = quantize(w, codec).to_tensors(prefix)
+        if not parts:  # the first block fixes each part's row size, so the whole layout is known
+            for name, t in pieces.items():
+                per_row = t[0].numel() * t.element_size()
+                parts[name] = {"file": rel_file, "offset": out.reserve(rows * per_row), "nbytes": rows * per_row,
+                               "shape": [rows, *t.shape[1:]], "dtype": TORCH_DTYPE_NAMES[t.dtype], "codec": codec}
+                crcs[name] = 0
+        for name, t in pieces.items():
+            data = _tensor_bytes(t)
+            p = parts[name]
+            out.write_at(data, p["offset"] + r0 * (p["nbytes"] // rows))
+            crcs[name] = checksum(data, crcs[name])
+        tick(len(raw))
+    for name, p in parts.items():
+        p["checksum"] = hex_checksum(crcs[name])
+    return parts
+
+
+def _spine_job(source: HFSource, kind: str, index: int, infos: dict[str, TensorInfo], rel_file: str,
+               spine: str) -> Job:
+    est = 0
+    for rel, info in infos.items():
+        for n in _estimated_parts(spine_codec(rel, spine), info):
+            est = round_up(est, ALIGN) + n
+
+    def write(out: AtomicFile, tick) -> dict:
+        tensors: dict[str, dict] = {}
+        qweights: dict[str, dict] = {}
+        for rel, info in infos.items():
+            codec = spine_codec(rel, spine)
+            fd = source.fd(info.file)
+            if codec == PLAIN:
+                tensors[rel] = _write_plain(out, fd, info, rel_file, tick)
+            else:
+                parts = _write_quantized(out, fd, rel, info, codec, rel_file, tick)
+                tensors.update(parts)
+                qweights[rel] = {"codec": codec, "tensors": list(parts)}
+        end = out.pad_to(PAGE)
+        return {"file": rel_file, "offset": 0, "nbytes": end, "tensors": tensors, "qweights": qweights}
+
+    return Job(rel_file, kind, index, sum(i.nbytes for i in infos.values()), round_up(est, PAGE), write)
+
+
+def _expert_job(source: HFSource, i: int) -> Job:
+    cfg = source.config
+    E = cfg.num_experts
+    first = source.expert_infos(i, 0)
+    layout, cursor = [], 0  # (suffix, offset in the span, nbytes, shape, dtype)
+    for name, info in first.items():
+        off = round_up(cursor, ALIGN)
+        layout.append((name[len(expert_prefix(0)):], off, info.nbytes, list(info.shape), info.dtype))
+        cursor = off + info.nbytes
+    span = round_up(cursor, PAGE)
+    rel_file = expert_file(i)
+
+    def write(out: AtomicFile, tick) -> dict:
+        buf = bytearray(span)  # reused: tensor bytes land at fixed places, the gaps stay zero
+        view = memoryview(buf)
+        sums = []
+        for e in range(E):
+            infos = source.expert_infos(i, e)
+            row = []
+            for suffix, off, n, shape, dtype in layout:
+                info = infos[expert_prefix(e) + suffix]
+                if info.nbytes != n or list(info.shape) != shape or info.dtype != dtype:
+                    raise CheckpointError(f"{info.file}: tensor '{info.name}' is {info.dtype} {list(info.shape)}, "
+                                          f"but expert 0 of layer {i} has {dtype} {shape}")
+                view[off: off + n] = pread_exact(source.fd(info.file), n, info.offset, info.file)
+                row.append(hex_checksum(checksum(view[off: off + n])))
+            out.write_at(buf, out.reserve(span, PAGE))
+            sums.append(row)
+            tick(sum(x[2] for x in layout))
+        return {"file": rel_file, "span": span, "num_experts": E,
+                "codec": "mxfp4" if cfg.expert_format == "mxfp4" else PLAIN,
+                "tensors": {s: {"offset": off, "nbytes": n, "shape": shape, "dtype": dtype}
+                            for s, off, n, shape, dtype in layout},
+                "checksums": sums}
+
+    src_bytes = sum(info.nbytes for e in range(E) for info in source.expert_infos(i, e).values())
+    return Job(rel_file, "experts", i, src_bytes, span * E, write)
+
+
+def metadata_files(src: Path) -> list[str]:
+    """Top-level files of the source that are not weights: config, tokenizer, templates, docs."""
+    return sorted(f.name for f in src.iterdir()
+                  if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES))
+
+
+def plan(source: HFSource, spine: str, shared: bool) -> list[Job]:
+    """Every file to write, in the order they are written. shared: also the files spines share
+    (copied metadata and experts), i.e. this is a new store rather than a spine added to one."""
+    cfg = source.config
+    jobs = []
+    if shared:
+        for name in metadata_files(source.path):
+            size = (source.path / name).stat().st_size
+            # file systems allocate whole blocks: count a small file as a page
+            jobs.append(Job(name, "copy", 0, size, round_up(size, PAGE), _copy_file(source.path / name)))
+    jobs.append(_spine_job(source, "globals", 0, source.global_infos(), globals_file(spine), spine))
+    for i in range(cfg.num_layers):
+        jobs.append(_spine_job(source, "layer", i, source.spine_infos(i), layer_file(spine, i), spine))
+    if shared:
+        jobs += [_expert_job(source, i) for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    return jobs
+
+
+# -- the journal ---------------------------------------------------------------------------------
+def _source_id(hf_config: dict) -> str:
+    return hex_checksum(checksum(json.dumps(hf_config, sort_keys=True).encode()))
+
+
+def _journal_header(hf_config: dict, spine: str) -> dict:
+    return {"journal": "deltafin-convert", "version": JOURNAL_VERSION, "spine": spine, "source": _source_id(hf_config)}
+
+
+def read_journal(dst: Path) -> tuple[dict | None, dict[str, dict]]:
+    """(header, {file: entry}) of an unfinished conversion; a torn last line is ignored."""
+    try:
+        lines = (dst / JOURNAL).read_bytes().split(b"\n")
+    except FileNotFoundError:
+        return None, {}
+    try:
+        header = json.loads(lines[0])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, {}
+    entries = {}
+    for line in lines[1:]:
+        try:
+            e = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            break  # the line being written when the run was killed, and nothing after it
+        entries[e["file"]] = e
+    return header, entries
+
+
+class Journal:
+    def __init__(self, dst: Path, header: dict, entries: dict[str, dict]):
+        """Start the journal afresh with the entries still valid (rewritten atomically)."""
+        self.file = dst / JOURNAL
+        with AtomicFile(self.file) as out:
+            text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in [header, *entries.values()])
+            out.write_at(text.encode(), out.reserve(len(text.encode()), 1))
+            out.commit()
+        self.fd = os.open(self.file, os.O_WRONLY | os.O_APPEND)
+
+    def record(self, entry: dict) -> None:
+        _pwrite_all_append(self.fd, (json.dumps(entry, separators=(",", ":")) + "\n").encode())
+        os.fsync(self.fd)
+
+    def remove(self) -> None:
+        self.close()
+        self.file.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _pwrite_all_append(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# -- the destination -----------------------------------------------------------------------------
+def inspect_destination(dst: Path, hf_config: dict, spine: str) -> tuple[dict | None, dict[str, dict]]:
+    """-> (the finished store's manifest or None, files a killed run finished). Refuses any DST
+    that is neither new, empty, a store of this model, nor an unfinished conversion of it."""
+    if dst.exists() and not dst.is_dir():
+        raise StoreError(f"{dst}: exists and is not a folder")
+    present = sorted(p.name for p in dst.iterdir()) if dst.exists() else []
+    present = [n for n in present if n != JOURNAL + ".tmp"]
+    if not present:
+        return None, {}
+    header, entries = read_journal(dst)
+    existing = None
+    if MANIFEST in present:
+        try:
+            existing = read_manifest(dst)
+        except StoreError as e:
+            raise StoreError(f"{dst}: holds a store that cannot be updated: {e}") from None
+        if header is not None and header.get("spine") in existing["spines"]:
+            header = None  # left by a run killed after writing its manifest: nothing to resume
+        if existing["hf_config"] != hf_config:
+            raise StoreError(f"{dst}: holds a store of a different model (its config.json differs from the "
+                             "source's); choose a new folder")
+        problems = check_files(dst, existing)
+        if problems:
+            raise StoreError(f"{dst}: the store there is damaged ({problems[0]}); remove it and convert again")
+        if spine in existing["spines"]:
+            return existing, {}
+        if header is None:
+            return existing, {}
+    elif header is None:
+        raise StoreError(f"{dst}: is not empty and is neither a deltafin store nor an unfinished conversion; "
+                         "choose an empty or new folder")
+    if header.get("journal") != "deltafin-convert" or header.get("version") != JOURNAL_VERSION:
+        raise StoreError(f"{dst / JOURNAL}: not a conversion journal this deltafin can resume; remove {dst} "
+                         "and convert again")
+    if header.get("source") != _source_id(hf_config):
+        raise StoreError(f"{dst}: holds an unfinished conversion of a different checkpoint; choose a new folder "
+                         "or remove it")
+    if header.get("spine") != spine:
+        raise StoreError(f"{dst}: holds an unfinished conversion with --spine {header.get('spine')}; run that "
+                         f"command again to finish it first, or remove {dst}")
+    # Keep only files that are there in full (a file is renamed into place before it is journaled).
+    kept = {rel: e for rel, e in entries.items()
+            if (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
+    return existing, kept
+
+
+def check_free_space(dst: Path, need: int) -> None:
+    """Fail before writing anything when DST's file system cannot hold what is left to write."""
+    probe = dst
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise StoreError(f"{dst}: not enough free disk space: the conversion needs {need / 1e9:.3f} GB more "
+                         f"({need} bytes), the file system has {free / 1e9:.3f} GB ({free} bytes) free")
+
+
+def _manifest_estimate(jobs: list[Job], source: HFSource) -> int:
+    experts = sum(source.config.num_experts * len(source.expert_infos(j.index, 0)) for j in jobs if j.kind == "experts")
+    tensors = sum(len(source.spine_infos(j.index)) for j in jobs if j.kind == "layer")
+    return 64 * 1024 + 12 * experts + 400 * tensors
+
+
+def assemble_manifest(base: dict | None, hf_config: dict, source: HFSource, spine: str, jobs: list[Job],
+                      done: dict[str, dict]) -> dict:
+    """The manifest, from the journaled entries, in a fixed order (the same however the run went)."""
+    m = base or {
+        "format": FORMAT, "version": VERSION, "checksum": CHECKSUM, "page_size": PAGE, "alignment": ALIGN,
+        "hf_config": hf_config, "model_config": source.config.to_dict(),
+        "files": {}, "spines": {},
+        "experts": {"codec": "mxfp4" if source.config.expert_format == "mxfp4" else PLAIN, "layers": {}},
+    }
+    files = dict(m["files"])
+    sp = {"codec": spine, "globals": None, "layers": []}
+    for job in jobs:
+        entry = done[job.rel]
+        frag = entry["fragment"]
+        files[job.rel] = {"nbytes": entry["nbytes"], **({"checksum": frag["checksum"]} if job.kind == "copy" else {})}
+        if job.kind == "globals":
+            sp["globals"] = frag
+        elif job.kind == "layer":
+            sp["layers"].append(frag)
+        elif job.kind == "experts":
+            m["experts"]["layers"][str(job.index)] = frag
+    m["files"] = dict(sorted(files.items()))
+    m["spines"] = dict(sorted({**m["spines"], spine: sp}.items()))
+    return m
+
+
+# -- convert -------------------------------------------------------------------------------------
+def _write_error(dst: Path, rel: str, e: OSError) -> StoreError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreError(f"{dst}: disk full while writing {rel} ({e.strerror}); the unfinished file was removed "
+                          "and the finished ones are kept: free some space and run the same command again to "
+                          "continue")
+    return StoreError(f"{dst}: failed while writing {rel}: {e}")
+
+
+def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: bool = True) -> Path:
+    """Convert the Hugging Face checkpoint folder `src` into a store at `dst` (or add a spine to it).
+
+    Resumes a killed conversion into the same `dst`; refuses a `dst` holding anything else.
+    """
+    if spine not in SPINE_MODES:
+        raise ValueError(f"unknown spine {spine!r}; expected one of {SPINE_MODES}")
+    src, dst = Path(src), Path(dst)
+    if (src / MANIFEST).exists():
+        raise StoreError(f"{src}: is already a deltafin store; convert from the Hugging Face checkpoint folder")
+    source = HFSource(src)  # validates every tensor before anything is written
+    try:
+        hf_config = json.loads((src / "config.json").read_text())
+        existing, done = inspect_destination(dst, hf_config, spine)
+        if existing is not None and spine in existing["spines"]:
+            header, _ = read_journal(dst)
+            if header is not None and header.get("spine") in existing["spines"]:
+                (dst / JOURNAL).unlink()  # left by a run killed after its manifest was written
+            return dst
+        jobs = plan(source, spine, shared=existing is None)
+        done = {rel: e for rel, e in done.items() if rel in {j.rel for j in jobs}}
+        todo = [j for j in jobs if j.rel not in done]
+        check_free_space(dst, sum(j.est_bytes for j in todo) + _manifest_estimate(jobs, source))
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in [j.rel for j in jobs] + [MANIFEST]:
+            (dst / (name + ".tmp")).unlink(missing_ok=True)  # left by a killed run
+        current = JOURNAL
+        journal = None
+        try:
+            journal = Journal(dst, _journal_header(hf_config, spine), done)
+            with _progress_bar(sum(j.src_bytes for j in todo), spine, progress) as bar:
+                for job in todo:
+                    current = job.rel
+                    with AtomicFile(dst / job.rel) as out:
+                        frag = job.write(out, bar.update)
+                        out.commit()
+                    entry = {"file": job.rel, "nbytes": out.size, "fragment": frag}
+                    journal.record(entry)
+                    done[job.rel] = json.loads(json.dumps(entry))  # exactly what a resumed run would read back
+            current = MANIFEST
+            manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done)
+            with AtomicFile(dst / MANIFEST) as out:
+                data = json.dumps(manifest, separators=(",", ":")).encode()
+                out.write_at(data, out.reserve(len(data), 1))
+                out.commit()
+            journal.remove()
+        except OSError as e:
+            raise _write_error(dst, current, e) from None
+        finally:
+            if journal is not None:
+                journal.close()
+    finally:
+        source.close()
+    return dst
+
+
+def _progress_bar(total: int, spine: str, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert ({spine} spine)",
+                disable=not enabled, file=sys.stderr)
+
+
+# -- command line --------------------------------------------------------------------------------
+def cmd_convert(args) -> int:
+    out = convert(args.src, args.dst, spine=args.spine)
+    m = read_manifest(out)
+    total = sum(f["nbytes"] for f in m["files"].values())
+    print(f"deltafin convert: {out}: {total / 1e9:.3f} GB, spines: {', '.join(m['spines'])}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    return verify_command(args.store)
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert a Hugging Face checkpoint folder into a deltafin store",
+        description="Write a deltafin store: the spine as one page-aligned region per layer, experts at a fixed "
+                    "span per expert, a checksummed manifest. A killed conversion resumes when run again; run "
+                    "it on a finished store with another --spine to add that spine.")
+    p.add_argument("src", help="Hugging Face checkpoint folder")
+    p.add_argument("dst", help="store folder to write (new or empty, or an unfinished/finished store of SRC)")
+    p.add_argument("--spine", choices=SPINE_MODES, default="bf16",
+                   help="spine codec: bf16 (as published, lossless) or int8 (per-output-channel projections)")
+    p.set_defaults(func=cmd_convert)
+    v = subparsers.add_parser("verify", help="recompute every checksum of a deltafin store",
+                              description="Check a store: files, sizes, and every tensor's checksum; prints the "
+                                          "first mismatch (file and tensor) and exits 1 if there is one.")
+    v.add_argument("store", help="store folder")
+    v.set_defaults(func=cmd_verify)
