@@ -60,19 +60,16 @@ def cmd_run(args) -> int:
           f"{'streaming from disk' if model.streaming else 'in RAM'}; {spine_message(model.source, path)}",
           file=sys.stderr)
     ids = model.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else model.encode(args.prompt)
-    if args.profile:
-        from .profile import PassPrinter
-        printer = PassPrinter(model.engine, sys.stderr)
-    else:
-        printer = None
+    runner = model
+    if settings.profile:  # every pass prints a line as it ends
+        from .profile import PassRecorder, format_pass
+        runner = PassRecorder(model, on_pass=lambda i, s: print(format_pass(i, s), file=sys.stderr))
 
     def on_token(token_id: int, text: str):
         sys.stdout.write(text)
         sys.stdout.flush()
-        if printer:
-            printer.on_token()
 
-    g = generate(model, ids, settings.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    g = generate(runner, ids, settings.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                  top_k=args.top_k, seed=args.seed, stop=args.stop, on_token=on_token)
     sys.stdout.write("\n")
     s = g.stats
@@ -80,8 +77,9 @@ def cmd_run(args) -> int:
           f"prefill {s['prefill_tokens']} tokens in {s['prefill_seconds']:.2f} s, "
           f"{s['passes']} passes ({s['tokens_per_pass']:.2f} tokens/pass), finish: {g.finish_reason}",
           file=sys.stderr)
-    if printer:
-        printer.summary()
+    if settings.profile:
+        from .profile import format_summary
+        print(format_summary(runner.passes), file=sys.stderr)
     return 0
 
 
@@ -95,27 +93,28 @@ def _add_inspect(sub) -> None:
 
 
 def _add_make_checkpoint(sub) -> None:
-    p = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the published format")
-    p.add_argument("--preset", required=True, help="tiny-k3 | tiny-kimi-linear | small-k3 | k3-slice")
-    p.add_argument("--out", required=True)
+    from .checkpoint.synthetic import PRESETS
+    p = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the published format",
+                       description="Random weights (fixed seed) in the exact published K3 / Kimi Linear layout.")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="folder to create")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (JSON value), e.g. --set num_hidden_layers=6")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (value read as JSON), e.g. --set num_hidden_layers=6")
+    p.add_argument("--shard-size", type=int, default=None, help="largest shard in bytes")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_make_checkpoint)
 
 
 def cmd_make_checkpoint(args) -> int:
-    from .checkpoint.synthetic import make_checkpoint
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SettingsError(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    out = make_checkpoint(args.preset, args.out, seed=args.seed, overrides=overrides)
+    from .checkpoint.synthetic import make_checkpoint, parse_override
+    try:
+        overrides = dict(parse_override(item) for item in args.overrides)
+        out = make_checkpoint(args.preset, args.out, seed=args.seed, overrides=overrides,
+                              progress=not args.quiet, shard_size=args.shard_size, overwrite=args.overwrite)
+    except (KeyError, FileExistsError) as e:
+        raise ValueError(e.args[0] if e.args else str(e)) from None
     print(out)
     return 0
 

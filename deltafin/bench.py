@@ -1,0 +1,249 @@
+"""``deltafin bench``: decode and prefill speed, bytes per token, and how close the streamer gets
+to this machine's raw read bandwidth, in one record.
+
+The raw bandwidth is measured by the same command on the same files with the same access
+pattern and settings: after evicting the files from the page cache, every streamed layer's
+spine extents and ``experts_per_token`` randomly chosen experts per MoE layer are read with
+``io_workers`` workers in ``read_mode``, and only the reads are timed. ``io_efficiency`` is the
+time the bytes of one token would take at that bandwidth divided by the time a token took.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+from .io.reader import SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
+from .profile import PassRecorder, summarize
+from .settings import Settings, add_arguments, from_args
+
+GB = 1e9
+
+
+def checkpoint_files(source) -> list[str]:
+    """Every file the model's tensors live in."""
+    cfg = source.config
+    files = {t.file for t in source.global_infos().values()}
+    for i in range(cfg.num_layers):
+        files.update(t.file for t in source.spine_infos(i).values())
+        if cfg.is_moe(i):
+            for e in range(cfg.num_experts):
+                files.update(t.file for t in source.expert_infos(i, e).values())
+    return sorted(files)
+
+
+def _extent(source, method: str, *args):
+    f = getattr(source, method, None)
+    return f(*args) if f is not None else None
+
+
+def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, drop_cache: bool = True) -> dict:
+    """Read what `tokens` decode passes read (streamed spines + random experts), reads only timed."""
+    cfg = source.config
+    rng = random.Random(seed)
+    layers = range(min(settings.pin_layers, cfg.num_layers), cfg.num_layers)
+    spines = [make_layout(source.spine_infos(i), _extent(source, "spine_extent", i)) for i in layers]
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    k = min(cfg.experts_per_token, cfg.num_experts) if moe else 0
+    # Which experts each token reads, chosen (and laid out) before any timing.
+    picks = [[make_layout(source.expert_infos(i, e), _extent(source, "expert_extent", i, e))
+              for i in moe for e in rng.sample(range(cfg.num_experts), k)] for _ in range(tokens)]
+    # One spine buffer and k expert slots: the bytes are not used, only the reads timed.
+    spine_buf = AlignedBuffer(max((s.size for s in spines), default=1))
+    slots = [AlignedBuffer(max((lay.size for p in picks for lay in p), default=1)) for _ in range(max(k, 1))]
+    spine_jobs = chunked([(r, spine_buf.mem, s) for lay in spines for r, s in zip(lay.runs, lay.starts)],
+                         SPINE_CHUNK)
+    files = Files(settings.read_mode)
+    pool = ReadPool(files, settings.io_workers)
+    try:
+        method = drop_file_cache(checkpoint_files(source)) if drop_cache else "none"
+        nbytes, seconds = 0, 0.0
+        for experts in picks:
+            jobs = list(spine_jobs)
+            for n, lay in enumerate(experts):
+                jobs += [(r, slots[n % len(slots)].mem, s) for r, s in zip(lay.runs, lay.starts)]
+            nbytes += sum(lay.nbytes for lay in spines) + sum(lay.nbytes for lay in experts)
+            t0 = time.perf_counter()
+            pool.submit(jobs, URGENT).wait()
+            seconds += time.perf_counter() - t0
+    finally:
+        pool.shutdown()
+        files.close()
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / GB if seconds > 0 else 0.0,
+            "cache_drop": method, "tokens": tokens}
+
+
+def machine_info(settings: Settings) -> dict:
+    import psutil
+    import torch
+    device = settings.torch_device()
+    info = {"cpu_count": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "device": str(device),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, settings: Settings | None = None,
+              seed: int = 0, drop_cache: bool = True) -> dict:
+    """Prefill a random prompt, decode `tokens` tokens greedily (no speculation), measure the raw
+    read bandwidth; return one flat record (see the module docstring)."""
+    from .api import load
+    if tokens < 2:
+        raise ValueError("bench needs at least 2 tokens (the first comes from the prefill)")
+    if prompt_tokens < 1:
+        raise ValueError("bench needs a prompt of at least 1 token")
+    settings = settings or Settings.resolve({})
+    t0 = time.perf_counter()
+    model = load(path, settings=settings)
+    load_seconds = time.perf_counter() - t0
+    cfg = model.config
+    rng = random.Random(seed)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_tokens)]
+    files = checkpoint_files(model.source) if drop_cache else []
+
+    marks: dict[str, float] = {}
+
+    def on_pass(index: int, stats) -> None:
+        if index == 0:  # prefill done: from here on decode is measured from disk, not from cache
+            marks["first_token"] = time.perf_counter()
+            if drop_cache:
+                drop_file_cache(files)
+            marks["decode_start"] = time.perf_counter()
+
+    rec = PassRecorder(model, on_pass)
+    cache_drop = drop_file_cache(files) if drop_cache else "none"
+    start = time.perf_counter()
+    gen_stats = _decode(rec, prompt, tokens)
+    if len(rec.passes) < 2:
+        raise RuntimeError("generation stopped after the prefill; nothing to measure")
+    prefill, decode = rec.passes[0], rec.passes[1:]
+    decode_seconds = rec.ended[-1] - marks["decode_start"]
+    d = summarize(decode)
+    s_per_tok = decode_seconds / d["tokens"]
+
+    raw = measure_raw_read(model.source, settings, tokens=min(len(decode), 8), seed=seed, drop_cache=drop_cache)
+    bytes_per_token = d["bytes_per_token"]
+    expert_bytes = _expert_bytes(model.source)
+    spine_bytes = sum(t.nbytes for i in range(cfg.num_layers) for t in model.source.spine_infos(i).values())
+    out = {
+        "model": str(path),
+        "streaming": model.streaming,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": d["tokens"],
+        "decode_tok_s": d["tokens"] / decode_seconds,
+        "prefill_tok_s": prefill.tokens / prefill.seconds,
+        "ttft_s": marks["first_token"] - start,
+        "load_seconds": load_seconds,
+        "bytes_per_token": bytes_per_token,
+        "read_bytes_per_token": d["read_bytes_per_token"],
+        "ram_bytes_per_token": d["ram_bytes_per_token"],
+        "raw_read_gbps": raw["gbps"],
+        "achieved_read_gbps": d["read_bytes_per_token"] / s_per_tok / GB,
+        "io_efficiency": (bytes_per_token / (raw["gbps"] * GB)) / s_per_tok if raw["gbps"] > 0 else 0.0,
+        "io_split": {
+            "spine_bytes_per_token": spine_bytes,
+            "expert_bytes_per_token": d["experts_per_token"] * expert_bytes,
+            "experts_per_token": d["experts_per_token"],
+            "spine_wait_s_per_token": d["spine_wait_seconds"] / d["tokens"],
+            "expert_wait_s_per_token": d["expert_wait_seconds"] / d["tokens"],
+            "compute_s_per_token": d["compute_seconds"] / d["tokens"],
+            "other_s_per_token": d["other_seconds"] / d["tokens"],
+        },
+        "peak_rss_bytes": peak_rss_bytes(),
+        "tokens_per_pass": gen_stats.get("tokens_per_pass", 1.0),
+        "raw_read": raw,
+        "cache_drop": cache_drop,
+        "settings": dataclasses.asdict(settings),
+        "machine": machine_info(settings),
+    }
+    resident = getattr(model.engine.provider, "resident_bytes", None)
+    if resident is not None:
+        out["provider_resident_bytes"] = resident()["total"]
+    return out
+
+
+def _expert_bytes(source) -> int:
+    cfg = source.config
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    return sum(t.nbytes for t in source.expert_infos(moe[0], 0).values()) if moe else 0
+
+
+def _decode(rec: PassRecorder, prompt: list[int], tokens: int) -> dict:
+    """Greedy decoding of `tokens` tokens without speculation and without stopping at EOS."""
+    try:
+        from .generate import generate
+    except ImportError:
+        generate = None
+    if generate is not None:
+        return generate(rec, prompt, tokens, speculate=False, eos_token_ids=[]).stats
+    state = rec.new_state()
+    token = int(rec.forward(prompt, state)[-1].argmax())
+    for _ in range(tokens - 1):
+        token = int(rec.forward([token], state)[-1].argmax())
+    return {"tokens_per_pass": 1.0}
+
+
+# -- command line ------------------------------------------------------------------------------
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="measure decode/prefill speed and I/O efficiency against the "
+                                            "disk's raw read bandwidth",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint folder or converted store")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (default 64)")
+    p.add_argument("--json", action="store_true", help="print one JSON record instead of a table")
+    p.add_argument("--drop-cache", default=True, action=argparse.BooleanOptionalAction,
+                   help="evict the model's files from the page cache before prefill, decode and the raw "
+                        "read measurement, so the disk is measured (default on)")
+    add_arguments(p, groups=("engine",))
+    p.set_defaults(func=handle_cli)
+    return p
+
+
+def handle_cli(args: argparse.Namespace) -> int:
+    settings = from_args(args)
+    r = run_bench(args.model, tokens=args.tokens, prompt_tokens=args.prompt_tokens, settings=settings,
+                  drop_cache=args.drop_cache)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(format_table(r))
+    return 0
+
+
+def format_table(r: dict) -> str:
+    s, m = r["settings"], r["machine"]
+    sp = r["io_split"]
+    rows = [
+        ("decode", f"{r['decode_tok_s']:.2f} tok/s ({r['decode_tokens']} tokens)"),
+        ("prefill", f"{r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens), ttft {r['ttft_s'] * 1e3:.0f} ms"),
+        ("bytes/token", f"{r['bytes_per_token'] / 1e6:.2f} MB (read {r['read_bytes_per_token'] / 1e6:.2f}, "
+                        f"ram {r['ram_bytes_per_token'] / 1e6:.2f}); spine {sp['spine_bytes_per_token'] / 1e6:.2f} MB, "
+                        f"experts {sp['expert_bytes_per_token'] / 1e6:.2f} MB ({sp['experts_per_token']:.0f})"),
+        ("time/token", f"compute {sp['compute_s_per_token'] * 1e3:.1f} ms, spine wait "
+                       f"{sp['spine_wait_s_per_token'] * 1e3:.1f} ms, "
+                       f"expert wait {sp['expert_wait_s_per_token'] * 1e3:.1f} ms, "
+                       f"other {sp['other_s_per_token'] * 1e3:.1f} ms"),
+        ("disk", f"achieved {r['achieved_read_gbps']:.2f} GB/s, raw {r['raw_read_gbps']:.2f} GB/s "
+                 f"(cache drop: {r['raw_read']['cache_drop']})"),
+        ("io efficiency", f"{r['io_efficiency']:.2f}"),
+        ("peak RSS", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"),
+    ]
+    head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
+            f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} dtype={s['dtype']}\n"
+            f"{m['cpu_count']} CPUs, {m['ram_bytes'] / 2**30:.0f} GiB RAM, device {m['device']}")
+    width = max(len(k) for k, _ in rows)
+    return head + "\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

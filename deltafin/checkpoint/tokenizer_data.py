@@ -1,0 +1,124 @@
+"""Built-in text and chat template for the tokenizer that ships with synthetic checkpoints.
+
+The corpus is small on purpose: a byte-level BPE trained on it is deterministic, takes well
+under a second, and still yields a few hundred merges of real English words and Python
+syntax, so tokenized prompts look like ordinary text to the code under test.
+"""
+from __future__ import annotations
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|media_pad|>",
+)
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END, MEDIA_PAD = SPECIAL_TOKENS
+
+# Renders [{"role": ..., "content": ...}] as <|im_start|>role\ncontent<|im_end|>\n turns.
+# `content` may also be a list of OpenAI-style parts ({"type": "text", "text": ...}); only
+# the text parts are kept. With add_generation_prompt the result ends with the opening of
+# an assistant turn, which is where generation starts.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}"
+    "{%- set text = message['content'] -%}"
+    "{%- else -%}"
+    "{%- set text = namespace(value='') -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{%- set text.value = text.value + part['text'] -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set text = text.value -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+CORPUS = '''\
+The river ran slowly past the old mill, and the morning light came through the trees in long
+yellow lines. Nobody in the village could remember when the wheel had last turned. Children
+still climbed the stone wall to look at the water, and their parents still told them to be
+careful, the way parents always have.
+
+A good explanation starts with what the reader already knows. It names the problem, shows a
+small example, and only then gives the general rule. When the rule has exceptions, it says so
+plainly instead of hiding them in a footnote. Short sentences help; so do concrete numbers.
+
+Memory is faster than disk, and disk is larger than memory. Every system that stores more
+data than it can hold at once has to decide what to keep close and what to fetch when it is
+needed. The cost of a wrong guess is a wait. The cost of a right guess is the space it uses.
+
+She opened the window, listened to the rain for a while, and then went back to the letter.
+"Dear Thomas," it began, "the weather here has been terrible, but the work is going well.
+We finished the second bridge on Tuesday, two weeks ahead of the plan."
+
+Question: What is the capital of France?
+Answer: The capital of France is Paris.
+Question: How many days are there in a week?
+Answer: There are seven days in a week.
+Question: Why is the sky blue?
+Answer: Sunlight is scattered by the air, and blue light is scattered more than red light.
+
+A language model reads a sequence of tokens and predicts the next one. It does this again and
+again, each time adding the new token to the sequence. The model itself never sees letters or
+words, only numbers; the tokenizer turns text into those numbers and back again.
+
+def read_config(path):
+    """Load a JSON config file and return it as a dictionary."""
+    with open(path, "r", encoding="utf-8") as f:
+        return json.load(f)
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+
+    def increment(self, step=1):
+        self.value += step
+        return self.value
+
+    def __repr__(self):
+        return f"Counter(value={self.value})"
+
+
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+def mean(values):
+    if not values:
+        raise ValueError("mean() of an empty list")
+    return sum(values) / len(values)
+
+
+for i in range(10):
+    if i % 2 == 0:
+        print(i, "is even")
+    else:
+        print(i, "is odd")
+
+import os
+import sys
+from pathlib import Path
+
+def list_files(root):
+    return sorted(p.name for p in Path(root).iterdir() if p.is_file())
+
+result = {"name": "example", "size": 1024, "items": [1, 2, 3], "ok": True}
+numbers = [x * x for x in range(20) if x > 3]
+total = sum(numbers)
+print("total:", total)
+
+The committee met on Thursday afternoon. After a long discussion about the budget, they agreed
+to delay the new building until the spring and to spend the money on repairs instead. Some
+members were unhappy, but everyone accepted that the roof could not wait another winter.
+
+Hello! How are you today? I am fine, thank you. What would you like to talk about? We could
+talk about books, music, travel, science, or anything else you find interesting.
+'''

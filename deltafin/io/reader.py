@@ -1,0 +1,360 @@
+"""Reading byte ranges of checkpoint files into reused, page-aligned buffers, in parallel.
+
+Three pieces, used by the streaming provider and by ``deltafin bench``:
+
+- ``Layout``: a group of tensors (one layer's spine, one expert) as a few contiguous *runs*
+  (tensors adjacent in one file are merged, so a group is one pread per file region) and where
+  each run and tensor lands in a buffer. Runs start at their file offset modulo the page size
+  past a page boundary, so O_DIRECT can read whole pages and tensor views keep the alignment
+  they have in the file.
+- ``Files``: how bytes get from a file into a buffer, by read mode: ``buffered`` (pread through
+  the page cache), ``nocache`` (O_DIRECT where the filesystem allows it, else pread followed by
+  ``POSIX_FADV_DONTNEED`` on the range), ``mmap`` (the file mapped once, copied from the map).
+- ``ReadPool``: a persistent pool of worker threads taking read jobs from one priority queue;
+  a ``Batch`` completes when all its jobs did. ``os.preadv`` and numpy copies release the GIL,
+  so the workers read truly in parallel while the compute thread runs.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..checkpoint.hf import DTYPES, CheckpointError, TensorInfo
+
+ALIGN = 4096  # page size and the O_DIRECT alignment of offsets, lengths and buffer addresses
+READ_MODES = ("buffered", "nocache", "mmap")
+# Queue priorities: experts are on the critical path of the layer computing now; the next
+# layer's spine is needed only after that.
+URGENT, AHEAD = 0, 1
+SPINE_CHUNK = 8 << 20  # spine runs are split so several workers read one layer in parallel
+
+
+def align_down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Run:
+    """One contiguous byte range of one file, read with one pread."""
+    file: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    runs: tuple[Run, ...]
+    starts: tuple[int, ...]  # buffer offset of each run's first byte
+    tensors: tuple[tuple[str, TensorInfo, int], ...]  # (key, info, buffer offset)
+    size: int  # buffer bytes the group needs (a page multiple)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read from the file(s) for this group."""
+        return sum(r.nbytes for r in self.runs)
+
+    @property
+    def capacity(self) -> int:
+        """A buffer size that fits this group wherever in a page its runs start: buffers sized
+        by it do not need to grow for another group of the same shape."""
+        return sum(align_up(r.nbytes) + ALIGN for r in self.runs)
+
+
+def merge_extents(infos) -> list[Run]:
+    """Runs covering the given TensorInfos: tensors that touch in one file become one run."""
+    runs: list[Run] = []
+    for t in sorted(infos, key=lambda t: (t.file, t.offset)):
+        if t.nbytes == 0:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last.file == t.file and t.offset <= last.offset + last.nbytes:
+            end = max(last.offset + last.nbytes, t.offset + t.nbytes)
+            runs[-1] = Run(last.file, last.offset, end - last.offset)
+        else:
+            runs.append(Run(t.file, t.offset, t.nbytes))
+    return runs
+
+
+def make_layout(infos: dict[str, TensorInfo], extent: tuple[str, int, int] | None = None) -> Layout:
+    """Place a group of tensors in a buffer. `extent` (file, offset, nbytes), when the source
+    knows it, is read as one run and must contain every tensor."""
+    if extent is not None:
+        runs = [Run(str(extent[0]), int(extent[1]), int(extent[2]))]
+        for t in infos.values():
+            r = runs[0]
+            if t.file != r.file or t.offset < r.offset or t.offset + t.nbytes > r.offset + r.nbytes:
+                raise CheckpointError(f"{t.file}: tensor '{t.name}' lies outside its group's extent "
+                                      f"{r.file}[{r.offset}:{r.offset + r.nbytes}]")
+    else:
+        runs = merge_extents(infos.values())
+    starts, pos = [], 0
+    for r in runs:
+        starts.append(pos + r.offset % ALIGN)
+        pos += align_up(r.offset + r.nbytes) - align_down(r.offset)
+    placed = []
+    for key, t in infos.items():
+        buf_off = 0
+        for r, s in zip(runs, starts):
+            if t.file == r.file and r.offset <= t.offset and t.offset + t.nbytes <= r.offset + r.nbytes:
+                buf_off = s + t.offset - r.offset
+                break
+        placed.append((key, t, buf_off))
+    return Layout(tuple(runs), tuple(starts), tuple(placed), pos)
+
+
+def views(buf: memoryview, layout: Layout, base: int = 0) -> dict[str, torch.Tensor]:
+    """The group's tensors as views into `buf` (where the layout was read at `base`)."""
+    out = {}
+    for key, t, off in layout.tensors:
+        dtype, size = DTYPES[t.dtype]
+        if t.nbytes == 0:
+            out[key] = torch.empty(t.shape, dtype=dtype)
+        else:
+            out[key] = torch.frombuffer(buf, dtype=dtype, count=t.nbytes // size, offset=base + off).view(t.shape)
+    return out
+
+
+class AlignedBuffer:
+    """Page-aligned, zero-filled memory (an anonymous mapping), allocated once and reused."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = align_up(max(nbytes, 1))
+        self._map = mmap.mmap(-1, self.nbytes)
+        self.mem = memoryview(self._map)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, need: int, file: str) -> None:
+    """Fill view[:need] from the file at offset (view may extend past need; EOF beyond is fine)."""
+    got = 0
+    while got < need:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise CheckpointError(f"{file}: unexpected end of file at byte {offset + got}")
+        got += n
+
+
+class Files:
+    """Open files of one read mode; thread-safe; each file opened (or mapped) once."""
+
+    def __init__(self, mode: str, direct: bool = True):
+        if mode not in READ_MODES:
+            raise ValueError(f"unknown read mode {mode!r} (allowed: {', '.join(READ_MODES)})")
+        self.mode = mode
+        self._direct_ok = direct and hasattr(os, "O_DIRECT")
+        self._fds: dict[str, int] = {}
+        self._direct: dict[str, int | None] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    try:
+                        fd = self._fds[file] = os.open(file, os.O_RDONLY)
+                    except OSError as e:
+                        raise CheckpointError(f"{file}: cannot open ({e.strerror})") from None
+        return fd
+
+    def _direct_fd(self, file: str) -> int | None:
+        if not self._direct_ok:
+            return None
+        if file not in self._direct:
+            with self._lock:
+                if file not in self._direct:
+                    try:
+                        self._direct[file] = os.open(file, os.O_RDONLY | os.O_DIRECT)
+                    except OSError:  # e.g. a filesystem without O_DIRECT
+                        self._direct[file] = None
+        return self._direct[file]
+
+    def _map(self, file: str) -> mmap.mmap:
+        m = self._maps.get(file)
+        if m is None:
+            fd = self._fd(file)
+            with self._lock:
+                m = self._maps.get(file)
+                if m is None:
+                    m = self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        return m
+
+    def read(self, run: Run, buf: memoryview, start: int) -> None:
+        """Copy the run's bytes into buf[start:start + run.nbytes]."""
+        if self.mode == "mmap":
+            m = self._map(run.file)
+            if run.offset + run.nbytes > len(m):
+                raise CheckpointError(f"{run.file}: unexpected end of file at byte {len(m)}")
+            src = np.frombuffer(m, dtype=np.uint8, count=run.nbytes, offset=run.offset)
+            dst = np.frombuffer(buf, dtype=np.uint8, count=run.nbytes, offset=start)
+            np.copyto(dst, src)  # releases the GIL; the page faults happen in this worker
+            return
+        if self.mode == "nocache":
+            dfd = self._direct_fd(run.file)
+            if dfd is not None:
+                a0, a1 = align_down(run.offset), align_up(run.offset + run.nbytes)
+                base = start - (run.offset - a0)
+                try:
+                    _pread_into(dfd, buf[base:base + (a1 - a0)], a0, run.offset + run.nbytes - a0, run.file)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._direct[run.file] = None  # this filesystem refuses aligned direct reads
+        fd = self._fd(run.file)
+        _pread_into(fd, buf[start:start + run.nbytes], run.offset, run.nbytes, run.file)
+        if self.mode == "nocache":
+            os.posix_fadvise(fd, run.offset, run.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        with self._lock:
+            for m in self._maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a view is still alive; the map goes with it
+                    pass
+            for fd in list(self._fds.values()) + [d for d in self._direct.values() if d is not None]:
+                os.close(fd)
+            self._maps.clear()
+            self._fds.clear()
+            self._direct.clear()
+
+
+class Batch:
+    """Completion of a group of read jobs: wait() returns once all finished (raising the first error)."""
+
+    def __init__(self, count: int, on_done: Callable[[BaseException | None], None] | None = None):
+        self._left = count
+        self._error: BaseException | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._on_done = on_done
+        if count == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self._on_done is not None:
+                self._on_done(self._error)
+        except BaseException as e:  # keep the worker alive; the waiter sees the error
+            self._error = self._error or e
+        self._event.set()
+
+    def job_done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._finish()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def failed(self) -> bool:
+        return self._event.is_set() and self._error is not None
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+
+# A read job: (run, buffer, buffer offset of the run's first byte).
+Job = tuple[Run, memoryview, int]
+
+
+def chunked(jobs: list[Job], chunk: int) -> list[Job]:
+    """Split runs longer than `chunk` at file offsets that are multiples of `chunk` (a page
+    multiple), so the pieces' page-aligned O_DIRECT reads never overlap."""
+    out = []
+    for run, buf, start in jobs:
+        if run.nbytes <= chunk:
+            out.append((run, buf, start))
+            continue
+        end = run.offset + run.nbytes
+        a = run.offset
+        while a < end:
+            b = min(end, (a // chunk + 1) * chunk)
+            out.append((Run(run.file, a, b - a), buf, start + a - run.offset))
+            a = b
+    return out
+
+
+class ReadPool:
+    """`workers` threads reading jobs from one priority queue (lower priority value first)."""
+
+    def __init__(self, files: Files, workers: int):
+        self.files = files
+        self.workers = max(1, int(workers))
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=_work, args=(self._queue, files), daemon=True,
+                                          name=f"deltafin-read-{k}") for k in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, jobs: list[Job], priority: int,
+               on_done: Callable[[BaseException | None], None] | None = None) -> Batch:
+        batch = Batch(len(jobs), on_done)
+        for job in jobs:
+            self._queue.put((priority, next(self._seq), job, batch))
+        return batch
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put((float("inf"), next(self._seq), None, None))
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
+def _work(q: queue.PriorityQueue, files: Files) -> None:
+    while True:
+        _, _, job, batch = q.get()
+        if job is None:
+            return
+        error = None
+        try:
+            files.read(*job)
+        except BaseException as e:  # reported to whoever waits on the batch
+            error = e
+        batch.job_done(error)
+
+
+def drop_file_cache(files) -> str:
+    """Evict the files' pages from the page cache: the whole cache when root may, else per file.
+
+    Returns the method used: "drop_caches" or "fadvise"."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for file in files:
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"

@@ -1,0 +1,92 @@
+"""Where time and bytes went: per-pass lines and a summary from the engine's ``PassStats``.
+
+``PassRecorder`` stands in for a model wherever a model is expected (``generate`` takes it) and
+keeps each forward pass's stats, optionally reporting every pass as it ends. ``deltafin run
+--profile`` and ``deltafin bench`` both use it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .engine import PassStats
+
+MB = 1e6
+
+
+class PassRecorder:
+    """A model whose forward() also records the pass's stats (and when it ended)."""
+
+    def __init__(self, model, on_pass: Callable[[int, PassStats], None] | None = None):
+        self._model = model
+        self.on_pass = on_pass
+        self.passes: list[PassStats] = []
+        self.ended: list[float] = []  # perf_counter() at the end of each pass
+
+    def forward(self, ids, state, *args, **kwargs):
+        logits = self._model.forward(ids, state, *args, **kwargs)
+        self.passes.append(self._model.engine.last_pass)
+        self.ended.append(time.perf_counter())
+        if self.on_pass is not None:
+            self.on_pass(len(self.passes) - 1, self.passes[-1])
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def format_pass(index: int, s: PassStats) -> str:
+    """One line: pass number, tokens, time, bytes from disk and RAM, I/O waits, compute."""
+    return (f"pass {index:4d} {s.tokens:4d} tok {s.seconds * 1e3:9.1f} ms | read {s.bytes_read / MB:9.2f} MB "
+            f"ram {s.bytes_from_ram / MB:9.2f} MB | wait spine {s.spine_wait_seconds * 1e3:7.1f} ms "
+            f"experts {s.expert_wait_seconds * 1e3:7.1f} ms | compute {s.compute_seconds * 1e3:8.1f} ms | "
+            f"experts {s.experts_loaded}")
+
+
+def summarize(passes: list[PassStats]) -> dict:
+    """Totals and per-token means over the given passes."""
+    total = PassStats()
+    for s in passes:
+        total.add(s)
+    n = max(total.tokens, 1)
+    other = total.seconds - total.compute_seconds - total.spine_wait_seconds - total.expert_wait_seconds
+    return {
+        "passes": len(passes),
+        "tokens": total.tokens,
+        "seconds": total.seconds,
+        "tok_s": total.tokens / total.seconds if total.seconds > 0 else 0.0,
+        "ms_per_token": total.seconds * 1e3 / n,
+        "read_bytes_per_token": total.bytes_read / n,
+        "ram_bytes_per_token": total.bytes_from_ram / n,
+        "bytes_per_token": (total.bytes_read + total.bytes_from_ram) / n,
+        "experts_per_token": total.experts_loaded / n,
+        "spine_wait_seconds": total.spine_wait_seconds,
+        "expert_wait_seconds": total.expert_wait_seconds,
+        "compute_seconds": total.compute_seconds,
+        "other_seconds": max(other, 0.0),
+        "read_gbps": total.bytes_read / total.seconds / 1e9 if total.seconds > 0 else 0.0,
+    }
+
+
+def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
+    """A short report: the prefill pass (the first, when `prefill`) and the decode passes after it."""
+    lines = []
+    if prefill and passes:
+        p = passes[0]
+        lines.append(f"prefill: {p.tokens} tok in {p.seconds * 1e3:.1f} ms "
+                     f"({p.tokens / p.seconds if p.seconds > 0 else 0:.1f} tok/s), read {p.bytes_read / MB:.1f} MB, "
+                     f"ram {p.bytes_from_ram / MB:.1f} MB")
+        passes = passes[1:]
+    if passes:
+        d = summarize(passes)
+        t = max(d["seconds"], 1e-12)
+        lines.append(f"decode: {d['tokens']} tok in {d['passes']} passes, {d['tok_s']:.2f} tok/s, "
+                     f"{d['ms_per_token']:.1f} ms/tok")
+        lines.append(f"  per token: read {d['read_bytes_per_token'] / MB:.2f} MB, "
+                     f"ram {d['ram_bytes_per_token'] / MB:.2f} MB, {d['experts_per_token']:.1f} experts; "
+                     f"disk {d['read_gbps']:.2f} GB/s")
+        lines.append(f"  time: compute {100 * d['compute_seconds'] / t:.0f}%, spine wait "
+                     f"{100 * d['spine_wait_seconds'] / t:.0f}%, "
+                     f"expert wait {100 * d['expert_wait_seconds'] / t:.0f}%, "
+                     f"other {100 * d['other_seconds'] / t:.0f}%")
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""The streaming provider against the in-RAM one, its byte accounting and memory bound, the
+range reader in every read mode, and ``deltafin bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import deltafin
+from deltafin.checkpoint.hf import CheckpointError, TensorInfo
+from deltafin.checkpoint.synthetic import make_checkpoint
+from deltafin.io.reader import ALIGN, URGENT, AlignedBuffer, Files, ReadPool, Run, chunked, make_layout, \
+    merge_extents
+from deltafin.io.stream import StreamProvider
+from deltafin.profile import PassRecorder, format_pass, format_summary
+
+PROMPT = [5, 17, 99, 3, 42, 7, 11, 250, 64, 1]
+DECODE = [8, 200, 31]
+
+
+def passes(model) -> list[torch.Tensor]:
+    """Logits of a prefill and a few single-token decode steps."""
+    state = model.new_state()
+    out = [model.forward(PROMPT, state)]
+    for t in DECODE:
+        out.append(model.forward([t], state))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_k3_path, tiny_kl_path):
+    refs = {}
+    for name, path in (("k3", tiny_k3_path), ("kl", tiny_kl_path)):
+        refs[name] = (path, passes(deltafin.load(path, device="cpu", stream="off")))
+    return refs
+
+
+@pytest.mark.parametrize("name", ["k3", "kl"])
+@pytest.mark.parametrize("mode", ["buffered", "nocache", "mmap"])
+@pytest.mark.parametrize("pin", [0, 2])
+def test_streamed_logits_equal_in_ram(reference, name, mode, pin):
+    path, want = reference[name]
+    model = deltafin.load(path, device="cpu", stream="on", read_mode=mode, pin_layers=pin, io_workers=3)
+    assert isinstance(model.engine.provider, StreamProvider)
+    got = passes(model)
+    for k, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"pass {k} differs ({mode}, pin_layers={pin})"
+
+
+@pytest.mark.parametrize("pin", [0, 2])
+def test_decode_pass_bytes_add_up(tiny_k3_path, pin):
+    model = deltafin.load(tiny_k3_path, device="cpu", stream="on", pin_layers=pin)
+    cfg, src = model.config, model.source
+    state = model.new_state()
+    model.forward(PROMPT, state)
+    model.forward([3], state)
+    s = model.engine.last_pass
+
+    def nbytes(infos):
+        return sum(t.nbytes for t in infos.values())
+
+    spine = [nbytes(src.spine_infos(i)) for i in range(cfg.num_layers)]
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    expert = nbytes(src.expert_infos(moe[0], 0))
+    assert s.tokens == 1
+    assert s.experts_loaded == len(moe) * cfg.experts_per_token
+    assert s.bytes_read > 0
+    assert s.bytes_read == sum(spine[pin:]) + s.experts_loaded * expert
+    g = {k: t for k, t in src.global_infos().items()}
+    embed = g.pop("model.embed_tokens.weight")
+    assert s.bytes_from_ram == sum(spine[:pin]) + nbytes(g) + embed.nbytes // cfg.vocab_size
+    assert 0 <= s.compute_seconds <= s.seconds
+    assert s.spine_wait_seconds >= 0 and s.expert_wait_seconds >= 0
+
+
+def test_stream_from_converted_store_uses_its_extents(tiny_k3_path, tmp_path):
+    from deltafin.checkpoint.convert import convert
+    store = convert(tiny_k3_path, tmp_path / "store", spine="int8", progress=False)
+    want = passes(deltafin.load(store, device="cpu", stream="off"))
+    model = deltafin.load(store, device="cpu", stream="on", read_mode="nocache", pin_layers=1)
+    got = passes(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    src, cfg, s = model.source, model.config, model.engine.last_pass
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    # One read per layer spine and per expert, each the store's whole extent.
+    assert s.bytes_read == (sum(src.spine_extent(i)[2] for i in range(1, cfg.num_layers))
+                            + s.experts_loaded * src.expert_extent(moe[0], 0)[2])
+
+
+def test_resident_memory_does_not_grow_with_layers(tmp_path):
+    resident = {}
+    for n in (4, 8):
+        path = make_checkpoint("tiny-k3", tmp_path / f"k3-{n}", overrides={"num_hidden_layers": n}, progress=False,
+                               shard_size=1 << 30)
+        model = deltafin.load(path, device="cpu", stream="on")
+        p = model.engine.provider
+        state = model.new_state()
+        model.forward(PROMPT, state)
+        slots, bufs = list(p._slots), [b.buf for b in p._spine_bufs]
+        for t in DECODE:
+            model.forward([t], state)
+        # Decoding after the prefill allocates nothing: the same buffers, reused.
+        assert [id(s) for s in p._slots] == [id(s) for s in slots]
+        assert [id(b.buf) for b in p._spine_bufs] == [id(b) for b in bufs]
+        assert len(p._slots) <= model.config.num_experts
+        resident[n] = p.resident_bytes()
+        resident[n]["slot_sizes"] = {s.nbytes for s in p._slots}
+    # The same two spine buffers and the same slot size whatever the depth; at most E slots.
+    assert resident[4]["spine_buffers"] == resident[8]["spine_buffers"] > 0
+    assert resident[4]["globals"] == resident[8]["globals"]
+    assert resident[4]["pinned"] == resident[8]["pinned"] == 0
+    assert len(resident[4]["slot_sizes"]) == 1 and resident[4]["slot_sizes"] == resident[8]["slot_sizes"]
+
+
+def test_read_error_is_raised_and_the_provider_recovers(tiny_k3_path, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_k3_path, path)
+    want = passes(deltafin.load(path, device="cpu", stream="off"))
+    model = deltafin.load(path, device="cpu", stream="on", io_workers=2)
+    shards = sorted(path.glob("model-*.safetensors"))
+    saved = {f: f.read_bytes() for f in shards}
+    for f in shards:  # cut every shard right after its header: all layer reads now fail
+        os.truncate(f, 8 + int.from_bytes(saved[f][:8], "little"))
+    with pytest.raises(CheckpointError, match="unexpected end of file"):
+        model.forward(PROMPT, model.new_state())
+    for f, data in saved.items():
+        f.write_bytes(data)
+    got = passes(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def _info(file, offset, nbytes, name="t"):
+    return TensorInfo(name, str(file), offset, nbytes, (nbytes,), "U8")
+
+
+def test_merge_extents():
+    a, b = "/x/a", "/x/b"
+    runs = merge_extents([_info(a, 100, 10), _info(b, 0, 5), _info(a, 110, 20), _info(a, 140, 4), _info(a, 0, 0)])
+    assert runs == [Run(a, 100, 30), Run(a, 140, 4), Run(b, 0, 5)]
+
+
+def test_layout_keeps_file_alignment_and_respects_extent(tmp_path):
+    infos = {"x": _info("/f", 5000, 100), "y": _info("/f", 5100, 28), "z": _info("/g", 8192, 10)}
+    lay = make_layout(infos)
+    assert lay.nbytes == 138 and lay.size % ALIGN == 0
+    assert [s % ALIGN for s in lay.starts] == [r.offset % ALIGN for r in lay.runs]
+    with pytest.raises(CheckpointError, match="outside"):
+        make_layout(infos, extent=("/f", 5000, 128))
+    one = make_layout({"x": infos["x"], "y": infos["y"]}, extent=("/f", 4096, 2048))
+    assert one.runs == (Run("/f", 4096, 2048),) and one.nbytes == 2048
+
+
+@pytest.mark.parametrize("mode,direct", [("buffered", True), ("nocache", True), ("nocache", False), ("mmap", True)])
+def test_reader_reads_exact_bytes_in_every_mode(tmp_path, mode, direct):
+    data = os.urandom(5 * ALIGN + 777)
+    file = tmp_path / "blob"
+    file.write_bytes(data)
+    f = str(file)
+    # Unaligned starts and ends, a run ending exactly at end of file, one spanning several pages.
+    infos = {"a": _info(f, 3, 100), "b": _info(f, ALIGN - 1, 2), "c": _info(f, 2 * ALIGN + 10, 2 * ALIGN + 5),
+             "d": _info(f, len(data) - 300, 300)}
+    lay = make_layout(infos)
+    buf = AlignedBuffer(lay.size)
+    files = Files(mode, direct=direct)
+    pool = ReadPool(files, 3)
+    try:
+        jobs = [(r, buf.mem, s) for r, s in zip(lay.runs, lay.starts)]
+        pool.submit(chunked(jobs, ALIGN), URGENT).wait()  # small chunks: runs split across workers
+        for key, t, off in lay.tensors:
+            assert bytes(buf.mem[off:off + t.nbytes]) == data[t.offset:t.offset + t.nbytes], key
+        with pytest.raises(CheckpointError, match="unexpected end of file"):
+            pool.submit([(Run(f, len(data) - 10, 20), buf.mem, 0)], URGENT).wait()
+    finally:
+        pool.shutdown()
+        files.close()
+
+
+def test_pass_recorder_and_profile_lines(tiny_k3_path):
+    from deltafin.generate import generate
+    model = deltafin.load(tiny_k3_path, device="cpu", stream="on")
+    seen = []
+    rec = PassRecorder(model, on_pass=lambda i, s: seen.append(i))
+    g = generate(rec, PROMPT, 4, speculate=False, eos_token_ids=[])
+    assert len(rec.passes) == g.stats["passes"] + 1 == len(seen) == 4
+    line = format_pass(1, rec.passes[1])
+    assert "pass    1" in line and "MB" in line and "experts" in line
+    text = format_summary(rec.passes)
+    assert text.startswith(f"prefill: {len(PROMPT)} tok") and "decode: 3 tok in 3 passes" in text
+
+
+def test_bench_cli_json(tiny_k3_path, capsys):
+    from deltafin.bench import add_cli
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--model", str(tiny_k3_path), "--tokens", "3", "--prompt-tokens", "4",
+                              "--json", "--no-drop-cache", "--stream", "on", "--device", "cpu", "--io-workers", "2"])
+    assert args.func(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "bytes_per_token", "raw_read_gbps", "achieved_read_gbps",
+                "io_efficiency", "peak_rss_bytes", "tokens_per_pass", "settings", "machine", "io_split"):
+        assert key in r, key
+    assert r["streaming"] is True and r["decode_tokens"] == 2 and r["tokens_per_pass"] == 1.0
+    assert r["bytes_per_token"] == r["read_bytes_per_token"] + r["ram_bytes_per_token"] > 0
+    assert r["raw_read"]["bytes"] > 0 and r["raw_read_gbps"] > 0 and r["io_efficiency"] > 0
+    assert r["settings"]["io_workers"] == 2 and r["machine"]["cpu_count"] >= 1
+    assert r["io_split"]["experts_per_token"] == 20  # 5 MoE layers x top-4
