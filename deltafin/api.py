@@ -24,6 +24,24 @@ def _load_tokenizer(path: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
+def resolve_path(path: str | Path) -> Path:
+    """A local folder as is; a Hugging Face repo id ("org/name") is downloaded (or found) in the hub cache."""
+    p = Path(path)
+    if p.exists():
+        return p
+    text = str(path)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+        try:
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.jinja",
+                                                                "tokenizer*", "*.tiktoken", "*.model"]))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+            raise FileNotFoundError(f"{text}: not a local folder, and fetching it from the Hugging Face hub "
+                                    f"failed ({type(e).__name__}: {e})") from None
+    raise FileNotFoundError(f"{text}: no such checkpoint folder or store")
+
+
 def open_source(path: str | Path, spine: str = "auto"):
     """A weight source for a converted store or a Hugging Face checkpoint folder."""
     path = Path(path)
@@ -62,7 +80,7 @@ def _want_stream(settings: Settings, source) -> bool:
 
 class Model:
     def __init__(self, path: str | Path, settings: Settings):
-        self.path = Path(path)
+        self.path = resolve_path(path)
         self.settings = settings
         self.source = open_source(self.path, settings.spine)
         self.config = _with_generation_eos(self.source.config, self.path)

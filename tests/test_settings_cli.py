@@ -74,3 +74,11 @@ def test_run_prints_text_and_a_summary(tiny_k3_path):
     assert out.returncode == 0, out.stderr
     assert "tokens in" in out.stderr and "tok/s" in out.stderr and "prefill" in out.stderr
     assert out.stdout.strip() != ""
+
+
+def test_missing_model_path_is_a_clean_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["run", "--model", str(tmp_path / "nope"), "hi"]) == 2
+    assert "no such checkpoint folder" in capsys.readouterr().err
+    assert main(["run", "--model", "someone/not-here", "hi"]) == 2
+    assert "Hugging Face hub" in capsys.readouterr().err

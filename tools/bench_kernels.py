@@ -2,7 +2,7 @@
 
 For each (shape, codec, rows) it reports the weight bytes consumed per second by the Triton
 kernel (CUDA only) and by the torch reference, next to the device's memory bandwidth measured
-with a plain large copy. Prints one JSON line, then a table.
+with a plain large copy and a plain large sum. Prints one JSON line, then a table.
 
     python tools/bench_kernels.py                      # CUDA if present, else CPU (reference only)
     python tools/bench_kernels.py --rows 1,16 --dtype bfloat16
@@ -90,16 +90,20 @@ def _eager_time(fn, iters: int, sync) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def copy_bandwidth(device: str, nbytes: int, iters: int) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def memory_bandwidth(device: str, nbytes: int, iters: int) -> tuple[float, float]:
+    """GB/s of (a device-to-device copy, counting bytes read plus written; a sum, bytes read)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    if device.startswith("cuda"):
-        sec = _cuda_time(lambda i: dst.copy_(src), 1, iters)
-    else:
-        sec = _eager_time(lambda i: dst.copy_(src), iters, lambda: None)
-    return 2 * nbytes / sec / 1e9
+    out = torch.empty((), dtype=torch.float32, device=device)
+
+    def timer(fn) -> float:
+        if device.startswith("cuda"):
+            return _cuda_time(fn, 1, iters)
+        return _eager_time(fn, iters, lambda: None)
+
+    copy = timer(lambda i: dst.copy_(src))
+    read = timer(lambda i: torch.sum(src, dim=0, out=out))
+    return 2 * nbytes / copy / 1e9, nbytes / read / 1e9
 
 
 def bench_one(codec: str, shape: tuple[int, int], rows: int, dtype: torch.dtype, device: str,
@@ -115,9 +119,16 @@ def bench_one(codec: str, shape: tuple[int, int], rows: int, dtype: torch.dtype,
     modes = [("torch", False)]
     if cuda and codec != "bf16":
         modes.insert(0, ("triton", True))
+        from deltafin.kernels import triton_kernels
+        if rows <= triton_kernels.GEMV_MAX_ROWS:
+            # The tensor-core kernel on the same input, to show what the CUDA-core one wins.
+            modes.insert(1, ("triton_dot", "dot"))
     for label, use_triton in modes:
         def call(i: int) -> torch.Tensor:
-            return qlinear(x, weights[i % copies], use_triton=use_triton)
+            q = weights[i % copies]
+            if use_triton == "dot":
+                return triton_kernels.qlinear_triton(x, q.codec, q.tensors, q.group_size, method="dot")
+            return qlinear(x, q, use_triton=use_triton)
         for i in range(warmup):
             call(i)  # the first Triton call autotunes for this shape
         if cuda:
@@ -138,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codecs", default=",".join(CODECS), help="subset of codecs to run")
     ap.add_argument("--shapes", default="", help="OUTxIN,... instead of the K3 shapes (all codecs each)")
     ap.add_argument("--group", type=int, default=32, help="group size for int4/int6")
-    ap.add_argument("--iters", type=int, default=None, help="timed calls (default: 200 cuda, 2 cpu)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (default: 100 cuda, 2 cpu)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 3 cuda, 1 cpu)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    iters = args.iters or (200 if cuda else 2)
+    iters = args.iters or (100 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     wanted = set(args.codecs.split(","))
     if args.shapes:
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {name} {codec} rows={rows}: " + ", ".join(
                     f"{k}={rec[k]}" for k in ("triton_gbps", "torch_gbps", "error") if k in rec), file=sys.stderr)
     copy_bytes = (1 << 30) if cuda else (256 << 20)
-    copy_gbps = copy_bandwidth(args.device, copy_bytes, 20 if cuda else 3)
+    copy_gbps, read_gbps = memory_bandwidth(args.device, copy_bytes, 20 if cuda else 3)
     try:
         import triton
         triton_version = triton.__version__
@@ -175,14 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "kernels", "device": torch.cuda.get_device_name(args.device) if cuda else platform.processor()
         or platform.machine(), "torch": torch.__version__, "triton": triton_version, "dtype": args.dtype,
-        "copy_gbps_read_plus_write": round(copy_gbps, 1), "copy_bytes": copy_bytes,
+        "copy_gbps_read_plus_write": round(copy_gbps, 1), "sum_gbps_read": round(read_gbps, 1),
+        "bandwidth_bytes": copy_bytes,
         "timing": "cuda graph replay, weights rotated past L2" if cuda else "wall clock",
         "iters": iters, "results": results,
     }
     print(json.dumps(summary))
-    print(f"\ndevice: {summary['device']}  copy bandwidth (read+write): {copy_gbps:.0f} GB/s  x dtype: {args.dtype}")
+    print(f"\ndevice: {summary['device']}  copy (read+write): {copy_gbps:.0f} GB/s  sum (read): {read_gbps:.0f} GB/s"
+          f"  x dtype: {args.dtype}")
     head = f"{'weight':<14}{'shape':>13} {'codec':<6}{'rows':>5}{'MB':>8}{'triton GB/s':>13}{'us':>9}" \
-           f"{'% copy':>8}{'torch GB/s':>12}{'us':>10}"
+           f"{'% read':>8}{'dot GB/s':>10}{'torch GB/s':>12}{'us':>10}"
     print(head)
     print("-" * len(head))
     for r in results:
@@ -194,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:<14}{'x'.join(map(str, r['shape'])):>13} {r['codec']:<6}{r['rows']:>5}"
               f"{r['weight_bytes'] / 1e6:>8.1f}"
               f"{(f'{tg:.0f}' if tg else '-'):>13}{(str(r['triton_us']) if tg else '-'):>9}"
-              f"{(f'{100 * tg / copy_gbps:.0f}' if tg else '-'):>8}"
+              f"{(f'{100 * tg / read_gbps:.0f}' if tg else '-'):>8}"
+              f"{(str(round(r['triton_dot_gbps'])) if 'triton_dot_gbps' in r else '-'):>10}"
               f"{r['torch_gbps']:>12.2f}{r['torch_us']:>10.1f}")
     return 0
 

@@ -201,7 +201,8 @@ def qlinear(x: torch.Tensor, q: QWeight, use_triton: bool | None = None) -> torc
     x2 = x.reshape(-1, q.in_features)
     if use_triton is not False:
         kernels = _triton_kernels() if x.is_cuda else None
-        usable = kernels is not None and x2.shape[0] <= TRITON_MAX_ROWS and kernels.supports(q.codec, q.group_size)
+        usable = (kernels is not None and x2.shape[0] <= TRITON_MAX_ROWS
+                  and kernels.usable(q.codec, q.group_size, q.tensors))
         if usable:
             y = kernels.qlinear_triton(x2, q.codec, q.tensors, q.group_size)
             return y.reshape(*x.shape[:-1], q.out_features)
