@@ -12,6 +12,10 @@ at a time, and experts are copied one expert at a time through one reused buffer
 
 Running convert on a finished store with another --spine adds that spine (``spine-int8/...``)
 next to the existing one; the experts and copied files are shared.
+
+Which codec each spine tensor gets is decided by a policy over tensor roles (policy.py): the
+bf16 spine keeps every tensor as published, the int8 spine is the ``int8`` policy, and the
+``mixed`` spine is any policy (named or a JSON file), recorded in the manifest next to it.
 """
 from __future__ import annotations
 
@@ -26,14 +30,18 @@ from pathlib import Path
 
 import torch
 
+from ..config import ModelConfig
 from ..kernels.linear import quantize
-from .hf import DTYPES, CheckpointError, TensorInfo, pread_exact
+from .files import CheckpointError, fsync_dir, pread_exact
+from .hf import DTYPES, TensorInfo
+from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles
+from .policy import is_spine_projection  # noqa: F401  (its home was here; callers import it from here)
 from .source import HFSource
 from .store import (ALIGN, CHECKSUM, FORMAT, MANIFEST, PAGE, PLAIN, VERSION, StoreError, check_files,
                     checksum, expert_file, expert_prefix, globals_file, hex_checksum, layer_file,
                     read_manifest, round_up, verify_command)
 
-SPINE_MODES = ("bf16", "int8")
+SPINE_MODES = ("bf16", "int8", "mixed")
 JOURNAL = ".progress"
 JOURNAL_VERSION = 1
 CHUNK_BYTES = 32 << 20  # source bytes copied or quantized at once
@@ -44,34 +52,38 @@ TORCH_DTYPE_NAMES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", 
 
 
 # -- which codec each spine tensor gets ----------------------------------------------------------
-def is_spine_projection(rel: str) -> bool:
-    """A 2-D projection of the spine: attention (KDA q/k/v/o/g/f/b, MLA), dense MLP, shared
-    experts, latent down/up, lm_head. Not: embeddings, norms, conv, router, attn-res queries."""
-    if rel == "lm_head.weight":
-        return True
-    if rel.startswith("model.") or rel.endswith("_res_proj.weight"):
-        return False
-    return rel.endswith("_proj.weight") or rel.endswith("_proj_with_mqa.weight")
+def spine_policy(spine: str, policy: str | Path | SpinePolicy | None = None) -> SpinePolicy | None:
+    """The policy a spine is written with: None for bf16 (every tensor as published), the ``int8``
+    policy for int8, and `policy` (a name, a JSON file or a SpinePolicy) for mixed."""
+    if spine not in SPINE_MODES:
+        raise ValueError(f"unknown spine {spine!r}; expected one of {SPINE_MODES}")
+    if spine == "mixed":
+        if policy is None:
+            raise PolicyError(f"--spine mixed needs --policy: one of {', '.join(NAMED)} or a JSON policy file")
+        return load_policy(policy)
+    if policy is not None:
+        raise PolicyError(f"--policy applies to --spine mixed only (the {spine} spine has a fixed codec choice)")
+    return NAMED["int8"] if spine == "int8" else None
 
 
-def spine_codec(rel_name: str, spine_mode: str) -> str:
-    """The codec a spine tensor is stored in: PLAIN (as in the source) or a QWeight codec.
-
-    The one place that decides; a per-role policy (e.g. int4/int6 "mixed") replaces it.
-    """
-    if spine_mode == "bf16":
-        return PLAIN
-    if spine_mode == "int8":
-        return "int8" if is_spine_projection(rel_name) else PLAIN
-    raise ValueError(f"unknown spine {spine_mode!r}; expected one of {SPINE_MODES}")
+def spine_codecs(cfg: ModelConfig, layer: int | None, infos: dict[str, TensorInfo],
+                 policy: SpinePolicy | None) -> dict[str, tuple[str, int]]:
+    """{name: (codec, group size)} for the spine tensors of `layer` (None: the globals)."""
+    if policy is None:
+        return {rel: (PLAIN, 0) for rel in infos}
+    roles = tensor_roles(cfg, layer)
+    return {rel: policy.tensor_codec(rel, roles[rel], info.shape) for rel, info in infos.items()}
 
 
-def _estimated_parts(codec: str, info: TensorInfo) -> list[int]:
-    """Bytes of the tensors a weight becomes (exact for plain and int8, an upper bound otherwise)."""
+def _estimated_parts(codec: str, group: int, info: TensorInfo) -> list[int]:
+    """Bytes of each tensor a weight becomes (alignment padding not included)."""
+    if codec == PLAIN:
+        return [info.nbytes]
+    rows, cols = info.shape
     if codec == "int8":
-        rows, cols = info.shape
         return [rows * cols, rows * 4]
-    return [info.nbytes]
+    scales = rows * (cols // group) * 2
+    return [stored_nbytes(codec, rows, cols, group) - scales, scales]
 
 
 # -- writing one file atomically -----------------------------------------------------------------
@@ -81,14 +93,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class AtomicFile:
@@ -134,7 +138,7 @@ class AtomicFile:
         self.fd = None
         os.replace(self.tmp, self.final)
         self.committed = True
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
 
 
 def _tensor_bytes(t: torch.Tensor):
@@ -178,8 +182,8 @@ def _write_plain(out: AtomicFile, fd: int, info: TensorInfo, rel_file: str, tick
             "dtype": info.dtype, "codec": PLAIN, "checksum": hex_checksum(crc)}
 
 
-def _write_quantized(out: AtomicFile, fd: int, rel: str, info: TensorInfo, codec: str, rel_file: str,
-                     tick) -> dict[str, dict]:
+def _write_quantized(out: AtomicFile, fd: int, rel: str, info: TensorInfo, codec: str, group: int,
+                     rel_file: str, tick) -> dict[str, dict]:
     """Quantize a 2-D weight a block of rows at a time (every codec is row-wise, so the result is the
     same as quantizing it whole) into its codec's tensors, laid out back to back."""
     if len(info.shape) != 2:
@@ -194,7 +198,7 @@ def _write_quantized(out: AtomicFile, fd: int, rel: str, info: TensorInfo, codec
         r1 = min(rows, r0 + step)
         raw = pread_exact(fd, (r1 - r0) * row_bytes, info.offset + r0 * row_bytes, info.file)
         w = torch.frombuffer(raw, dtype=DTYPES[info.dtype][0]).reshape(r1 - r0, cols)
-        pieces = quantize(w, codec).to_tensors(prefix)
+        pieces = quantize(w, codec, group).to_tensors(prefix)
         if not parts:  # the first block fixes each part's row size, so the whole layout is known
             for name, t in pieces.items():
                 per_row = t[0].numel() * t.element_size()
@@ -213,22 +217,23 @@ def _write_quantized(out: AtomicFile, fd: int, rel: str, info: TensorInfo, codec
 
 
 def _spine_job(source: HFSource, kind: str, index: int, infos: dict[str, TensorInfo], rel_file: str,
-               spine: str) -> Job:
+               policy: SpinePolicy | None) -> Job:
+    codecs = spine_codecs(source.config, index if kind == "layer" else None, infos, policy)
     est = 0
     for rel, info in infos.items():
-        for n in _estimated_parts(spine_codec(rel, spine), info):
+        for n in _estimated_parts(*codecs[rel], info):
             est = round_up(est, ALIGN) + n
 
     def write(out: AtomicFile, tick) -> dict:
         tensors: dict[str, dict] = {}
         qweights: dict[str, dict] = {}
         for rel, info in infos.items():
-            codec = spine_codec(rel, spine)
+            codec, group = codecs[rel]
             fd = source.fd(info.file)
             if codec == PLAIN:
                 tensors[rel] = _write_plain(out, fd, info, rel_file, tick)
             else:
-                parts = _write_quantized(out, fd, rel, info, codec, rel_file, tick)
+                parts = _write_quantized(out, fd, rel, info, codec, group, rel_file, tick)
                 tensors.update(parts)
                 qweights[rel] = {"codec": codec, "tensors": list(parts)}
         end = out.pad_to(PAGE)
@@ -282,9 +287,10 @@ def metadata_files(src: Path) -> list[str]:
                   if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES))
 
 
-def plan(source: HFSource, spine: str, shared: bool) -> list[Job]:
+def plan(source: HFSource, spine: str, shared: bool, policy: SpinePolicy | None = None) -> list[Job]:
     """Every file to write, in the order they are written. shared: also the files spines share
-    (copied metadata and experts), i.e. this is a new store rather than a spine added to one."""
+    (copied metadata and experts), i.e. this is a new store rather than a spine added to one.
+    policy: the codec choice of the spine (see spine_policy)."""
     cfg = source.config
     jobs = []
     if shared:
@@ -292,9 +298,9 @@ def plan(source: HFSource, spine: str, shared: bool) -> list[Job]:
             size = (source.path / name).stat().st_size
             # file systems allocate whole blocks: count a small file as a page
             jobs.append(Job(name, "copy", 0, size, round_up(size, PAGE), _copy_file(source.path / name)))
-    jobs.append(_spine_job(source, "globals", 0, source.global_infos(), globals_file(spine), spine))
+    jobs.append(_spine_job(source, "globals", 0, source.global_infos(), globals_file(spine), policy))
     for i in range(cfg.num_layers):
-        jobs.append(_spine_job(source, "layer", i, source.spine_infos(i), layer_file(spine, i), spine))
+        jobs.append(_spine_job(source, "layer", i, source.spine_infos(i), layer_file(spine, i), policy))
     if shared:
         jobs += [_expert_job(source, i) for i in range(cfg.num_layers) if cfg.is_moe(i)]
     return jobs
@@ -305,8 +311,10 @@ def _source_id(hf_config: dict) -> str:
     return hex_checksum(checksum(json.dumps(hf_config, sort_keys=True).encode()))
 
 
-def _journal_header(hf_config: dict, spine: str) -> dict:
-    return {"journal": "deltafin-convert", "version": JOURNAL_VERSION, "spine": spine, "source": _source_id(hf_config)}
+def _journal_header(hf_config: dict, spine: str, policy: dict | None = None) -> dict:
+    header = {"journal": "deltafin-convert", "version": JOURNAL_VERSION, "spine": spine,
+              "source": _source_id(hf_config)}
+    return {**header, "policy": policy} if policy is not None else header
 
 
 def read_journal(dst: Path) -> tuple[dict | None, dict[str, dict]]:
@@ -360,9 +368,11 @@ def _pwrite_all_append(fd: int, data: bytes) -> None:
 
 
 # -- the destination -----------------------------------------------------------------------------
-def inspect_destination(dst: Path, hf_config: dict, spine: str) -> tuple[dict | None, dict[str, dict]]:
+def inspect_destination(dst: Path, hf_config: dict, spine: str,
+                        policy: dict | None = None) -> tuple[dict | None, dict[str, dict]]:
     """-> (the finished store's manifest or None, files a killed run finished). Refuses any DST
-    that is neither new, empty, a store of this model, nor an unfinished conversion of it."""
+    that is neither new, empty, a store of this model, nor an unfinished conversion of it.
+    policy: the mixed spine's policy (a spine of that name made with another policy is refused)."""
     if dst.exists() and not dst.is_dir():
         raise StoreError(f"{dst}: exists and is not a folder")
     present = sorted(p.name for p in dst.iterdir()) if dst.exists() else []
@@ -385,6 +395,11 @@ def inspect_destination(dst: Path, hf_config: dict, spine: str) -> tuple[dict | 
         if problems:
             raise StoreError(f"{dst}: the store there is damaged ({problems[0]}); remove it and convert again")
         if spine in existing["spines"]:
+            had = existing["spines"][spine].get("policy")
+            if had != policy:
+                raise StoreError(f"{dst}: already has a {spine} spine made with policy "
+                                 f"'{(had or {}).get('name')}', not '{(policy or {}).get('name')}'; convert into "
+                                 "a new folder to compare policies")
             return existing, {}
         if header is None:
             return existing, {}
@@ -400,6 +415,10 @@ def inspect_destination(dst: Path, hf_config: dict, spine: str) -> tuple[dict | 
     if header.get("spine") != spine:
         raise StoreError(f"{dst}: holds an unfinished conversion with --spine {header.get('spine')}; run that "
                          f"command again to finish it first, or remove {dst}")
+    if header.get("policy") != policy:
+        raise StoreError(f"{dst}: holds an unfinished conversion with policy "
+                         f"'{(header.get('policy') or {}).get('name')}'; run that command again to finish it "
+                         f"first, or remove {dst}")
     # Keep only files that are there in full (a file is renamed into place before it is journaled).
     kept = {rel: e for rel, e in entries.items()
             if (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
@@ -424,7 +443,7 @@ def _manifest_estimate(jobs: list[Job], source: HFSource) -> int:
 
 
 def assemble_manifest(base: dict | None, hf_config: dict, source: HFSource, spine: str, jobs: list[Job],
-                      done: dict[str, dict]) -> dict:
+                      done: dict[str, dict], policy: dict | None = None) -> dict:
     """The manifest, from the journaled entries, in a fixed order (the same however the run went)."""
     m = base or {
         "format": FORMAT, "version": VERSION, "checksum": CHECKSUM, "page_size": PAGE, "alignment": ALIGN,
@@ -433,7 +452,7 @@ def assemble_manifest(base: dict | None, hf_config: dict, source: HFSource, spin
         "experts": {"codec": "mxfp4" if source.config.expert_format == "mxfp4" else PLAIN, "layers": {}},
     }
     files = dict(m["files"])
-    sp = {"codec": spine, "globals": None, "layers": []}
+    sp = {"codec": spine, **({"policy": policy} if policy is not None else {}), "globals": None, "layers": []}
     for job in jobs:
         entry = done[job.rel]
         frag = entry["fragment"]
@@ -458,26 +477,28 @@ def _write_error(dst: Path, rel: str, e: OSError) -> StoreError:
     return StoreError(f"{dst}: failed while writing {rel}: {e}")
 
 
-def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: bool = True) -> Path:
+def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: bool = True,
+            policy: str | Path | SpinePolicy | None = None) -> Path:
     """Convert the Hugging Face checkpoint folder `src` into a store at `dst` (or add a spine to it).
 
+    spine: bf16 | int8 | mixed; policy (mixed only): a policy name, JSON policy file or SpinePolicy.
     Resumes a killed conversion into the same `dst`; refuses a `dst` holding anything else.
     """
-    if spine not in SPINE_MODES:
-        raise ValueError(f"unknown spine {spine!r}; expected one of {SPINE_MODES}")
+    pol = spine_policy(spine, policy)
+    recorded = pol.to_dict() if spine == "mixed" else None  # the manifest and journal record it
     src, dst = Path(src), Path(dst)
     if (src / MANIFEST).exists():
         raise StoreError(f"{src}: is already a deltafin store; convert from the Hugging Face checkpoint folder")
     source = HFSource(src)  # validates every tensor before anything is written
     try:
         hf_config = json.loads((src / "config.json").read_text())
-        existing, done = inspect_destination(dst, hf_config, spine)
+        existing, done = inspect_destination(dst, hf_config, spine, recorded)
         if existing is not None and spine in existing["spines"]:
             header, _ = read_journal(dst)
             if header is not None and header.get("spine") in existing["spines"]:
                 (dst / JOURNAL).unlink()  # left by a run killed after its manifest was written
             return dst
-        jobs = plan(source, spine, shared=existing is None)
+        jobs = plan(source, spine, shared=existing is None, policy=pol)
         done = {rel: e for rel, e in done.items() if rel in {j.rel for j in jobs}}
         todo = [j for j in jobs if j.rel not in done]
         check_free_space(dst, sum(j.est_bytes for j in todo) + _manifest_estimate(jobs, source))
@@ -487,7 +508,7 @@ def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: boo
         current = JOURNAL
         journal = None
         try:
-            journal = Journal(dst, _journal_header(hf_config, spine), done)
+            journal = Journal(dst, _journal_header(hf_config, spine, recorded), done)
             with _progress_bar(sum(j.src_bytes for j in todo), spine, progress) as bar:
                 for job in todo:
                     current = job.rel
@@ -498,7 +519,7 @@ def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: boo
                     journal.record(entry)
                     done[job.rel] = json.loads(json.dumps(entry))  # exactly what a resumed run would read back
             current = MANIFEST
-            manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done)
+            manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done, recorded)
             with AtomicFile(dst / MANIFEST) as out:
                 data = json.dumps(manifest, separators=(",", ":")).encode()
                 out.write_at(data, out.reserve(len(data), 1))
@@ -522,10 +543,12 @@ def _progress_bar(total: int, spine: str, enabled: bool):
 
 # -- command line --------------------------------------------------------------------------------
 def cmd_convert(args) -> int:
-    out = convert(args.src, args.dst, spine=args.spine)
+    out = convert(args.src, args.dst, spine=args.spine, policy=args.policy)
     m = read_manifest(out)
     total = sum(f["nbytes"] for f in m["files"].values())
-    print(f"deltafin convert: {out}: {total / 1e9:.3f} GB, spines: {', '.join(m['spines'])}")
+    pol = m["spines"][args.spine].get("policy")
+    print(f"deltafin convert: {out}: {total / 1e9:.3f} GB, spines: {', '.join(m['spines'])}"
+          + (f" ({args.spine}: policy {pol['name']})" if pol else ""))
     return 0
 
 
@@ -542,7 +565,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("src", help="Hugging Face checkpoint folder")
     p.add_argument("dst", help="store folder to write (new or empty, or an unfinished/finished store of SRC)")
     p.add_argument("--spine", choices=SPINE_MODES, default="bf16",
-                   help="spine codec: bf16 (as published, lossless) or int8 (per-output-channel projections)")
+                   help="spine codec: bf16 (as published, lossless), int8 (per-output-channel projections) or "
+                        "mixed (per tensor role, as --policy says)")
+    p.add_argument("--policy", default=None, metavar="NAME|FILE",
+                   help=f"with --spine mixed: a named policy ({', '.join(NAMED)}) or a JSON file "
+                        '{"name": ..., "group_size": 32, "roles": {role: codec}}')
     p.set_defaults(func=cmd_convert)
     v = subparsers.add_parser("verify", help="recompute every checksum of a deltafin store",
                               description="Check a store: files, sizes, and every tensor's checksum; prints the "

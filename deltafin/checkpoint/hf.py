@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, load_config
+from .files import CheckpointError, FileHandles, pread_exact
 from .layout import all_tensors
 
 # safetensors dtype names -> (torch dtype, bytes per element)
@@ -36,10 +37,6 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
 BYTE_DTYPES = {"U8", "I8", "F8_E8M0"}
 MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """The checkpoint is incomplete, corrupt, or does not match its config."""
 
 
 @dataclass(frozen=True)
@@ -104,18 +101,6 @@ def bytes_to_tensor(buf, info: TensorInfo) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch_dtype).reshape(info.shape)
 
 
-def pread_exact(fd: int, nbytes: int, offset: int, file: str) -> bytearray:
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
-    while got < nbytes:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise CheckpointError(f"{file}: unexpected end of file at byte {offset + got}")
-        got += n
-    return buf
-
-
 class HFCheckpoint:
     """A Hugging Face checkpoint folder: config + safetensors shards, read by byte range."""
 
@@ -126,7 +111,7 @@ class HFCheckpoint:
         self.config: ModelConfig = load_config(self.path)
         self.raw_config = json.loads((self.path / "config.json").read_text())
         self.infos: dict[str, TensorInfo] = self._read_index()
-        self._fds: dict[str, int] = {}
+        self._files = FileHandles()
         if validate:
             self.validate()
 
@@ -173,10 +158,7 @@ class HFCheckpoint:
 
     # -- reading ---------------------------------------------------------------------------
     def _fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
-        return fd
+        return self._files.get(file)
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -193,9 +175,7 @@ class HFCheckpoint:
         return name in self.infos
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def __del__(self):
         try:

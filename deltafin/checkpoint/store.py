@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,8 @@ from pathlib import Path
 from ..config import ModelConfig, parse_config
 from ..kernels.linear import QWeight
 from . import source as hf_source
-from .hf import CheckpointError, TensorInfo, pread_exact
+from .files import CheckpointError, FileHandles, pread_exact
+from .hf import TensorInfo
 from .layout import expert_tensors, global_tensors, layer_spine_tensors
 
 MANIFEST = "deltafin-store.json"
@@ -230,8 +230,7 @@ class StoreSource:
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(f"{self.path / MANIFEST}: malformed store manifest ({type(e).__name__}: {e})") from None
         self._check_layout()
-        self._fds: dict[str, int] = {}
-        self._fd_lock = threading.Lock()
+        self._files = FileHandles()
 
     def _check_layout(self) -> None:
         """The manifest holds exactly the tensors the config implies (names, plain shapes)."""
@@ -285,13 +284,7 @@ class StoreSource:
         return hf_source.decode_globals(self._globals.group(tensors))
 
     def fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._fd_lock:  # reader threads may ask for the same file at once
-                fd = self._fds.get(file)
-                if fd is None:
-                    fd = self._fds[file] = os.open(file, os.O_RDONLY)
-        return fd
+        return self._files.get(file)
 
     def read_globals(self) -> dict:
         return self.decode_globals(hf_source.read_infos(self.global_infos(), self.fd))
@@ -303,9 +296,7 @@ class StoreSource:
         return self.decode_expert(i, e, hf_source.read_infos(self.expert_infos(i, e), self.fd))
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def __del__(self):
         try:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, parse_config
+from .files import fsync_dir
 from .layout import DTYPE_BYTES, MXFP4_GROUP, TensorSpec, all_tensors, nbytes
 from .tokenizer_data import BOS_TOKEN, CHAT_TEMPLATE, CORPUS, EOS_TOKEN, IM_END, MEDIA_PAD, PAD_TOKEN, SPECIAL_TOKENS
 
@@ -684,7 +685,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict
         })
         _write_text(tmp / "tokenizer.json", tokenizer_json())
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(cfg.max_position_embeddings))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():  # overwrite: swap only now that the new one is complete
             old = out.with_name(f"{out.name}.old-{os.getpid()}")
             os.rename(out, old)
@@ -692,7 +693,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict
             shutil.rmtree(old)
         else:
             os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -821,9 +822,3 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

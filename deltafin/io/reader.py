@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checkpoint.hf import DTYPES, CheckpointError, TensorInfo
+from ..checkpoint.files import CheckpointError, FileHandles, pread_into
+from ..checkpoint.hf import DTYPES, TensorInfo
 
 ALIGN = 4096  # page size and the O_DIRECT alignment of offsets, lengths and buffer addresses
 READ_MODES = ("buffered", "nocache", "mmap")
@@ -136,16 +137,6 @@ class AlignedBuffer:
         self.mem = memoryview(self._map)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, need: int, file: str) -> None:
-    """Fill view[:need] from the file at offset (view may extend past need; EOF beyond is fine)."""
-    got = 0
-    while got < need:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise CheckpointError(f"{file}: unexpected end of file at byte {offset + got}")
-        got += n
-
-
 class Files:
     """Open files of one read mode; thread-safe; each file opened (or mapped) once."""
 
@@ -154,34 +145,22 @@ class Files:
             raise ValueError(f"unknown read mode {mode!r} (allowed: {', '.join(READ_MODES)})")
         self.mode = mode
         self._direct_ok = direct and hasattr(os, "O_DIRECT")
-        self._fds: dict[str, int] = {}
-        self._direct: dict[str, int | None] = {}
+        self._files = FileHandles()
+        self._no_direct: set[str] = set()  # files whose filesystem refuses O_DIRECT
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def _fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    try:
-                        fd = self._fds[file] = os.open(file, os.O_RDONLY)
-                    except OSError as e:
-                        raise CheckpointError(f"{file}: cannot open ({e.strerror})") from None
-        return fd
+        return self._files.get(file)
 
     def _direct_fd(self, file: str) -> int | None:
-        if not self._direct_ok:
+        if not self._direct_ok or file in self._no_direct:
             return None
-        if file not in self._direct:
-            with self._lock:
-                if file not in self._direct:
-                    try:
-                        self._direct[file] = os.open(file, os.O_RDONLY | os.O_DIRECT)
-                    except OSError:  # e.g. a filesystem without O_DIRECT
-                        self._direct[file] = None
-        return self._direct[file]
+        try:
+            return self._files.get(file, os.O_RDONLY | os.O_DIRECT)
+        except CheckpointError:  # e.g. a filesystem without O_DIRECT
+            self._no_direct.add(file)
+            return None
 
     def _map(self, file: str) -> mmap.mmap:
         m = self._maps.get(file)
@@ -209,14 +188,14 @@ class Files:
                 a0, a1 = align_down(run.offset), align_up(run.offset + run.nbytes)
                 base = start - (run.offset - a0)
                 try:
-                    _pread_into(dfd, buf[base:base + (a1 - a0)], a0, run.offset + run.nbytes - a0, run.file)
+                    pread_into(dfd, buf[base:base + (a1 - a0)], a0, run.offset + run.nbytes - a0, run.file)
                     return
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    self._direct[run.file] = None  # this filesystem refuses aligned direct reads
+                    self._no_direct.add(run.file)  # this filesystem refuses aligned direct reads
         fd = self._fd(run.file)
-        _pread_into(fd, buf[start:start + run.nbytes], run.offset, run.nbytes, run.file)
+        pread_into(fd, buf[start:start + run.nbytes], run.offset, run.nbytes, run.file)
         if self.mode == "nocache":
             os.posix_fadvise(fd, run.offset, run.nbytes, os.POSIX_FADV_DONTNEED)
 
@@ -227,11 +206,9 @@ class Files:
                     m.close()
                 except BufferError:  # a view is still alive; the map goes with it
                     pass
-            for fd in list(self._fds.values()) + [d for d in self._direct.values() if d is not None]:
-                os.close(fd)
             self._maps.clear()
-            self._fds.clear()
-            self._direct.clear()
+        self._files.close()
+        self._no_direct.clear()
 
 
 class Batch:

@@ -8,7 +8,7 @@ slice of the inputs, the slices' partial sums being added afterwards, so that ev
 work. Programs walk the inputs a tile at a time and request the next tile's bytes before
 decoding the current one. Two kernels:
 
-- GEMV (x of at most GEMV_MAX_ROWS rows), CUDA cores. Weights are read as int32 words; each
+- GEMV (x of at most GEMV_MAX_ROWS rows; see GEMV_CODECS), CUDA cores. Weights are read as int32 words; each
   word holds several codes, decoded by shifts and masks and turned into floats with the
   2^23 trick (OR the integer into the mantissa of 2^23, subtract 2^23) instead of the slow
   int-to-float instruction. A word's j-th code meets the x inputs at stride j, so nothing is
@@ -37,6 +37,10 @@ import triton.language as tl
 
 MAX_ROWS = 16  # qlinear sends at most this many rows of x
 GEMV_MAX_ROWS = 4  # the CUDA-core kernel multiplies each weight once per row; past this it loses
+# Codecs whose GEMV beat the tensor-core kernel at one row on an H200 (K3 shapes, fp32 x):
+# int8 2.0 vs 1.6 TB/s, int6 0.58 vs 0.20, MXFP4 about equal (experts 0.35 vs 0.32); for
+# int4 the tensor-core kernel won (0.80 vs 0.68 TB/s), so int4 always uses it.
+GEMV_CODECS = ("int8", "int6", "mxfp4")
 CODEC_IDS = {"int4": 0, "int6": 1, "mxfp4": 2, "int8": 3}
 # Codes per int32 word (int6: per 3 words) in the GEMV kernel; the input width must divide by it.
 _PER_ENTRY = {"int4": 8, "int6": 16, "mxfp4": 8, "int8": 4}
@@ -59,7 +63,7 @@ def usable(codec: str, group_size: int, tensors: dict[str, torch.Tensor]) -> boo
     if not supports(codec, group_size):
         return False
     w = tensors["weight"] if codec == "int8" else tensors["weight_packed"]
-    n_in = w.shape[1] * {"int8": 1, "int4": 2, "mxfp4": 2, "int6": 4 / 3}[codec]
+    n_in = w.shape[1] * 4 // 3 if codec == "int6" else w.shape[1] * (1 if codec == "int8" else 2)
     return w.is_contiguous() and w.data_ptr() % 4 == 0 and n_in % _PER_ENTRY[codec] == 0
 
 
@@ -425,7 +429,8 @@ def qlinear_triton(x: torch.Tensor, codec: str, tensors: dict[str, torch.Tensor]
                    method: str = "auto", config: dict | None = None) -> torch.Tensor:
     """y [M, out] = x [M, in] @ W^T for M <= 16, W given as a codec's tensors (see linear.py).
 
-    method: "gemv" (CUDA cores), "dot" (tensor cores) or "auto" (gemv up to GEMV_MAX_ROWS rows).
+    method: "gemv" (CUDA cores), "dot" (tensor cores) or "auto" (gemv for GEMV_CODECS up to
+    GEMV_MAX_ROWS rows, else dot).
     config: fixed launch parameters instead of autotuning ({"BN": .., "BK": .. (not for the
     grouped dot kernel), optionally "num_warps", "DOT_F32", "SPLITS" (K slices)}); tests use it
     to cover each kernel and to run them under TRITON_INTERPRET on a CPU.
@@ -446,7 +451,7 @@ def qlinear_triton(x: torch.Tensor, codec: str, tensors: dict[str, torch.Tensor]
     # One slice writes y directly; several write fp32 partial sums that are added in order.
     y = torch.empty((n_split, m, n), dtype=torch.float32 if n_split > 1 else x.dtype, device=x.device)
     common = (x, None, s, y, m, n, k, k_split, x.stride(0))
-    gemv = method == "gemv" or (method == "auto" and m <= GEMV_MAX_ROWS)
+    gemv = method == "gemv" or (method == "auto" and m <= GEMV_MAX_ROWS and codec in GEMV_CODECS)
     if gemv:
         wq = w.view(torch.int32)
         args = common[:1] + (wq,) + common[2:] + (wq.stride(0), s.stride(0), y.stride(1), y.stride(0))
