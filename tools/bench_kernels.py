@@ -116,18 +116,18 @@ def bench_one(codec: str, shape: tuple[int, int], rows: int, dtype: torch.dtype,
     rec = {"name": None, "shape": list(shape), "codec": codec, "group": q0.group_size, "rows": rows,
            "dtype": str(dtype).removeprefix("torch."), "weight_bytes": q0.nbytes, "copies": copies}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    modes = [("torch", False)]
+    modes: list[tuple[str, bool | str]] = [("torch", False)]
     if cuda and codec != "bf16":
-        modes.insert(0, ("triton", True))
         from deltafin.kernels import triton_kernels
+        modes.insert(0, ("triton", True))
         if rows <= triton_kernels.GEMV_MAX_ROWS:
-            # The tensor-core kernel on the same input, to show what the CUDA-core one wins.
-            modes.insert(1, ("triton_dot", "dot"))
+            # Both kernels on the same input: the figures behind triton_kernels.GEMV_CODECS.
+            modes[1:1] = [("triton_gemv", "gemv"), ("triton_dot", "dot")]
     for label, use_triton in modes:
         def call(i: int) -> torch.Tensor:
             q = weights[i % copies]
-            if use_triton == "dot":
-                return triton_kernels.qlinear_triton(x, q.codec, q.tensors, q.group_size, method="dot")
+            if isinstance(use_triton, str):
+                return triton_kernels.qlinear_triton(x, q.codec, q.tensors, q.group_size, method=use_triton)
             return qlinear(x, q, use_triton=use_triton)
         for i in range(warmup):
             call(i)  # the first Triton call autotunes for this shape
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndevice: {summary['device']}  copy (read+write): {copy_gbps:.0f} GB/s  sum (read): {read_gbps:.0f} GB/s"
           f"  x dtype: {args.dtype}")
     head = f"{'weight':<14}{'shape':>13} {'codec':<6}{'rows':>5}{'MB':>8}{'triton GB/s':>13}{'us':>9}" \
-           f"{'% read':>8}{'dot GB/s':>10}{'torch GB/s':>12}{'us':>10}"
+           f"{'% read':>8}{'gemv GB/s':>10}{'dot GB/s':>10}{'torch GB/s':>12}{'us':>10}"
     print(head)
     print("-" * len(head))
     for r in results:
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['weight_bytes'] / 1e6:>8.1f}"
               f"{(f'{tg:.0f}' if tg else '-'):>13}{(str(r['triton_us']) if tg else '-'):>9}"
               f"{(f'{100 * tg / read_gbps:.0f}' if tg else '-'):>8}"
+              f"{(str(round(r['triton_gemv_gbps'])) if 'triton_gemv_gbps' in r else '-'):>10}"
               f"{(str(round(r['triton_dot_gbps'])) if 'triton_dot_gbps' in r else '-'):>10}"
               f"{r['torch_gbps']:>12.2f}{r['torch_us']:>10.1f}")
     return 0

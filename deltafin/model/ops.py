@@ -5,12 +5,22 @@ import torch
 import torch.nn.functional as F
 
 
+# Weights stored in another dtype than the compute dtype are converted this many elements at a
+# time: converting a whole [163840, 7168] head to fp32 at once would need 4.7 GB.
+CONVERT_BLOCK = 1 << 24
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w.T for a plain weight tensor or a quantized weight (dequantized inside the product)."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
-    from ..kernels.linear import qlinear
-    return qlinear(x, w)
+    if not isinstance(w, torch.Tensor):
+        from ..kernels.linear import qlinear
+        return qlinear(x, w)
+    if w.dtype == x.dtype:
+        return F.linear(x, w)
+    if w.numel() <= CONVERT_BLOCK:
+        return F.linear(x, w.to(x.dtype))
+    rows = max(1, CONVERT_BLOCK // w.shape[1])
+    return torch.cat([F.linear(x, w[r:r + rows].to(x.dtype)) for r in range(0, w.shape[0], rows)], dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Per spine role: bytes saved per token, and mean logit KL / top-1 agreement against the bf16 spine.
+
+    spine_sensitivity.py MODEL [--policy NAME|FILE] [--codec int8|int6|int4] [--prompts N] [--length T] [--json]
+    spine_sensitivity.py MODEL --bytes-only [--set KEY=VALUE ...]
+
+MODEL is a Hugging Face folder or a store with a bf16 spine. --codec probes every unprotected role
+at one codec instead of the policy's codecs. --bytes-only prints spine bytes per token for bf16 and
+every named policy from the config alone (no weights read); there MODEL may also be preset:NAME
+(a synthetic preset's config, e.g. preset:k3-slice, with --set overrides).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from deltafin.checkpoint.policy import NAMED
+from deltafin.sensitivity import bytes_report, format_bytes_report, format_table, sensitivity, to_json
+
+
+def model_config(model: str, overrides: list[str]):
+    from deltafin.config import parse_config
+    if model.startswith("preset:"):
+        from deltafin.checkpoint.synthetic import config_dict, parse_override
+        return parse_config(config_dict(model[len("preset:"):], dict(map(parse_override, overrides))))
+    from deltafin.api import open_source
+    source = open_source(model)
+    try:
+        return source.config
+    finally:
+        source.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--policy", default="moe4", help=f"named policy ({', '.join(NAMED)}) or JSON file")
+    p.add_argument("--codec", choices=("int8", "int6", "int4"), default=None,
+                   help="probe every unprotected role at this codec instead of the policy's")
+    p.add_argument("--prompts", type=int, default=8, help="prompts of seeded random token ids")
+    p.add_argument("--length", type=int, default=32, help="tokens per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--bytes-only", action="store_true", help="spine bytes per token per policy, no forward passes")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with preset:NAME, override a config field")
+    a = p.parse_args(argv)
+    if a.bytes_only:
+        cfg = model_config(a.model, a.overrides)
+        report = bytes_report(cfg, [a.policy] if a.policy not in NAMED else list(NAMED))
+        title = (f"{a.model}: spine bytes per decode token ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+                 f"{cfg.num_experts} experts per MoE layer)")
+        print(json.dumps(report, indent=2) if a.json else format_bytes_report(report, title))
+        return 0
+    if not Path(a.model).exists():
+        p.error(f"{a.model}: no such folder")
+    result = sensitivity(a.model, a.policy, a.codec, a.prompts, a.length, a.seed, a.device)
+    print(to_json(result) if a.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
