@@ -13,12 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
-from .model.binding import bind, unbind
+from .model.binding import bind, slot_names, unbind
 from .model.layers import build_templates, layer_kind
-from .model.ops import linear, rms_norm
+from .model.ops import HalfMatmul, linear, rms_norm
 from .model.layers import attn_res
 from .model.state import DecodeState
 from .settings import Settings
+
+
+# 2-D slots that are not used as matrix products (router scores, depth-mix pseudo-queries, conv
+# taps): they stay in their stored precision whatever the product dtype.
+NOT_PRODUCTS = {"mlp.gate", "attn_res_proj", "mlp_res_proj", "self_attn.q_conv", "self_attn.k_conv",
+                "self_attn.v_conv"}
 
 
 @dataclass
@@ -49,8 +55,13 @@ class Engine:
         self.provider = provider
         self.settings = settings
         self.device = settings.torch_device()
-        self.dtype = settings.torch_dtype()
+        # The residual stream, states and all reductions are fp32; `dtype` only sets the dtype
+        # matrix products run in (float32 = the reference).
+        self.dtype = torch.float32
+        self.matmul_dtype = settings.torch_dtype()
         self.templates = build_templates(cfg)
+        self._product_slots = {name for t in self.templates.values() for name, shape in slot_names(t).items()
+                               if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
         self.totals = Totals()
 
@@ -60,6 +71,13 @@ class Engine:
             attn = self.templates[layer_kind(self.cfg, i)].self_attn
             layers.append(attn.new_state(self.dtype))
         return DecodeState(layers=layers)
+
+    def _for_products(self, weights: dict) -> dict:
+        """Mark the plain projection weights for 16-bit products when that path was chosen."""
+        if self.matmul_dtype == torch.float32:
+            return weights
+        return {k: HalfMatmul(w, self.matmul_dtype) if k in self._product_slots and isinstance(w, torch.Tensor)
+                else w for k, w in weights.items()}
 
     @torch.inference_mode()
     def forward(self, ids: list[int], state: DecodeState, keep_states: bool = False,
@@ -85,7 +103,7 @@ class Engine:
             for i in range(cfg.num_layers):
                 weights = self.provider.spine(i, stats)
                 tmpl = self.templates[layer_kind(cfg, i)]
-                bind(tmpl, weights)
+                bind(tmpl, self._for_products(weights))
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
                 h = tmpl(i, h, blocks, state.layers[i], keep_states, chunk,
                          lambda chosen, i=i: self.provider.experts(i, chosen, stats))
@@ -100,7 +118,8 @@ class Engine:
             h, blocks = h[-1:], [b[-1:] for b in blocks]
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
-        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), g["lm_head"]).float()
+        head = self._for_products({"lm_head": g["lm_head"]})["lm_head"]
+        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float()
         stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - t0
         state.num_tokens += len(ids_t)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .binding import Bindable
-from .ops import linear, rms_norm
+from .ops import linear, plain, rms_norm
 from .state import MLAState
 
 # The latent norms use a fixed eps of 1e-6 (not rms_norm_eps), like the published implementations.
@@ -56,7 +56,7 @@ class MLAttention(Bindable):
         past = st.length
         st.append(ckv_new, kv[:, r:])
         ckv, krot = st.view()  # [P+T, r], [P+T, rope]
-        wkv = self.kv_b_proj
+        wkv = plain(self.kv_b_proj)
         wkv = wkv if isinstance(wkv, torch.Tensor) else _dequant(wkv)
         wkv = wkv.to(x.dtype).view(nh, nope + dv, r)
         w_k, w_v = wkv[:, :nope], wkv[:, nope:]  # [nh, nope, r], [nh, dv, r]

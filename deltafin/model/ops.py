@@ -1,8 +1,28 @@
 """Small numeric building blocks shared by every layer kind (K3_MODEL.md section 3)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class HalfMatmul:
+    """A plain weight whose products run in a 16-bit dtype: the opt-in fast path. The input row is
+    rounded to that dtype for the product and the result comes back in the input's dtype; norms,
+    states, softmax and the residual stream stay fp32."""
+    weight: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+def plain(w) -> torch.Tensor:
+    """The weight tensor itself, for the few places that use a weight other than as a product."""
+    return w.weight if isinstance(w, HalfMatmul) else w
 
 
 # Weights stored in another dtype than the compute dtype are converted this many elements at a
@@ -12,6 +32,8 @@ CONVERT_BLOCK = 1 << 24
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w.T for a plain weight tensor or a quantized weight (dequantized inside the product)."""
+    if isinstance(w, HalfMatmul):
+        return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
     if not isinstance(w, torch.Tensor):
         from ..kernels.linear import qlinear
         return qlinear(x, w)
