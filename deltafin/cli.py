@@ -57,7 +57,8 @@ def cmd_run(args) -> int:
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
     model = deltafin.load(path, settings=settings)
     print(f"deltafin: {Path(path).name}: {model.config.architecture}, {model.config.num_layers} layers, "
-          f"{'streaming from disk' if model.streaming else 'in RAM'}; {spine_message(model.source, path)}",
+          f"{'streaming from disk' if model.streaming else 'in RAM'}, {model.threads} compute threads; "
+          f"{spine_message(model.source, path)}",
           file=sys.stderr)
     ids = model.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else model.encode(args.prompt)
     runner = model

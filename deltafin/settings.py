@@ -39,6 +39,8 @@ class Settings:
     read_mode: str = _knob("buffered", "how expert and spine bytes are read: buffered (page cache), "
                            "nocache (drop pages after use / O_DIRECT), mmap",
                            choices=("buffered", "nocache", "mmap"))
+    threads: int = _knob(0, "compute threads; 0 = auto: every core when the model is in RAM, one fewer when "
+                         "streaming so the readers keep a core")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")
@@ -82,7 +84,7 @@ class Settings:
         for name in ("io_workers", "kda_chunk", "ngram", "draft_len"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"setting '{name}' must be >= 1, got {getattr(self, name)}")
-        for name in ("pin_layers", "max_new_tokens", "queue_size", "memo_size", "max_tokens_cap"):
+        for name in ("threads", "pin_layers", "max_new_tokens", "queue_size", "memo_size", "max_tokens_cap"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"setting '{name}' must be >= 0, got {getattr(self, name)}")
 

@@ -1,10 +1,15 @@
 """Shared fixtures: tiny synthetic checkpoints made once per test session."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tiny models: one thread avoids oversubscription on small machines
+# Tiny models: one compute thread avoids oversubscription on small machines (and deltafin.load
+# applies the setting, so set it there too).
+os.environ.setdefault("DELTAFIN_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,336 @@
+/* MXFP4 weights on the CPU: x @ W^T straight from the packed bytes, and whole-row decoding.
+
+   Layout (see mxfp4.py): packed uint8 [out, in/2], byte j of a row holds element 2j in its low
+   nibble and 2j+1 in its high nibble, each an E2M1 code; scale uint8 [out, in/32] holds one E8M0
+   byte per group of 32 inputs, factor 2^(s-127) (s = 0: 2^-127, a float32 subnormal; s = 255: NaN).
+
+   Every weight is decoded as the float32 product E2M1(code) * factor, exactly as the torch
+   reference does, so decoding is bit-exact and the matmul differs from the reference only in
+   summation order.
+
+   Two implementations: AVX-512 (compiled through target attributes, so the library itself needs
+   no -march flag) and portable C. The AVX-512 one is chosen at run time when the CPU has it.
+   Work is split over output rows between `threads` pthreads (the caller's thread is one of them).
+
+   The functions are called through ctypes; PyInit exists only so that the file is also a valid
+   (empty) extension module, which is how setuptools builds and places it. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MXFP4_X86 1
+#endif
+
+/* Bumped whenever a signature below changes, so Python never calls a stale library. */
+#define MXFP4_ABI 1
+
+#define GROUP 32
+/* Rows of x and output rows handled together by the AVX-512 gemv (16 accumulators). */
+#define X_BLOCK 4
+#define ROW_BLOCK 4
+/* Below this many weights per thread, extra threads cost more than they save. */
+#define MIN_WEIGHTS_PER_THREAD (1 << 18)
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static float e8m0_factor(unsigned s) {
+    uint32_t bits = s == 0 ? (1u << 22) : s == 255 ? 0x7FC00000u : (uint32_t)s << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+enum out_kind { OUT_F32 = 0, OUT_BF16 = 1 };
+
+/* One call's arguments, shared read-only by its threads. */
+struct job {
+    const float *x;        /* [m, n] as given (portable path) */
+    const float *x_even;   /* [m, n/2]: x[:, 0::2] (AVX-512 gemv) */
+    const float *x_odd;    /* [m, n/2]: x[:, 1::2] */
+    const uint8_t *packed; /* [out, n/2] */
+    const uint8_t *scale;  /* [out, n/32] */
+    void *y;               /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
+    int64_t m, out, n;
+    int kind;              /* enum out_kind, dequant only */
+    float factor[256];     /* E8M0 byte -> factor */
+};
+
+typedef void (*rows_fn)(const struct job *, int64_t r0, int64_t r1);
+
+/* ------------------------------------------------------------------ portable code */
+
+static void decode_group(const uint8_t *p, float f, float *w) {
+    for (int j = 0; j < GROUP / 2; j++) {
+        w[2 * j] = E2M1[p[j] & 15] * f;
+        w[2 * j + 1] = E2M1[p[j] >> 4] * f;
+    }
+}
+
+static void gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / GROUP;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = jb->packed + r * (n / 2);
+        const uint8_t *s = jb->scale + r * groups;
+        for (int64_t m = 0; m < jb->m; m++) {
+            /* One partial sum per lane of a group: a loop the compiler can vectorize. */
+            float acc[GROUP] = {0};
+            float w[GROUP];
+            const float *xm = jb->x + m * n;
+            for (int64_t g = 0; g < groups; g++) {
+                decode_group(p + g * (GROUP / 2), jb->factor[s[g]], w);
+                for (int k = 0; k < GROUP; k++) acc[k] += w[k] * xm[g * GROUP + k];
+            }
+            float sum = 0.0f;
+            for (int k = 0; k < GROUP; k++) sum += acc[k];
+            y[m * jb->out + r] = sum;
+        }
+    }
+}
+
+static void dequant_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / GROUP;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = jb->packed + r * (n / 2);
+        const uint8_t *s = jb->scale + r * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            float w[GROUP];
+            decode_group(p + g * (GROUP / 2), jb->factor[s[g]], w);
+            if (jb->kind == OUT_F32) {
+                memcpy((float *)jb->y + r * n + g * GROUP, w, sizeof w);
+            } else {
+                /* Decoded values have at most 2 significant bits, so bf16 holds them exactly:
+                   the top half of the float32 bits is the correctly rounded bf16. */
+                uint16_t *o = (uint16_t *)jb->y + r * n + g * GROUP;
+                for (int k = 0; k < GROUP; k++) {
+                    uint32_t bits;
+                    memcpy(&bits, &w[k], sizeof bits);
+                    o[k] = (uint16_t)(bits >> 16);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ AVX-512 */
+
+#ifdef MXFP4_X86
+#define AVX512 __attribute__((target("avx512f")))
+
+/* The 16 E2M1 values times the group's factor: vpermps then decodes 16 codes in one step. */
+#define E2M1_VECTOR() \
+    _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, \
+                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f)
+
+/* Output rows r..r+R-1 for rows m0..m0+MB-1 of x. R and MB are constants at every call site, so
+   the R*MB accumulators stay in registers. Several output rows share each load of x, which
+   matters once x (MB rows) no longer fits in L1. */
+static inline __attribute__((always_inline)) AVX512 void
+gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB) {
+    const int64_t half = jb->n / 2, groups = jb->n / GROUP;
+    const __m512 values = E2M1_VECTOR();
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 w_even[ROW_BLOCK], w_odd[ROW_BLOCK];
+        for (int k = 0; k < R; k++) {
+            const uint8_t *p = jb->packed + (r + k) * half + g * 16;
+            const float f = jb->factor[jb->scale[(r + k) * groups + g]];
+            const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(f));
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+            /* vpermps reads only the low 4 bits of each index: no mask needed for the low nibble. */
+            w_even[k] = _mm512_permutexvar_ps(bytes, table);
+            w_odd[k] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        }
+        for (int i = 0; i < MB; i++) {
+            const int64_t off = (m0 + i) * half + g * 16;
+            const __m512 xe = _mm512_loadu_ps(jb->x_even + off);
+            const __m512 xo = _mm512_loadu_ps(jb->x_odd + off);
+            for (int k = 0; k < R; k++)
+                acc[k][i] = _mm512_fmadd_ps(w_odd[k], xo, _mm512_fmadd_ps(w_even[k], xe, acc[k][i]));
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = _mm512_reduce_add_ps(acc[k][i]);
+}
+
+/* All rows of x for output rows r..r+R-1, X_BLOCK rows of x at a time. */
+static inline __attribute__((always_inline)) AVX512 void
+gemv_rows_block_avx512(const struct job *jb, int64_t r, const int R) {
+    int64_t m0 = 0;
+    for (; m0 + X_BLOCK <= jb->m; m0 += X_BLOCK) gemv_block_avx512(jb, r, m0, R, X_BLOCK);
+    switch (jb->m - m0) {
+    case 3: gemv_block_avx512(jb, r, m0, R, 3); break;
+    case 2: gemv_block_avx512(jb, r, m0, R, 2); break;
+    case 1: gemv_block_avx512(jb, r, m0, R, 1); break;
+    default: break;
+    }
+}
+
+static AVX512 void gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK) gemv_rows_block_avx512(jb, r, ROW_BLOCK);
+    for (; r < r1; r++) gemv_rows_block_avx512(jb, r, 1);
+}
+
+static AVX512 void dequant_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / GROUP;
+    const __m512 values = E2M1_VECTOR();
+    /* Re-interleave even and odd elements: lanes 0..15 of the output are e0 o0 e1 o1 ... e7 o7. */
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = jb->packed + r * (n / 2);
+        const uint8_t *s = jb->scale + r * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(jb->factor[s[g]]));
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + g * 16)));
+            const __m512 w_even = _mm512_permutexvar_ps(bytes, table);
+            const __m512 w_odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+            const __m512 lo = _mm512_permutex2var_ps(w_even, first, w_odd);
+            const __m512 hi = _mm512_permutex2var_ps(w_even, second, w_odd);
+            const int64_t at = r * n + g * GROUP;
+            if (jb->kind == OUT_F32) {
+                _mm512_storeu_ps((float *)jb->y + at, lo);
+                _mm512_storeu_ps((float *)jb->y + at + 16, hi);
+            } else {
+                uint16_t *o = (uint16_t *)jb->y + at;
+                _mm256_storeu_si256((__m256i *)o,
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+                _mm256_storeu_si256((__m256i *)(o + 16),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
+            }
+        }
+    }
+}
+#endif
+
+static int have_avx512(void) {
+#ifdef MXFP4_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------ threads */
+
+struct slice {
+    const struct job *jb;
+    rows_fn fn;
+    int64_t r0, r1;
+};
+
+static void *run_slice(void *arg) {
+    const struct slice *sl = (const struct slice *)arg;
+    sl->fn(sl->jb, sl->r0, sl->r1);
+    return NULL;
+}
+
+/* Split rows 0..out-1 into `threads` contiguous slices; the calling thread takes the first.
+   A thread that cannot be started has its slice run here instead, so the result never depends
+   on thread creation succeeding. */
+static int run_rows(const struct job *jb, rows_fn fn, int threads) {
+    const int64_t by_size = (jb->out * jb->n * (jb->m > 0 ? jb->m : 1)) / MIN_WEIGHTS_PER_THREAD;
+    int64_t t = threads;
+    if (t > by_size) t = by_size;
+    if (t > jb->out) t = jb->out;
+    if (t < 1) t = 1;
+    if (t == 1) {
+        fn(jb, 0, jb->out);
+        return 0;
+    }
+    struct slice *sl = malloc((size_t)t * sizeof *sl);
+    pthread_t *tid = malloc((size_t)t * sizeof *tid);
+    int *started = calloc((size_t)t, sizeof *started);
+    if (!sl || !tid || !started) {
+        free(sl), free(tid), free(started);
+        fn(jb, 0, jb->out);
+        return 0;
+    }
+    for (int64_t i = 0; i < t; i++) {
+        sl[i] = (struct slice){jb, fn, jb->out * i / t, jb->out * (i + 1) / t};
+        if (i > 0) started[i] = pthread_create(&tid[i], NULL, run_slice, &sl[i]) == 0;
+    }
+    run_slice(&sl[0]);
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else run_slice(&sl[i]);
+    }
+    free(sl), free(tid), free(started);
+    return 0;
+}
+
+static void fill_factors(struct job *jb) {
+    for (unsigned s = 0; s < 256; s++) jb->factor[s] = e8m0_factor(s);
+}
+
+/* ------------------------------------------------------------------ exported */
+
+int mxfp4_cpu_abi(void) { return MXFP4_ABI; }
+
+/* 1 when the AVX-512 code runs on this CPU. */
+int mxfp4_cpu_has_avx512(void) { return have_avx512(); }
+
+/* y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
+   Returns 0, or -1 when scratch memory cannot be allocated. */
+int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8_t *scale,
+                   int64_t out, int64_t n, float *y, int threads, int use_simd) {
+    struct job jb = {.x = x, .packed = packed, .scale = scale, .y = y, .m = m, .out = out, .n = n};
+    fill_factors(&jb);
+    rows_fn fn = gemv_rows_portable;
+    float *split = NULL;
+#ifdef MXFP4_X86
+    if (use_simd && have_avx512()) {
+        /* De-interleave x once per call so that each decoded half of a group meets its inputs. */
+        const int64_t half = n / 2;
+        split = malloc((size_t)(2 * m * half) * sizeof *split);
+        if (!split) return -1;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < half; j++) {
+                split[i * half + j] = x[i * n + 2 * j];
+                split[(m + i) * half + j] = x[i * n + 2 * j + 1];
+            }
+        jb.x_even = split;
+        jb.x_odd = split + m * half;
+        fn = gemv_rows_avx512;
+    }
+#endif
+    (void)use_simd;
+    int rc = run_rows(&jb, fn, threads);
+    free(split);
+    return rc;
+}
+
+/* w [out, n] = W as float32 (kind 0) or bfloat16 bits (kind 1). */
+int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int64_t n, void *w,
+                  int kind, int threads, int use_simd) {
+    struct job jb = {.packed = packed, .scale = scale, .y = w, .m = 1, .out = out, .n = n, .kind = kind};
+    if (kind != OUT_F32 && kind != OUT_BF16) return -2;
+    fill_factors(&jb);
+    rows_fn fn = dequant_rows_portable;
+#ifdef MXFP4_X86
+    if (use_simd && have_avx512()) fn = dequant_rows_avx512;
+#endif
+    (void)use_simd;
+    return run_rows(&jb, fn, threads);
+}
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_mxfp4_cpu",
+    .m_doc = "MXFP4 CPU kernels; loaded through ctypes by mxfp4_cpu.py.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__mxfp4_cpu(void) { return PyModule_Create(&module); }

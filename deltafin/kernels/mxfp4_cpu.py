@@ -1,0 +1,123 @@
+"""Native CPU kernels for MXFP4 weights (_mxfp4_cpu.c), called through ctypes.
+
+``mxfp4_gemv`` multiplies a few rows of x by a packed weight without materializing it, at
+close to memory speed; ``mxfp4_dequant`` decodes rows bit-for-bit like ``mxfp4.mxfp4_dequantize``.
+The library is an optional part of the install (setup.py): when it was not built, ``available()``
+is False and callers use the torch reference in mxfp4.py. It is loaded on first use, not at import.
+
+Both functions release the GIL while they run (ctypes does) and split the output rows over
+``threads`` threads, torch.get_num_threads() unless given.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import torch
+
+from .mxfp4 import check_shapes, scale_bits
+
+LIBRARY = "deltafin.kernels._mxfp4_cpu"
+# Must equal MXFP4_ABI in _mxfp4_cpu.c; a library built from older source is ignored.
+ABI = 1
+# Rows of x up to which the gemv beats dequantize-then-matmul (it decodes each weight row once
+# per 4 rows of x, where a matmul decodes once for all of them).
+GEMV_MAX_ROWS = 16
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1}
+
+_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled library, or None when it was not built or does not match this source."""
+    spec = importlib.util.find_spec(LIBRARY)
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        lib.mxfp4_cpu_abi.restype = _int
+        if lib.mxfp4_cpu_abi() != ABI:
+            return None
+        lib.mxfp4_cpu_has_avx512.restype = _int
+        lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
+        lib.mxfp4_gemv_f32.restype = _int
+        lib.mxfp4_dequant.argtypes = [_p, _p, _i64, _i64, _p, _int, _int, _int]
+        lib.mxfp4_dequant.restype = _int
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def available() -> bool:
+    """True when the native library is built and loadable."""
+    return _library() is not None
+
+
+def has_avx512() -> bool:
+    """True when the native library runs its AVX-512 code on this CPU (else its portable C)."""
+    lib = _library()
+    return lib is not None and bool(lib.mxfp4_cpu_has_avx512())
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native MXFP4 CPU kernel ({LIBRARY}) is not built; "
+                           "reinstall deltafin with a C compiler present, or use deltafin.kernels.mxfp4")
+    return lib
+
+
+def _weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    out, n = check_shapes(packed, scale)
+    if packed.device.type != "cpu" or scale.device.type != "cpu":
+        raise ValueError(f"the native MXFP4 kernel needs CPU tensors, got {packed.device} and {scale.device}")
+    return packed.contiguous(), scale_bits(scale).contiguous(), out, n
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, torch.get_num_threads() if threads is None else threads)
+
+
+def mxfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """y [M, out] float32 = x [M, in] @ W^T, accumulating in float32.
+
+    x is converted to contiguous float32 first if it is not. use_simd=False runs the portable C
+    code even where AVX-512 is present (both must give the reference's result).
+    """
+    lib = _lib_or_raise()
+    packed, scale, out, n = _weight(packed, scale)
+    if x.dim() != 2 or x.shape[1] != n:
+        raise ValueError(f"x must be [M, {n}] for this weight, got {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"the native MXFP4 kernel needs a CPU input, got {x.device}")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if y.numel() == 0:
+        return y
+    rc = lib.mxfp4_gemv_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), scale.data_ptr(), out, n,
+                            y.data_ptr(), _threads(threads), int(use_simd))
+    if rc != 0:
+        raise MemoryError(f"MXFP4 gemv could not allocate scratch for x of shape {tuple(x.shape)}")
+    return y
+
+
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """W [out, in] in ``dtype``, equal bit for bit to mxfp4.mxfp4_dequantize.
+
+    float32 and bfloat16 are written directly (bf16 holds every decoded value exactly); other
+    dtypes are converted from float32 by torch, as the reference does.
+    """
+    lib = _lib_or_raise()
+    packed, scale, out, n = _weight(packed, scale)
+    direct = dtype if dtype in _OUT_KIND else torch.float32
+    w = torch.empty(out, n, dtype=direct)
+    if w.numel() > 0:
+        rc = lib.mxfp4_dequant(packed.data_ptr(), scale.data_ptr(), out, n, w.data_ptr(),
+                               _OUT_KIND[direct], _threads(threads), int(use_simd))
+        if rc != 0:
+            raise RuntimeError(f"MXFP4 dequant failed with code {rc}")
+    return w.to(dtype)
