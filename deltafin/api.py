@@ -51,8 +51,9 @@ def open_source(path: str | Path, spine: str = "auto"):
         from .checkpoint.store import StoreSource
         return StoreSource(path, spine=spine)
     if spine not in ("auto", "bf16"):
+        from .checkpoint.store import convert_command
         raise ValueError(f"{path}: spine {spine!r} needs a converted store; this is a Hugging Face folder "
-                         f"(make one with: deltafin convert {path} STORE --spine {spine})")
+                         f"(make one with: {convert_command(path, 'STORE', spine)})")
     return HFSource(path)
 
 

@@ -29,6 +29,8 @@ def spine_message(source, path) -> str:
                 "then --model STORE)")
     if source.spine_codec == "bf16" and "int8" not in source.spines:
         return f"bf16 spine (faster: deltafin convert SRC {path} --spine int8 adds an int8 spine)"
+    if source.spine_codec == "mixed":
+        return f"mixed spine (policy {source.manifest['spines']['mixed']['policy']['name']})"
     return f"{source.spine_codec} spine"
 
 

@@ -306,3 +306,15 @@ def test_policy_object_validation():
     with pytest.raises(PolicyError, match="unknown role 'attention'"):
         SpinePolicy("x", 32, {"attention": "int8"})
     assert SpinePolicy("x", 64, {"lm_head": "bf16"}).roles == {"lm_head": "plain"}
+
+
+def test_unfinished_mixed_conversion_with_another_policy_is_refused(tiny_k3_path, tmp_path):
+    from deltafin.checkpoint.convert import JOURNAL, _journal_header
+    hf_config = json.loads((Path(tiny_k3_path) / "config.json").read_text())
+    dst = tmp_path / "store"
+    dst.mkdir()
+    (dst / JOURNAL).write_text(json.dumps(_journal_header(hf_config, "mixed", NAMED["moe4"].to_dict())) + "\n")
+    with pytest.raises(StoreError, match="unfinished conversion with policy 'moe4'"):
+        convert(tiny_k3_path, dst, spine="mixed", policy="moe4-attn6", progress=False)
+    convert(tiny_k3_path, dst, spine="mixed", policy="moe4", progress=False)  # the same policy resumes
+    assert StoreSource(dst, spine="mixed").spines == ("mixed",)

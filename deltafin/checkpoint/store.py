@@ -140,6 +140,11 @@ def check_files(path: str | Path, manifest: dict) -> list[str]:
     return problems
 
 
+def convert_command(src, dst, spine: str) -> str:
+    """The command that makes (or adds) a spine, for error messages and hints."""
+    return f"deltafin convert {src} {dst} --spine {spine}" + (" --policy moe4" if spine == "mixed" else "")
+
+
 def choose_spine(path: str | Path, available, spine: str) -> str:
     available = list(available)
     if spine == "auto":
@@ -151,7 +156,7 @@ def choose_spine(path: str | Path, available, spine: str) -> str:
         raise StoreError(f"{path}: the store holds no spine")
     if spine not in available:
         raise StoreError(f"{path}: this store has no {spine} spine (it has: {', '.join(available) or 'none'}); "
-                         f"add one with `deltafin convert SRC {path} --spine {spine}`")
+                         f"add one with `{convert_command('SRC', path, spine)}`")
     return spine
 
 

@@ -109,7 +109,9 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     """W [out, in] in ``dtype``, equal bit for bit to mxfp4.mxfp4_dequantize.
 
     float32 and bfloat16 are written directly (bf16 holds every decoded value exactly); other
-    dtypes are converted from float32 by torch, as the reference does.
+    dtypes are converted from float32 by torch, as the reference does. One exception to equal
+    bits: a NaN (scale byte 255) in bf16 is always 0x7FC0, where torch's conversion writes
+    0x7FC0 or 0xFFFF depending on its code path.
     """
     lib = _lib_or_raise()
     packed, scale, out, n = _weight(packed, scale)
