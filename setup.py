@@ -1,0 +1,16 @@
+"""Declares deltafin's one optional native extension; all other metadata is in pyproject.toml.
+
+The MXFP4 CPU kernel is plain C. ``optional=True`` lets the install finish without it (no
+compiler, unsupported platform); deltafin then uses its torch code for MXFP4 on the CPU.
+AVX-512 code paths are selected at run time, so no -march flag is passed.
+"""
+import sys
+
+from setuptools import Extension, setup
+
+compile_args = [] if sys.platform == "win32" else ["-O3", "-std=c11", "-pthread"]
+link_args = [] if sys.platform == "win32" else ["-pthread"]
+
+setup(ext_modules=[Extension("deltafin.kernels._mxfp4_cpu", ["deltafin/kernels/_mxfp4_cpu.c"],
+                             extra_compile_args=compile_args, extra_link_args=link_args,
+                             optional=True)])
