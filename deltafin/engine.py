@@ -76,8 +76,8 @@ class Engine:
         """Mark the plain projection weights for 16-bit products when that path was chosen."""
         if self.matmul_dtype == torch.float32:
             return weights
-        return {k: HalfMatmul(w, self.matmul_dtype) if k in self._product_slots and isinstance(w, torch.Tensor)
-                else w for k, w in weights.items()}
+        return {k: HalfMatmul(w, self.matmul_dtype) if k in self._product_slots else w
+                for k, w in weights.items()}
 
     @torch.inference_mode()
     def forward(self, ids: list[int], state: DecodeState, keep_states: bool = False,

@@ -33,7 +33,10 @@ CONVERT_BLOCK = 1 << 24
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w.T for a plain weight tensor or a quantized weight (dequantized inside the product)."""
     if isinstance(w, HalfMatmul):
-        return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
+        if isinstance(w.weight, torch.Tensor):
+            return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
+        from ..kernels.linear import qlinear
+        return qlinear(x.to(w.dtype), w.weight).to(x.dtype)
     if not isinstance(w, torch.Tensor):
         from ..kernels.linear import qlinear
         return qlinear(x, w)
