@@ -49,6 +49,25 @@ class Totals:
     stats: PassStats = field(default_factory=PassStats)
 
 
+def to_device(w, device):
+    if isinstance(w, HalfMatmul):
+        return HalfMatmul(to_device(w.weight, device), w.dtype)
+    return w.to(device, non_blocking=True) if isinstance(w, torch.Tensor) else w.to(device)
+
+
+class _OnDevice:
+    """An expert read whose result is moved to the compute device when the layer asks for it."""
+
+    def __init__(self, pending, engine: "Engine"):
+        self.pending, self.device = pending, engine.device
+
+    def result(self) -> dict:
+        got = self.pending.result()
+        if self.device.type == "cpu":
+            return got
+        return {e: tuple(to_device(w, self.device) for w in ws) for e, ws in got.items()}
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, provider, settings: Settings):
         self.cfg = cfg
@@ -64,13 +83,27 @@ class Engine:
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
         self.totals = Totals()
+        self._head = None  # (provider globals, the same moved to the device)
 
     def new_state(self) -> DecodeState:
         layers = []
         for i in range(self.cfg.num_layers):
             attn = self.templates[layer_kind(self.cfg, i)].self_attn
-            layers.append(attn.new_state(self.dtype))
+            layers.append(attn.new_state(self.dtype, self.device))
         return DecodeState(layers=layers)
+
+    def _on_device(self, weights: dict) -> dict:
+        if self.device.type == "cpu":
+            return weights
+        return {k: to_device(w, self.device) for k, w in weights.items()}
+
+    def _head_on_device(self, g: dict) -> dict:
+        """The head's weights, moved to the compute device once (the embedding table stays put)."""
+        if self.device.type == "cpu":
+            return g
+        if self._head is None or self._head[0] is not g:
+            self._head = (g, {k: w if k == "embed" else to_device(w, self.device) for k, w in g.items()})
+        return self._head[1]
 
     def _for_products(self, weights: dict) -> dict:
         """Mark the plain projection weights for 16-bit products when that path was chosen."""
@@ -96,6 +129,7 @@ class Engine:
         state.begin_pass(keep_states)
         g = self.provider.globals()
         h = g["embed"][ids_t].to(self.device, self.dtype)
+        g = self._head_on_device(g)
         blocks: list[torch.Tensor] = []
         chunk = self.settings.kda_chunk
         self.provider.start_pass(stats)
@@ -103,10 +137,10 @@ class Engine:
             for i in range(cfg.num_layers):
                 weights = self.provider.spine(i, stats)
                 tmpl = self.templates[layer_kind(cfg, i)]
-                bind(tmpl, self._for_products(weights))
+                bind(tmpl, self._for_products(self._on_device(weights)))
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
                 h = tmpl(i, h, blocks, state.layers[i], keep_states, chunk,
-                         lambda chosen, i=i: self.provider.experts(i, chosen, stats))
+                         lambda chosen, i=i: _OnDevice(self.provider.experts(i, chosen, stats), self))
                 # Waiting for routed experts happens inside the layer; it is I/O, not compute.
                 stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
                 unbind(tmpl)
@@ -119,7 +153,7 @@ class Engine:
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
         head = self._for_products({"lm_head": g["lm_head"]})["lm_head"]
-        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float()
+        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float().cpu()
         stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - t0
         state.num_tokens += len(ids_t)

@@ -1,4 +1,4 @@
-"""The native MXFP4 CPU kernel against the torch reference, and qlinear's choice between them."""
+"""The native CPU kernels (MXFP4, int8) against the torch references, and qlinear's choice between them."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,13 +6,16 @@ import importlib.util
 import pytest
 import torch
 
-from deltafin.kernels import linear, mxfp4_cpu, quantize
+from deltafin.kernels import cpu_native, linear, quantize
+from deltafin.kernels.int8 import int8_dequantize
 from deltafin.kernels.mxfp4 import mxfp4_dequantize
 
-native = pytest.mark.skipif(not mxfp4_cpu.available(), reason="native MXFP4 kernel not built")
+native = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
 # Both code paths of the library: AVX-512 (where the CPU has it) and portable C.
 SIMD = pytest.mark.parametrize("use_simd", [True, False], ids=["simd", "portable"])
 
+
+# ---------------------------------------------------------------- MXFP4
 
 def _random_weight(out: int, n: int, seed: int, scales: tuple[int, int] = (118, 136)
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,28 +53,28 @@ def _assert_gemv_close(y: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, s
 
 def test_a_built_library_loads():
     # A library file that exists but cannot be loaded (stale ABI, missing symbols) is a broken build.
-    if importlib.util.find_spec(mxfp4_cpu.LIBRARY) is not None:
-        assert mxfp4_cpu.available()
+    if importlib.util.find_spec(cpu_native.LIBRARY) is not None:
+        assert cpu_native.available()
 
 
 @native
 @SIMD
 @pytest.mark.parametrize("out,n", [(1, 32), (3, 64), (13, 96), (67, 1024)])
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_gemv_matches_reference(out, n, m, use_simd):
+def test_mxfp4_gemv_matches_reference(out, n, m, use_simd):
     packed, scale = _random_weight(out, n, seed=out * n + m)
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
-    y = mxfp4_cpu.mxfp4_gemv(x, packed, scale, use_simd=use_simd)
+    y = cpu_native.mxfp4_gemv(x, packed, scale, use_simd=use_simd)
     assert y.shape == (m, out) and y.dtype == torch.float32
     _assert_gemv_close(y, x, packed, scale)
 
 
 @native
 @SIMD
-def test_gemv_every_code_and_scale_extreme(use_simd):
+def test_mxfp4_gemv_every_code_and_scale_extreme(use_simd):
     packed, scale = _extreme_weight()
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
-    y = mxfp4_cpu.mxfp4_gemv(x, packed, scale, use_simd=use_simd)
+    y = cpu_native.mxfp4_gemv(x, packed, scale, use_simd=use_simd)
     _assert_gemv_close(y, x, packed, scale)
     # Scale 255 (NaN) poisons its rows; scale 254 decodes codes >= 2 to +-inf, whose sum is NaN.
     assert torch.isnan(y[:, 3:6]).all() and torch.isfinite(y[:, :3]).all()
@@ -79,44 +82,44 @@ def test_gemv_every_code_and_scale_extreme(use_simd):
 
 
 @native
-def test_gemv_thread_split_gives_identical_results():
+def test_mxfp4_gemv_thread_split_gives_identical_results():
     packed, scale = _random_weight(523, 2048, seed=5)  # enough work for 4 threads; 523 = 4k + 3
     x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5))
-    ys = [mxfp4_cpu.mxfp4_gemv(x, packed, scale, threads=t) for t in (1, 2, 3, 4)]
+    ys = [cpu_native.mxfp4_gemv(x, packed, scale, threads=t) for t in (1, 2, 3, 4)]
     for y in ys[1:]:
         assert torch.equal(y, ys[0])
     _assert_gemv_close(ys[0], x, packed, scale)
 
 
 @native
-def test_gemv_accepts_strided_inputs_and_float8_scales():
+def test_mxfp4_gemv_accepts_strided_inputs_and_float8_scales():
     packed, scale = _random_weight(24, 256, seed=6)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
-    y = mxfp4_cpu.mxfp4_gemv(x, packed, scale)
+    y = cpu_native.mxfp4_gemv(x, packed, scale)
     wide_p = torch.cat([packed, packed], dim=1)[:, :128]            # non-contiguous views
     wide_s = torch.cat([scale, scale], dim=1)[:, :8]
     x_t = x.T.contiguous().T
     assert not (wide_p.is_contiguous() or wide_s.is_contiguous() or x_t.is_contiguous())
-    assert torch.equal(mxfp4_cpu.mxfp4_gemv(x_t, wide_p, wide_s), y)
-    assert torch.equal(mxfp4_cpu.mxfp4_gemv(x, packed, scale.view(torch.float8_e8m0fnu)), y)
+    assert torch.equal(cpu_native.mxfp4_gemv(x_t, wide_p, wide_s), y)
+    assert torch.equal(cpu_native.mxfp4_gemv(x, packed, scale.view(torch.float8_e8m0fnu)), y)
 
 
 @native
-def test_gemv_rejects_mismatched_shapes():
+def test_mxfp4_gemv_rejects_mismatched_shapes():
     packed, scale = _random_weight(4, 64, seed=7)
     with pytest.raises(ValueError, match="x must be"):
-        mxfp4_cpu.mxfp4_gemv(torch.zeros(1, 32), packed, scale)
+        cpu_native.mxfp4_gemv(torch.zeros(1, 32), packed, scale)
     with pytest.raises(ValueError, match="weight_scale shape"):
-        mxfp4_cpu.mxfp4_gemv(torch.zeros(1, 64), packed, scale[:, :1])
+        cpu_native.mxfp4_gemv(torch.zeros(1, 64), packed, scale[:, :1])
 
 
 @native
 @SIMD
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_dequant_is_bit_exact(dtype, use_simd):
+def test_mxfp4_dequant_is_bit_exact(dtype, use_simd):
     for packed, scale in [_extreme_weight(), _random_weight(7, 96, seed=8, scales=(0, 256)),
                           _random_weight(1, 32, seed=9)]:
-        w = mxfp4_cpu.mxfp4_dequant(packed, scale, dtype, use_simd=use_simd)
+        w = cpu_native.mxfp4_dequant(packed, scale, dtype, use_simd=use_simd)
         ref = mxfp4_dequantize(packed, scale, dtype)
         assert w.dtype == dtype and torch.equal(torch.isnan(w), torch.isnan(ref))
         # torch's own float32 -> bf16 conversion writes NaN as 0x7FC0 or 0xFFFF depending on
@@ -129,7 +132,7 @@ def test_dequant_is_bit_exact(dtype, use_simd):
 
 @native
 @pytest.mark.parametrize("rows", [1, 4, 16, 20])
-def test_qlinear_dispatches_to_native_kernel(monkeypatch, rows):
+def test_qlinear_mxfp4_dispatches_to_native_kernel(monkeypatch, rows):
     w = torch.randn(40, 160, generator=torch.Generator().manual_seed(rows))
     q = quantize(w, "mxfp4")
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -141,27 +144,152 @@ def test_qlinear_dispatches_to_native_kernel(monkeypatch, rows):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(mxfp4_cpu, "mxfp4_gemv", counted("gemv", mxfp4_cpu.mxfp4_gemv))
-    monkeypatch.setattr(mxfp4_cpu, "mxfp4_dequant", counted("dequant", mxfp4_cpu.mxfp4_dequant))
+    monkeypatch.setattr(cpu_native, "mxfp4_gemv", counted("gemv", cpu_native.mxfp4_gemv))
+    monkeypatch.setattr(cpu_native, "mxfp4_dequant", counted("dequant", cpu_native.mxfp4_dequant))
     y = linear.qlinear(x.view(1, rows, 160), q)
     assert y.shape == (1, rows, 40) and y.dtype == torch.bfloat16
     # Decode-sized batches use the gemv; larger ones dequantize natively and use a matmul.
-    gemv = rows <= mxfp4_cpu.GEMV_MAX_ROWS
+    gemv = rows <= cpu_native.GEMV_MAX_ROWS
     assert calls == {"gemv": int(gemv), "dequant": int(not gemv)}
     ref = (x.float() @ mxfp4_dequantize(q.tensors["weight_packed"], q.tensors["weight_scale"]).T)
     assert torch.allclose(y[0].float(), ref.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_qlinear_falls_back_to_torch_without_library(monkeypatch):
+def test_qlinear_mxfp4_falls_back_to_torch_without_library(monkeypatch):
     q = quantize(torch.randn(24, 64, generator=torch.Generator().manual_seed(2)), "mxfp4")
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
     expect = linear.qlinear(x, q)                   # native when built, else already torch
-    monkeypatch.setattr(mxfp4_cpu, "_library", lambda: None)
-    assert not mxfp4_cpu.available()
+    monkeypatch.setattr(cpu_native, "_library", lambda: None)
+    assert not cpu_native.available()
     with pytest.raises(RuntimeError, match="not built"):
-        mxfp4_cpu.mxfp4_gemv(x, q.tensors["weight_packed"], q.tensors["weight_scale"])
+        cpu_native.mxfp4_gemv(x, q.tensors["weight_packed"], q.tensors["weight_scale"])
     y = linear.qlinear(x, q)
     packed, scale = q.tensors["weight_packed"], q.tensors["weight_scale"]
     assert torch.equal(y, x @ mxfp4_dequantize(packed, scale).T)
     _assert_gemv_close(expect, x, packed, scale)
     assert torch.equal(_bits(linear.dequantize(q)), _bits(mxfp4_dequantize(packed, scale)))
+
+
+# ---------------------------------------------------------------- int8
+
+def _random_int8(out: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out, n), generator=g, dtype=torch.int8)
+    # Row scales spanning several orders of magnitude, as quantized checkpoints have.
+    scale = torch.rand(out, 1, generator=g) * torch.logspace(-4, 1, out).unsqueeze(1)
+    return codes, scale
+
+
+def _assert_int8_close(y: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """y equals x @ W^T up to float32 summation order and the rounding of the scale product."""
+    w = int8_dequantize(codes, scale)
+    ref = x.float() @ w.T
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert ((y - ref).abs() <= 1e-5 * (x.float().abs() @ w.abs().T)).all()
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("out,n", [(1, 16), (2, 7), (3, 17), (13, 100), (67, 1024)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_int8_gemv_matches_reference(out, n, m, use_simd):
+    # n = 7 has only a tail, 17 and 100 a body plus a tail past the 16-wide steps.
+    codes, scale = _random_int8(out, n, seed=out * n + m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    y = cpu_native.int8_gemv(x, codes, scale, use_simd=use_simd)
+    _assert_int8_close(y, x, codes, scale)
+
+
+@native
+@SIMD
+def test_int8_gemv_zero_rows_zero_scales_and_extreme_codes(use_simd):
+    n = 200
+    codes = torch.zeros(6, n, dtype=torch.int8)
+    codes[1] = 127
+    codes[2] = -127
+    codes[3] = torch.tensor([127, -127], dtype=torch.int8).repeat(n // 2)
+    codes[4] = 127                                    # nonzero codes, but scale 0
+    codes[5] = torch.randint(-127, 128, (n,), generator=torch.Generator().manual_seed(4), dtype=torch.int8)
+    scale = torch.tensor([[0.5], [0.25], [3.0], [1.0], [0.0], [1e-3]])
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(4)) * 1e3
+    y = cpu_native.int8_gemv(x, codes, scale, use_simd=use_simd)
+    _assert_int8_close(y, x, codes, scale)
+    assert (y[:, 0] == 0).all() and (y[:, 4] == 0).all()
+    # Sums of +-127 * x are exact enough to check against float64 directly.
+    x64 = x.double()
+    torch.testing.assert_close(y[:, 1].double(), 0.25 * 127 * x64.sum(1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(y[:, 2].double(), -3.0 * 127 * x64.sum(1), rtol=1e-6, atol=0)
+
+
+@native
+@SIMD
+def test_int8_gemv_thread_split_gives_identical_results(use_simd):
+    codes, scale = _random_int8(523, 2048, seed=5)   # enough work for 4 threads; 523 = 4k + 3
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5))
+    ys = [cpu_native.int8_gemv(x, codes, scale, threads=t, use_simd=use_simd) for t in (1, 2, 3, 4)]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+    _assert_int8_close(ys[0], x, codes, scale)
+
+
+@native
+def test_int8_gemv_accepts_strided_and_bf16_inputs():
+    codes, scale = _random_int8(24, 80, seed=6)
+    x = torch.randn(3, 80, generator=torch.Generator().manual_seed(6))
+    y = cpu_native.int8_gemv(x, codes, scale)
+    wide_c = torch.cat([codes, codes], dim=1)[:, :80]             # non-contiguous views
+    wide_s = torch.cat([scale, scale], dim=1)[:, :1]
+    x_t = x.T.contiguous().T
+    assert not (wide_c.is_contiguous() or wide_s.is_contiguous() or x_t.is_contiguous())
+    assert torch.equal(cpu_native.int8_gemv(x_t, wide_c, wide_s), y)
+    # bf16 rows are widened to float32 exactly, then multiplied as float32 rows.
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(cpu_native.int8_gemv(xb, codes, scale), cpu_native.int8_gemv(xb.float(), codes, scale))
+
+
+@native
+def test_int8_gemv_rejects_mismatched_shapes():
+    codes, scale = _random_int8(4, 64, seed=7)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_native.int8_gemv(torch.zeros(1, 32), codes, scale)
+    with pytest.raises(ValueError, match="weight_scale"):
+        cpu_native.int8_gemv(torch.zeros(1, 64), codes, scale.view(1, 4))
+    with pytest.raises(ValueError, match="int8 tensor"):
+        cpu_native.int8_gemv(torch.zeros(1, 64), codes.to(torch.int16), scale)
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+def test_qlinear_int8_dispatches_to_native_kernel(monkeypatch, rows):
+    q = quantize(torch.randn(40, 160, generator=torch.Generator().manual_seed(rows)), "int8")
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    calls = []
+    gemv = cpu_native.int8_gemv
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "int8_gemv", counted)
+    y = linear.qlinear(x.view(1, rows, 160), q)
+    assert y.shape == (1, rows, 40) and y.dtype == torch.bfloat16
+    # Decode-sized batches use the gemv; larger ones dequantize and use a matmul.
+    assert len(calls) == int(rows <= cpu_native.GEMV_MAX_ROWS)
+    ref = x.float() @ linear.dequantize(q).T
+    assert torch.allclose(y[0].float(), ref.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    calls.clear()
+    linear.qlinear(x, q, use_triton=False)             # an explicit torch request is honoured
+    assert calls == []
+
+
+def test_qlinear_int8_falls_back_to_torch_without_library(monkeypatch):
+    q = quantize(torch.randn(24, 64, generator=torch.Generator().manual_seed(2)), "int8")
+    codes, scale = q.tensors["weight"], q.tensors["weight_scale"]
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    expect = linear.qlinear(x, q)                   # native when built, else already torch
+    _assert_int8_close(expect, x, codes, scale)
+    monkeypatch.setattr(cpu_native, "_library", lambda: None)
+    assert not cpu_native.available()
+    with pytest.raises(RuntimeError, match="not built"):
+        cpu_native.int8_gemv(x, codes, scale)
+    assert torch.equal(linear.qlinear(x, q), x @ int8_dequantize(codes, scale).T)

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from . import intq, mxfp4_cpu
+from . import cpu_native, intq
 from .int8 import int8_check_shapes, int8_dequantize, int8_quantize
 from .mxfp4 import GROUP as MXFP4_GROUP
 from .mxfp4 import check_shapes as mxfp4_check_shapes
@@ -160,8 +160,8 @@ def dequantize_rows(q: QWeight, r0: int, r1: int, dtype: torch.dtype = torch.flo
         return int8_dequantize(t["weight"], t["weight_scale"], dtype)
     if q.codec == "mxfp4":
         # The native decoder is bit-exact with the torch one and several times faster.
-        if q.device.type == "cpu" and mxfp4_cpu.available():
-            return mxfp4_cpu.mxfp4_dequant(t["weight_packed"], t["weight_scale"], dtype)
+        if q.device.type == "cpu" and cpu_native.available():
+            return cpu_native.mxfp4_dequant(t["weight_packed"], t["weight_scale"], dtype)
         return mxfp4_dequantize(t["weight_packed"], t["weight_scale"], dtype)
     return intq.intq_dequantize(t["weight_packed"], t["weight_scale"], q.codec, dtype)
 
@@ -212,10 +212,13 @@ def qlinear(x: torch.Tensor, q: QWeight, use_triton: bool | None = None) -> torc
         if use_triton:
             raise ValueError(f"the Triton kernel cannot run here: device {x.device}, rows {x2.shape[0]}, "
                              f"codec {q.codec}, Triton {'present' if kernels else 'absent'}")
-    if (use_triton is None and q.codec == "mxfp4" and x2.shape[0] <= mxfp4_cpu.GEMV_MAX_ROWS
-            and x2.device.type == "cpu" and q.device.type == "cpu" and mxfp4_cpu.available()):
-        # Decode-sized batches on the CPU: the native gemv reads the packed weight once.
-        y = mxfp4_cpu.mxfp4_gemv(x2, q.tensors["weight_packed"], q.tensors["weight_scale"])
+    if (use_triton is None and q.codec in ("mxfp4", "int8") and x2.shape[0] <= cpu_native.GEMV_MAX_ROWS
+            and x2.device.type == "cpu" and q.device.type == "cpu" and cpu_native.available()):
+        # Decode-sized batches on the CPU: the native gemv reads the stored weight once.
+        if q.codec == "mxfp4":
+            y = cpu_native.mxfp4_gemv(x2, q.tensors["weight_packed"], q.tensors["weight_scale"])
+        else:
+            y = cpu_native.int8_gemv(x2, q.tensors["weight"], q.tensors["weight_scale"])
         return y.to(x.dtype).reshape(*x.shape[:-1], q.out_features)
     y = blocked_linear(x2.float(), q.out_features, q.in_features,
                        lambda r0, r1: dequantize_rows(q, r0, r1))

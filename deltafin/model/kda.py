@@ -80,11 +80,12 @@ class KDAttention(Bindable):
         else:
             self.slots(g_a_proj=(d, H), g_b_proj=(D, d))
 
-    def new_state(self, dtype) -> KDAState:
+    def new_state(self, dtype, device=None) -> KDAState:
         c = self.cfg
         D = c.kda_num_heads * c.kda_head_dim
-        return KDAState(conv=torch.zeros(3, c.conv_kernel - 1, D, dtype=dtype),
-                        S=torch.zeros(c.kda_num_heads, c.kda_head_dim, c.kda_head_dim, dtype=torch.float32))
+        return KDAState(conv=torch.zeros(3, c.conv_kernel - 1, D, dtype=dtype, device=device),
+                        S=torch.zeros(c.kda_num_heads, c.kda_head_dim, c.kda_head_dim, dtype=torch.float32,
+                                      device=device))
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay g [T, H, Dk], fp32."""

@@ -36,10 +36,10 @@ class MLAttention(Bindable):
             self.slots(g_proj=(nh * c.v_head_dim, H))
         self.scale = qk ** -0.5
 
-    def new_state(self, dtype) -> MLAState:
+    def new_state(self, dtype, device=None) -> MLAState:
         c = self.cfg
-        return MLAState(ckv=torch.zeros(0, c.kv_lora_rank, dtype=dtype),
-                        krot=torch.zeros(0, c.qk_rope_head_dim, dtype=dtype))
+        return MLAState(ckv=torch.zeros(0, c.kv_lora_rank, dtype=dtype, device=device),
+                        krot=torch.zeros(0, c.qk_rope_head_dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, st: MLAState, keep_states: bool, chunk: int) -> torch.Tensor:
         c = self.cfg

@@ -1,19 +1,25 @@
-/* MXFP4 weights on the CPU: x @ W^T straight from the packed bytes, and whole-row decoding.
+/* Quantized weights on the CPU: x @ W^T straight from the stored bytes (MXFP4, int8), and
+   whole-row MXFP4 decoding.
 
-   Layout (see mxfp4.py): packed uint8 [out, in/2], byte j of a row holds element 2j in its low
-   nibble and 2j+1 in its high nibble, each an E2M1 code; scale uint8 [out, in/32] holds one E8M0
-   byte per group of 32 inputs, factor 2^(s-127) (s = 0: 2^-127, a float32 subnormal; s = 255: NaN).
+   MXFP4 layout (see mxfp4.py): packed uint8 [out, in/2], byte j of a row holds element 2j in its
+   low nibble and 2j+1 in its high nibble, each an E2M1 code; scale uint8 [out, in/32] holds one
+   E8M0 byte per group of 32 inputs, factor 2^(s-127) (s = 0: 2^-127, a float32 subnormal;
+   s = 255: NaN). Every weight is decoded as the float32 product E2M1(code) * factor, exactly as
+   the torch reference does, so decoding is bit-exact and the matmul differs from the reference
+   only in summation order.
 
-   Every weight is decoded as the float32 product E2M1(code) * factor, exactly as the torch
-   reference does, so decoding is bit-exact and the matmul differs from the reference only in
-   summation order.
+   int8 layout (see int8.py): codes int8 [out, in], scale float32 [out, 1], W = codes * scale.
+   The gemv sums codes * x in float32 and applies the row's scale once, after the sum: every
+   code converts to float32 exactly, so the result differs from dequantize-then-matmul only by
+   summation order and one rounding of the scale product.
 
-   Two implementations: AVX-512 (compiled through target attributes, so the library itself needs
-   no -march flag) and portable C. The AVX-512 one is chosen at run time when the CPU has it.
-   Work is split over output rows between `threads` pthreads (the caller's thread is one of them).
+   Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
+   library itself needs no -march flag) and portable C. The AVX-512 one is chosen at run time
+   when the CPU has it. Work is split over output rows between `threads` pthreads (the caller's
+   thread is one of them); a row's result never depends on the split.
 
-   The functions are called through ctypes; PyInit exists only so that the file is also a valid
-   (empty) extension module, which is how setuptools builds and places it. */
+   The functions are called through ctypes (cpu_native.py); PyInit exists only so that the file
+   is also a valid (empty) extension module, which is how setuptools builds and places it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -24,16 +30,18 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define MXFP4_X86 1
+#define KERNELS_X86 1
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define MXFP4_ABI 1
+#define KERNELS_ABI 2
 
 #define GROUP 32
-/* Rows of x and output rows handled together by the AVX-512 gemv (16 accumulators). */
+/* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
 #define X_BLOCK 4
 #define ROW_BLOCK 4
+/* int8 elements per AVX-512 step: one 16-byte load widened to 16 floats. */
+#define INT8_STEP 16
 /* Below this many weights per thread, extra threads cost more than they save. */
 #define MIN_WEIGHTS_PER_THREAD (1 << 18)
 
@@ -51,15 +59,17 @@ enum out_kind { OUT_F32 = 0, OUT_BF16 = 1 };
 
 /* One call's arguments, shared read-only by its threads. */
 struct job {
-    const float *x;        /* [m, n] as given (portable path) */
-    const float *x_even;   /* [m, n/2]: x[:, 0::2] (AVX-512 gemv) */
-    const float *x_odd;    /* [m, n/2]: x[:, 1::2] */
-    const uint8_t *packed; /* [out, n/2] */
-    const uint8_t *scale;  /* [out, n/32] */
-    void *y;               /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
+    const float *x;          /* [m, n] as given (portable MXFP4 path, both int8 paths) */
+    const float *x_even;     /* [m, n/2]: x[:, 0::2] (AVX-512 MXFP4 gemv) */
+    const float *x_odd;      /* [m, n/2]: x[:, 1::2] */
+    const uint8_t *packed;   /* MXFP4 [out, n/2] */
+    const uint8_t *scale;    /* MXFP4 [out, n/32] */
+    const int8_t *codes;     /* int8 [out, n] */
+    const float *row_scale;  /* int8 [out] */
+    void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
-    int kind;              /* enum out_kind, dequant only */
-    float factor[256];     /* E8M0 byte -> factor */
+    int kind;                /* enum out_kind, dequant only */
+    float factor[256];       /* E8M0 byte -> factor (MXFP4 only) */
 };
 
 typedef void (*rows_fn)(const struct job *, int64_t r0, int64_t r1);
@@ -73,7 +83,7 @@ static void decode_group(const uint8_t *p, float f, float *w) {
     }
 }
 
-static void gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+static void mxfp4_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, groups = n / GROUP;
     float *y = (float *)jb->y;
     for (int64_t r = r0; r < r1; r++) {
@@ -100,7 +110,7 @@ static void gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
     }
 }
 
-static void dequant_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+static void mxfp4_dequant_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, groups = n / GROUP;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *p = jb->packed + r * (n / 2);
@@ -124,9 +134,34 @@ static void dequant_rows_portable(const struct job *jb, int64_t r0, int64_t r1) 
     }
 }
 
+static void int8_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, body = n - n % INT8_STEP;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *c = jb->codes + r * n;
+        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
+            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
+            /* One partial sum per lane of a step: loops the compiler can vectorize. */
+            float acc[X_BLOCK][INT8_STEP] = {{0}};
+            for (int64_t k0 = 0; k0 < body; k0 += INT8_STEP)
+                for (int64_t i = 0; i < mb; i++) {
+                    const float *xk = jb->x + (m0 + i) * n + k0;
+                    for (int k = 0; k < INT8_STEP; k++) acc[i][k] += (float)c[k0 + k] * xk[k];
+                }
+            for (int64_t i = 0; i < mb; i++) {
+                const float *xi = jb->x + (m0 + i) * n;
+                float sum = 0.0f;
+                for (int k = 0; k < INT8_STEP; k++) sum += acc[i][k];
+                for (int64_t k = body; k < n; k++) sum += (float)c[k] * xi[k];
+                y[(m0 + i) * jb->out + r] = sum * jb->row_scale[r];
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ AVX-512 */
 
-#ifdef MXFP4_X86
+#ifdef KERNELS_X86
 #define AVX512 __attribute__((target("avx512f")))
 
 /* The 16 E2M1 values times the group's factor: vpermps then decodes 16 codes in one step. */
@@ -142,7 +177,8 @@ static void dequant_rows_portable(const struct job *jb, int64_t r0, int64_t r1) 
    that memory latency overlaps the work (hardware prefetching alone reached ~3 GB/s of packed
    weights on one core of a Xeon, this ~5 GB/s). */
 static inline __attribute__((always_inline)) AVX512 void
-gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
+mxfp4_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB,
+                        const int64_t next) {
     const int64_t half = jb->n / 2, groups = jb->n / GROUP;
     /* The R rows' packed bytes and scales: R*16 and R bytes per group. */
     const char *next_packed = next >= 0 ? (const char *)(jb->packed + next * half) : NULL;
@@ -179,28 +215,74 @@ gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, cons
         for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = _mm512_reduce_add_ps(acc[k][i]);
 }
 
-/* All rows of x for output rows r..r+R-1, X_BLOCK rows of x at a time; the first pass over the
-   weight rows prefetches rows `next` onward (-1: none). */
+/* int8 counterpart of the block above: 16 codes widen to 16 floats (exactly) per step and row,
+   then one FMA per row of x. The R rows of `next` are contiguous, R*16 bytes per step, so one
+   prefetch per step covers them when R = 4; into L2 only (T1), which measured ~15% faster than
+   into L1 or no prefetch on one Xeon core for m = 1 (~9 GB/s of codes from DRAM). The last
+   n % 16 elements are summed in scalar code. */
 static inline __attribute__((always_inline)) AVX512 void
-gemv_rows_block_avx512(const struct job *jb, int64_t r, const int R, int64_t next) {
-    int64_t m0 = 0;
-    for (; m0 + X_BLOCK <= jb->m; m0 += X_BLOCK, next = -1) gemv_block_avx512(jb, r, m0, R, X_BLOCK, next);
-    switch (jb->m - m0) {
-    case 3: gemv_block_avx512(jb, r, m0, R, 3, next); break;
-    case 2: gemv_block_avx512(jb, r, m0, R, 2, next); break;
-    case 1: gemv_block_avx512(jb, r, m0, R, 1, next); break;
-    default: break;
+int8_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB,
+                       const int64_t next) {
+    const int64_t n = jb->n, body = n - n % INT8_STEP;
+    const int8_t *c = jb->codes + r * n;
+    const float *x = jb->x + m0 * n;
+    const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < body; k0 += INT8_STEP) {
+        if (next_codes) _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
+        __m512 w[ROW_BLOCK];
+        for (int k = 0; k < R; k++)
+            w[k] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * n + k0))));
+        for (int i = 0; i < MB; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * n + k0);
+            for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(w[k], xv, acc[k][i]);
+        }
     }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) {
+            float sum = _mm512_reduce_add_ps(acc[k][i]);
+            for (int64_t j = body; j < n; j++) sum += (float)c[k * n + j] * x[i * n + j];
+            y[(m0 + i) * jb->out + r + k] = sum * jb->row_scale[r + k];
+        }
 }
 
-static AVX512 void gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
-        gemv_rows_block_avx512(jb, r, ROW_BLOCK, r + 2 * ROW_BLOCK <= r1 ? r + ROW_BLOCK : -1);
-    for (; r < r1; r++) gemv_rows_block_avx512(jb, r, 1, -1);
+/* Output rows r..r+R-1 for every row of x, X_BLOCK rows of x at a time, by `block` (one of the
+   two above); the first pass over the weight rows prefetches rows `next` onward (-1: none). */
+#define GEMV_ROWS_BLOCK(block, jb, r, R, next)                                 \
+    do {                                                                       \
+        int64_t m0_ = 0, next_ = (next);                                       \
+        for (; m0_ + X_BLOCK <= (jb)->m; m0_ += X_BLOCK, next_ = -1)           \
+            block(jb, r, m0_, R, X_BLOCK, next_);                              \
+        switch ((jb)->m - m0_) {                                               \
+        case 3: block(jb, r, m0_, R, 3, next_); break;                         \
+        case 2: block(jb, r, m0_, R, 2, next_); break;                         \
+        case 1: block(jb, r, m0_, R, 1, next_); break;                         \
+        default: break;                                                        \
+        }                                                                      \
+    } while (0)
+
+/* Rows r0..r1-1, ROW_BLOCK at a time, each block prefetching the next; leftover rows one by one. */
+#define GEMV_ROWS(block, jb, r0, r1)                                           \
+    do {                                                                       \
+        int64_t r_ = (r0);                                                     \
+        for (; r_ + ROW_BLOCK <= (r1); r_ += ROW_BLOCK)                        \
+            GEMV_ROWS_BLOCK(block, jb, r_, ROW_BLOCK,                          \
+                            r_ + 2 * ROW_BLOCK <= (r1) ? r_ + ROW_BLOCK : -1); \
+        for (; r_ < (r1); r_++) GEMV_ROWS_BLOCK(block, jb, r_, 1, -1);         \
+    } while (0)
+
+static AVX512 void mxfp4_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    GEMV_ROWS(mxfp4_gemv_block_avx512, jb, r0, r1);
 }
 
-static AVX512 void dequant_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+static AVX512 void int8_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    GEMV_ROWS(int8_gemv_block_avx512, jb, r0, r1);
+}
+
+static AVX512 void mxfp4_dequant_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, groups = n / GROUP;
     const __m512 values = E2M1_VECTOR();
     /* Re-interleave even and odd elements: lanes 0..15 of the output are e0 o0 e1 o1 ... e7 o7. */
@@ -233,7 +315,7 @@ static AVX512 void dequant_rows_avx512(const struct job *jb, int64_t r0, int64_t
 #endif
 
 static int have_avx512(void) {
-#ifdef MXFP4_X86
+#ifdef KERNELS_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
 #else
@@ -295,20 +377,20 @@ static void fill_factors(struct job *jb) {
 
 /* ------------------------------------------------------------------ exported */
 
-int mxfp4_cpu_abi(void) { return MXFP4_ABI; }
+int cpu_kernels_abi(void) { return KERNELS_ABI; }
 
 /* 1 when the AVX-512 code runs on this CPU. */
-int mxfp4_cpu_has_avx512(void) { return have_avx512(); }
+int cpu_kernels_has_avx512(void) { return have_avx512(); }
 
-/* y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
+/* MXFP4: y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
    Returns 0, or -1 when scratch memory cannot be allocated. */
 int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8_t *scale,
                    int64_t out, int64_t n, float *y, int threads, int use_simd) {
     struct job jb = {.x = x, .packed = packed, .scale = scale, .y = y, .m = m, .out = out, .n = n};
     fill_factors(&jb);
-    rows_fn fn = gemv_rows_portable;
+    rows_fn fn = mxfp4_gemv_rows_portable;
     float *split = NULL;
-#ifdef MXFP4_X86
+#ifdef KERNELS_X86
     if (use_simd && have_avx512()) {
         /* De-interleave x once per call so that each decoded half of a group meets its inputs. */
         const int64_t half = n / 2;
@@ -321,7 +403,7 @@ int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8
             }
         jb.x_even = split;
         jb.x_odd = split + m * half;
-        fn = gemv_rows_avx512;
+        fn = mxfp4_gemv_rows_avx512;
     }
 #endif
     (void)use_simd;
@@ -330,15 +412,28 @@ int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8
     return rc;
 }
 
-/* w [out, n] = W as float32 (kind 0) or bfloat16 bits (kind 1). */
+/* MXFP4: w [out, n] = W as float32 (kind 0) or bfloat16 bits (kind 1). */
 int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int64_t n, void *w,
                   int kind, int threads, int use_simd) {
     struct job jb = {.packed = packed, .scale = scale, .y = w, .m = 1, .out = out, .n = n, .kind = kind};
     if (kind != OUT_F32 && kind != OUT_BF16) return -2;
     fill_factors(&jb);
-    rows_fn fn = dequant_rows_portable;
-#ifdef MXFP4_X86
-    if (use_simd && have_avx512()) fn = dequant_rows_avx512;
+    rows_fn fn = mxfp4_dequant_rows_portable;
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) fn = mxfp4_dequant_rows_avx512;
+#endif
+    (void)use_simd;
+    return run_rows(&jb, fn, threads);
+}
+
+/* int8: y [m, out] = x [m, n] @ W^T, y[i, r] = scale[r] * sum_k codes[r, k] * x[i, k].
+   use_simd = 0 forces the portable code. Returns 0. */
+int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *scale,
+                  int64_t out, int64_t n, float *y, int threads, int use_simd) {
+    struct job jb = {.x = x, .codes = codes, .row_scale = scale, .y = y, .m = m, .out = out, .n = n};
+    rows_fn fn = int8_gemv_rows_portable;
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) fn = int8_gemv_rows_avx512;
 #endif
     (void)use_simd;
     return run_rows(&jb, fn, threads);
@@ -346,9 +441,9 @@ int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int6
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "_mxfp4_cpu",
-    .m_doc = "MXFP4 CPU kernels; loaded through ctypes by mxfp4_cpu.py.",
+    .m_name = "_cpu_kernels",
+    .m_doc = "Quantized-weight CPU kernels; loaded through ctypes by cpu_native.py.",
     .m_size = -1,
 };
 
-PyMODINIT_FUNC PyInit__mxfp4_cpu(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }

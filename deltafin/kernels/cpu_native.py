@@ -1,0 +1,159 @@
+"""Native CPU kernels for quantized weights (_cpu_kernels.c), called through ctypes.
+
+``mxfp4_gemv`` and ``int8_gemv`` multiply a few rows of x by a stored weight without
+materializing it, at close to memory speed; ``mxfp4_dequant`` decodes MXFP4 rows bit-for-bit like
+``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
+was not built, ``available()`` is False and callers use the torch references in mxfp4.py and
+int8.py. It is loaded on first use, not at import.
+
+Every function releases the GIL while it runs (ctypes does) and splits the output rows over
+``threads`` threads, torch.get_num_threads() unless given.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import torch
+
+from .int8 import int8_check_shapes
+from .mxfp4 import check_shapes, scale_bits
+
+LIBRARY = "deltafin.kernels._cpu_kernels"
+# Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
+ABI = 2
+# Rows of x up to which the gemvs beat dequantize-then-matmul (they decode each weight row once
+# per 4 rows of x, where a matmul decodes once for all of them).
+GEMV_MAX_ROWS = 16
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1}
+
+_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled library, or None when it was not built or does not match this source."""
+    spec = importlib.util.find_spec(LIBRARY)
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        lib.cpu_kernels_abi.restype = _int
+        if lib.cpu_kernels_abi() != ABI:
+            return None
+        lib.cpu_kernels_has_avx512.restype = _int
+        lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
+        lib.mxfp4_gemv_f32.restype = _int
+        lib.mxfp4_dequant.argtypes = [_p, _p, _i64, _i64, _p, _int, _int, _int]
+        lib.mxfp4_dequant.restype = _int
+        lib.int8_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
+        lib.int8_gemv_f32.restype = _int
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def available() -> bool:
+    """True when the native library is built and loadable."""
+    return _library() is not None
+
+
+def has_avx512() -> bool:
+    """True when the native library runs its AVX-512 code on this CPU (else its portable C)."""
+    lib = _library()
+    return lib is not None and bool(lib.cpu_kernels_has_avx512())
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels ({LIBRARY}) are not built; reinstall deltafin "
+                           "with a C compiler present, or use the torch code in deltafin.kernels")
+    return lib
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, torch.get_num_threads() if threads is None else threads)
+
+
+def _input(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x as the contiguous float32 [M, n] the kernels read (bf16 rows are widened exactly)."""
+    if x.dim() != 2 or x.shape[1] != n:
+        raise ValueError(f"x must be [M, {n}] for this weight, got {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"the native CPU kernels need a CPU input, got {x.device}")
+    return x.to(torch.float32).contiguous()
+
+
+def _mxfp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    out, n = check_shapes(packed, scale)
+    if packed.device.type != "cpu" or scale.device.type != "cpu":
+        raise ValueError(f"the native MXFP4 kernel needs CPU tensors, got {packed.device} and {scale.device}")
+    return packed.contiguous(), scale_bits(scale).contiguous(), out, n
+
+
+def mxfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """y [M, out] float32 = x [M, in] @ W^T for an MXFP4 weight, accumulating in float32.
+
+    x is converted to contiguous float32 first if it is not. use_simd=False runs the portable C
+    code even where AVX-512 is present (both must give the reference's result).
+    """
+    lib = _lib_or_raise()
+    packed, scale, out, n = _mxfp4_weight(packed, scale)
+    x = _input(x, n)
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if y.numel() == 0:
+        return y
+    rc = lib.mxfp4_gemv_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), scale.data_ptr(), out, n,
+                            y.data_ptr(), _threads(threads), int(use_simd))
+    if rc != 0:
+        raise MemoryError(f"MXFP4 gemv could not allocate scratch for x of shape {tuple(x.shape)}")
+    return y
+
+
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """W [out, in] in ``dtype``, equal bit for bit to mxfp4.mxfp4_dequantize.
+
+    float32 and bfloat16 are written directly (bf16 holds every decoded value exactly); other
+    dtypes are converted from float32 by torch, as the reference does. One exception to equal
+    bits: a NaN (scale byte 255) in bf16 is always 0x7FC0, where torch's conversion writes
+    0x7FC0 or 0xFFFF depending on its code path.
+    """
+    lib = _lib_or_raise()
+    packed, scale, out, n = _mxfp4_weight(packed, scale)
+    direct = dtype if dtype in _OUT_KIND else torch.float32
+    w = torch.empty(out, n, dtype=direct)
+    if w.numel() > 0:
+        rc = lib.mxfp4_dequant(packed.data_ptr(), scale.data_ptr(), out, n, w.data_ptr(),
+                               _OUT_KIND[direct], _threads(threads), int(use_simd))
+        if rc != 0:
+            raise RuntimeError(f"MXFP4 dequant failed with code {rc}")
+    return w.to(dtype)
+
+
+def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """y [M, out] float32 = x [M, in] @ W^T for an int8 weight (int8.py's layout).
+
+    y[m, r] = scale[r] * sum_k codes[r, k] * x[m, k], summed in float32 with the row's scale
+    applied once, after the sum; this matches int8_dequantize-then-matmul to float32 rounding.
+    x is converted to contiguous float32 first if it is not. use_simd=False runs the portable C
+    code even where AVX-512 is present.
+    """
+    lib = _lib_or_raise()
+    out, n = int8_check_shapes(codes, scale)
+    if codes.device.type != "cpu" or scale.device.type != "cpu":
+        raise ValueError(f"the native int8 kernel needs CPU tensors, got {codes.device} and {scale.device}")
+    x = _input(x, n)
+    codes, scale = codes.contiguous(), scale.contiguous()
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if y.numel() == 0:
+        return y
+    rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], codes.data_ptr(), scale.data_ptr(), out, n,
+                           y.data_ptr(), _threads(threads), int(use_simd))
+    if rc != 0:
+        raise RuntimeError(f"int8 gemv failed with code {rc}")
+    return y
