@@ -1,8 +1,8 @@
 """Declares deltafin's one optional native extension; all other metadata is in pyproject.toml.
 
-The MXFP4 CPU kernel is plain C. ``optional=True`` lets the install finish without it (no
-compiler, unsupported platform); deltafin then uses its torch code for MXFP4 on the CPU.
-AVX-512 code paths are selected at run time, so no -march flag is passed.
+The CPU kernels for quantized weights (MXFP4, int8) are plain C. ``optional=True`` lets the
+install finish without them (no compiler, unsupported platform); deltafin then uses its torch
+code on the CPU. AVX-512 code paths are selected at run time, so no -march flag is passed.
 """
 import sys
 
@@ -11,6 +11,6 @@ from setuptools import Extension, setup
 compile_args = [] if sys.platform == "win32" else ["-O3", "-std=c11", "-pthread"]
 link_args = [] if sys.platform == "win32" else ["-pthread"]
 
-setup(ext_modules=[Extension("deltafin.kernels._mxfp4_cpu", ["deltafin/kernels/_mxfp4_cpu.c"],
+setup(ext_modules=[Extension("deltafin.kernels._cpu_kernels", ["deltafin/kernels/_cpu_kernels.c"],
                              extra_compile_args=compile_args, extra_link_args=link_args,
                              optional=True)])
