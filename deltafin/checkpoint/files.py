@@ -37,6 +37,12 @@ class FileHandles:
                 os.close(fd)
             self._fds.clear()
 
+    def __del__(self):  # a reader dropped without close() still gives its descriptors back
+        try:
+            self.close()
+        except Exception:
+            pass
+
 
 def pread_into(fd: int, view: memoryview, offset: int, need: int, file: str) -> None:
     """Fill view[:need] from the file at offset (view may extend past need; EOF beyond it is fine)."""

@@ -176,9 +176,3 @@ class HFCheckpoint:
 
     def close(self) -> None:
         self._files.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

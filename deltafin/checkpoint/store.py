@@ -303,12 +303,6 @@ class StoreSource:
     def close(self) -> None:
         self._files.close()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
     # -- one-read access -----------------------------------------------------------------------
     def globals_extent(self) -> tuple[str, int, int]:
         g = self._globals

@@ -160,16 +160,22 @@ def attention_layers(num_layers: int) -> tuple[list[int], list[int]]:
     return [i for i in range(1, num_layers + 1) if i not in full], full
 
 
-def _k3_text(**sizes) -> dict:
-    """K3 text_config with the real model's values; `sizes` replaces some of them."""
-    n = sizes.pop("num_hidden_layers", 93)
-    lac = {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
-           "gate_lower_bound": -5.0}
+def _linear_attn_config(n: int, sizes: dict, defaults: dict) -> dict:
+    """linear_attn_config: defaults, overridden by (and removed from) `sizes`, plus the layer lists."""
+    lac = dict(defaults)
     for k in list(sizes):
         if k in LINEAR_ATTN_KEYS:
             lac[k] = sizes.pop(k)
     kda, full = attention_layers(n)
     lac.update(kda_layers=kda, full_attn_layers=full)
+    return lac
+
+
+def _k3_text(**sizes) -> dict:
+    """K3 text_config with the real model's values; `sizes` replaces some of them."""
+    n = sizes.pop("num_hidden_layers", 93)
+    lac = _linear_attn_config(n, sizes, {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                                         "use_full_rank_gate": True, "gate_lower_bound": -5.0})
     text = {
         "architectures": ["KimiK3ForCausalLM"],
         "model_type": "kimi_linear",
@@ -223,12 +229,7 @@ def _k3_text(**sizes) -> dict:
 def _kimi_linear_text(**sizes) -> dict:
     """Kimi Linear config fields (the 48B model's values); `sizes` replaces some of them."""
     n = sizes.pop("num_hidden_layers", 27)
-    lac = {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}
-    for k in list(sizes):
-        if k in LINEAR_ATTN_KEYS:
-            lac[k] = sizes.pop(k)
-    kda, full = attention_layers(n)
-    lac.update(kda_layers=kda, full_attn_layers=full)
+    lac = _linear_attn_config(n, sizes, {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4})
     text = {
         "architectures": ["KimiLinearForCausalLM"],
         "model_type": "kimi_linear",
