@@ -1,4 +1,5 @@
-"""The native CPU kernels (MXFP4, int8) against the torch references, and qlinear's choice between them."""
+"""The native CPU kernels (MXFP4, int8, bf16) against the torch references, and the choice between
+them in qlinear and ops.linear."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +10,7 @@ import torch
 from deltafin.kernels import cpu_native, linear, quantize
 from deltafin.kernels.int8 import int8_dequantize
 from deltafin.kernels.mxfp4 import mxfp4_dequantize
+from deltafin.model import ops
 
 native = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
 # Both code paths of the library: AVX-512 (where the CPU has it) and portable C.
@@ -293,3 +295,141 @@ def test_qlinear_int8_falls_back_to_torch_without_library(monkeypatch):
     with pytest.raises(RuntimeError, match="not built"):
         cpu_native.int8_gemv(x, codes, scale)
     assert torch.equal(linear.qlinear(x, q), x @ int8_dequantize(codes, scale).T)
+
+
+# ---------------------------------------------------------------- bf16
+
+def _random_bf16(out: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows spanning several orders of magnitude, as checkpoint weights do.
+    return (torch.randn(out, n, generator=g) * torch.logspace(-3, 1, out).unsqueeze(1)).to(torch.bfloat16)
+
+
+def _assert_bf16_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y equals x @ w^T (w widened to float32, exactly) up to float32 summation order."""
+    wf = w.float()
+    ref = x.float() @ wf.T
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert ((y - ref).abs() <= 1e-5 * (x.float().abs() @ wf.abs().T)).all()
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("out,n", [(1, 16), (2, 7), (3, 17), (13, 100), (67, 1024)])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+def test_bf16_gemv_matches_reference(out, n, m, use_simd):
+    # n = 7 has only a tail, 17 and 100 a body plus a tail past the 16-wide steps; m = 5 is one
+    # full block of 4 rows of x plus one.
+    w = _random_bf16(out, n, seed=out * n + m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    _assert_bf16_close(cpu_native.bf16_gemv(x, w, use_simd=use_simd), x, w)
+
+
+@native
+@SIMD
+def test_bf16_gemv_is_exact_on_exact_sums_and_keeps_special_values(use_simd):
+    n = 40                                            # two 16-wide steps and a tail of 8
+    g = torch.Generator().manual_seed(4)
+    # Small integers: every product and partial sum is exact in float32, in any order.
+    w = torch.randint(-50, 51, (7, n), generator=g).to(torch.bfloat16)
+    w[1, 20] = float("nan")
+    w[2, 3] = float("inf")
+    w[4] = -0.0
+    w[5, 37] = float("-inf")                          # in the scalar tail
+    x = torch.randint(-8, 9, (5, n), generator=g).float().abs() + 1.0
+    y = cpu_native.bf16_gemv(x, w, use_simd=use_simd)
+    ref = x @ w.float().T
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[:, 1]).all()
+    assert torch.equal(y[:, [0, 2, 3, 4, 5, 6]], ref[:, [0, 2, 3, 4, 5, 6]])
+    assert (y[:, 2] == float("inf")).all() and (y[:, 5] == float("-inf")).all() and (y[:, 4] == 0).all()
+    # bf16 subnormals (+-2^-133) widen to float32 subnormals, in the 16-wide steps and the tail
+    # alike, and are not flushed to zero on the way.
+    sub = torch.tensor([[1] * 16 + [-32767] * 16 + [1]], dtype=torch.int16).view(torch.bfloat16)
+    x = torch.zeros(1, 33)
+    x[0, 0], x[0, 16], x[0, 32] = 2.0 ** 100, 2.0 ** 99, 2.0 ** 98
+    assert cpu_native.bf16_gemv(x, sub, use_simd=use_simd).item() == 3 * 2.0 ** -35
+
+
+@native
+@SIMD
+def test_bf16_gemv_thread_split_gives_identical_results(use_simd):
+    w = _random_bf16(523, 2048, seed=5)              # enough work for 4 threads; 523 = 4k + 3
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5))
+    ys = [cpu_native.bf16_gemv(x, w, threads=t, use_simd=use_simd) for t in (1, 2, 3, 4)]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+    _assert_bf16_close(ys[0], x, w)
+
+
+@native
+def test_bf16_gemv_rows_of_x_do_not_affect_each_other():
+    # A row's result is the same whether it comes alone or inside a batch (blocks of 4 rows of x).
+    w = _random_bf16(37, 300, seed=9)
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(9))
+    y = cpu_native.bf16_gemv(x, w)
+    for i in range(7):
+        assert torch.equal(cpu_native.bf16_gemv(x[i:i + 1], w), y[i:i + 1])
+
+
+@native
+def test_bf16_gemv_accepts_strided_and_bf16_inputs():
+    w = _random_bf16(24, 80, seed=6)
+    x = torch.randn(3, 80, generator=torch.Generator().manual_seed(6))
+    y = cpu_native.bf16_gemv(x, w)
+    wide_w = torch.cat([w, w], dim=1)[:, :80]                     # non-contiguous views
+    x_t = x.T.contiguous().T
+    assert not (wide_w.is_contiguous() or x_t.is_contiguous())
+    assert torch.equal(cpu_native.bf16_gemv(x_t, wide_w), y)
+    assert torch.equal(cpu_native.bf16_gemv(x, w.T.contiguous().T), y)
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(cpu_native.bf16_gemv(xb, w), cpu_native.bf16_gemv(xb.float(), w))
+
+
+@native
+def test_bf16_gemv_rejects_bad_arguments():
+    w = _random_bf16(4, 64, seed=7)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_native.bf16_gemv(torch.zeros(1, 32), w)
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        cpu_native.bf16_gemv(torch.zeros(1, 64), w.float())
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        cpu_native.bf16_gemv(torch.zeros(1, 64), w.view(2, 2, 64))
+    assert cpu_native.bf16_gemv(torch.zeros(0, 64), w).shape == (0, 4)
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+def test_linear_float32_by_bf16_dispatches_to_native_kernel(monkeypatch, rows):
+    w = _random_bf16(40, 160, seed=rows)
+    x = torch.randn(1, rows, 160, generator=torch.Generator().manual_seed(1))
+    calls = []
+    gemv = cpu_native.bf16_gemv
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "bf16_gemv", counted)
+    y = ops.linear(x, w)
+    assert y.shape == (1, rows, 40) and y.dtype == torch.float32
+    # Decode-sized batches use the gemv; larger ones convert w and use a matmul.
+    assert len(calls) == int(rows <= cpu_native.GEMV_MAX_ROWS)
+    _assert_bf16_close(y[0], x[0], w)
+    calls.clear()
+    # Other dtype pairs keep their torch products.
+    assert ops.linear(x.to(torch.bfloat16), w).dtype == torch.bfloat16
+    assert torch.equal(ops.linear(x, w.float()), torch.nn.functional.linear(x, w.float()))
+    assert ops.linear(x, ops.HalfMatmul(w, torch.bfloat16)).dtype == torch.float32
+    assert calls == []
+
+
+def test_linear_float32_by_bf16_falls_back_to_torch_without_library(monkeypatch):
+    w = _random_bf16(24, 64, seed=2)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    expect = ops.linear(x, w)                       # native when built, else already torch
+    _assert_bf16_close(expect, x, w)
+    monkeypatch.setattr(cpu_native, "_library", lambda: None)
+    assert not cpu_native.available()
+    with pytest.raises(RuntimeError, match="not built"):
+        cpu_native.bf16_gemv(x, w)
+    assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w.float()))

@@ -103,8 +103,9 @@ def test_mxfp4_experts_equal_dequantized_ahead(tiny_k3_path):
             n += 1
     assert n > 0
     ahead = m.logits(ids)
-    # the native kernel sums in another order than a dense product: fp32 noise on logits up to ~12
-    torch.testing.assert_close(packed, ahead, rtol=1e-5, atol=1e-5)
+    # the native kernels sum in another order than a dense product: fp32 noise (measured up to 7e-5
+    # over 18 prompts on either path) on logits up to ~12
+    torch.testing.assert_close(packed, ahead, rtol=1e-5, atol=1e-4)
 
 
 _PEAK = """

@@ -1,4 +1,4 @@
-/* Quantized weights on the CPU: x @ W^T straight from the stored bytes (MXFP4, int8), and
+/* Stored weights on the CPU: x @ W^T straight from the stored bytes (MXFP4, int8, bf16), and
    whole-row MXFP4 decoding.
 
    MXFP4 layout (see mxfp4.py): packed uint8 [out, in/2], byte j of a row holds element 2j in its
@@ -12,6 +12,9 @@
    The gemv sums codes * x in float32 and applies the row's scale once, after the sum: every
    code converts to float32 exactly, so the result differs from dequantize-then-matmul only by
    summation order and one rounding of the scale product.
+
+   bf16 layout: uint16 [out, in], each the top half of a float32's bits. Widening is exact (shift
+   left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
 
    Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
    library itself needs no -march flag) and portable C. The AVX-512 one is chosen at run time
@@ -34,7 +37,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 2
+#define KERNELS_ABI 3
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -42,6 +45,8 @@
 #define ROW_BLOCK 4
 /* int8 elements per AVX-512 step: one 16-byte load widened to 16 floats. */
 #define INT8_STEP 16
+/* bf16 elements per AVX-512 step: one 32-byte load widened to 16 floats. */
+#define BF16_STEP 16
 /* Below this many weights per thread, extra threads cost more than they save. */
 #define MIN_WEIGHTS_PER_THREAD (1 << 18)
 
@@ -59,13 +64,14 @@ enum out_kind { OUT_F32 = 0, OUT_BF16 = 1 };
 
 /* One call's arguments, shared read-only by its threads. */
 struct job {
-    const float *x;          /* [m, n] as given (portable MXFP4 path, both int8 paths) */
+    const float *x;          /* [m, n] as given (portable MXFP4 path, int8 and bf16 paths) */
     const float *x_even;     /* [m, n/2]: x[:, 0::2] (AVX-512 MXFP4 gemv) */
     const float *x_odd;      /* [m, n/2]: x[:, 1::2] */
     const uint8_t *packed;   /* MXFP4 [out, n/2] */
     const uint8_t *scale;    /* MXFP4 [out, n/32] */
     const int8_t *codes;     /* int8 [out, n] */
     const float *row_scale;  /* int8 [out] */
+    const uint16_t *bf16;    /* bf16 bits [out, n] */
     void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
     int kind;                /* enum out_kind, dequant only */
@@ -154,6 +160,38 @@ static void int8_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1
                 for (int k = 0; k < INT8_STEP; k++) sum += acc[i][k];
                 for (int64_t k = body; k < n; k++) sum += (float)c[k] * xi[k];
                 y[(m0 + i) * jb->out + r] = sum * jb->row_scale[r];
+            }
+        }
+    }
+}
+
+static float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void bf16_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, body = n - n % BF16_STEP;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *w = jb->bf16 + r * n;
+        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
+            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
+            /* One partial sum per lane of a step, as the AVX-512 code sums. */
+            float acc[X_BLOCK][BF16_STEP] = {{0}};
+            for (int64_t k0 = 0; k0 < body; k0 += BF16_STEP)
+                for (int64_t i = 0; i < mb; i++) {
+                    const float *xk = jb->x + (m0 + i) * n + k0;
+                    for (int k = 0; k < BF16_STEP; k++) acc[i][k] += bf16_to_float(w[k0 + k]) * xk[k];
+                }
+            for (int64_t i = 0; i < mb; i++) {
+                const float *xi = jb->x + (m0 + i) * n;
+                float sum = 0.0f;
+                for (int k = 0; k < BF16_STEP; k++) sum += acc[i][k];
+                for (int64_t k = body; k < n; k++) sum += bf16_to_float(w[k]) * xi[k];
+                y[(m0 + i) * jb->out + r] = sum;
             }
         }
     }
@@ -249,8 +287,46 @@ int8_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R,
         }
 }
 
+/* bf16 counterpart of the int8 block: 16 weights (32 bytes) widen exactly to 16 floats per step
+   and row (zero-extend to 32 bits, shift into the high half). The R rows of `next` are
+   contiguous, R*32 bytes per step: two cache lines when R = 4, prefetched into L2 as for int8.
+   The last n % 16 elements are summed in scalar code. */
+static inline __attribute__((always_inline)) AVX512 void
+bf16_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB,
+                       const int64_t next) {
+    const int64_t n = jb->n, body = n - n % BF16_STEP;
+    const uint16_t *w = jb->bf16 + r * n;
+    const float *x = jb->x + m0 * n;
+    const char *next_w = next >= 0 ? (const char *)(jb->bf16 + next * n) : NULL;
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < body; k0 += BF16_STEP) {
+        if (next_w) {
+            _mm_prefetch(next_w + k0 * R * 2, _MM_HINT_T1);
+            if (R * BF16_STEP * 2 > 64) _mm_prefetch(next_w + k0 * R * 2 + 64, _MM_HINT_T1);
+        }
+        __m512 wv[ROW_BLOCK];
+        for (int k = 0; k < R; k++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w + k * n + k0));
+            wv[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        for (int i = 0; i < MB; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * n + k0);
+            for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(wv[k], xv, acc[k][i]);
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) {
+            float sum = _mm512_reduce_add_ps(acc[k][i]);
+            for (int64_t j = body; j < n; j++) sum += bf16_to_float(w[k * n + j]) * x[i * n + j];
+            y[(m0 + i) * jb->out + r + k] = sum;
+        }
+}
+
 /* Output rows r..r+R-1 for every row of x, X_BLOCK rows of x at a time, by `block` (one of the
-   two above); the first pass over the weight rows prefetches rows `next` onward (-1: none). */
+   three above); the first pass over the weight rows prefetches rows `next` onward (-1: none). */
 #define GEMV_ROWS_BLOCK(block, jb, r, R, next)                                 \
     do {                                                                       \
         int64_t m0_ = 0, next_ = (next);                                       \
@@ -280,6 +356,10 @@ static AVX512 void mxfp4_gemv_rows_avx512(const struct job *jb, int64_t r0, int6
 
 static AVX512 void int8_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
     GEMV_ROWS(int8_gemv_block_avx512, jb, r0, r1);
+}
+
+static AVX512 void bf16_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    GEMV_ROWS(bf16_gemv_block_avx512, jb, r0, r1);
 }
 
 static AVX512 void mxfp4_dequant_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
@@ -439,10 +519,23 @@ int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *s
     return run_rows(&jb, fn, threads);
 }
 
+/* bf16: y [m, out] = x [m, n] @ W^T, W given as bf16 bits [out, n], summed in float32.
+   use_simd = 0 forces the portable code. Returns 0. */
+int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int64_t n, float *y,
+                  int threads, int use_simd) {
+    struct job jb = {.x = x, .bf16 = w, .y = y, .m = m, .out = out, .n = n};
+    rows_fn fn = bf16_gemv_rows_portable;
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) fn = bf16_gemv_rows_avx512;
+#endif
+    (void)use_simd;
+    return run_rows(&jb, fn, threads);
+}
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_cpu_kernels",
-    .m_doc = "Quantized-weight CPU kernels; loaded through ctypes by cpu_native.py.",
+    .m_doc = "Stored-weight CPU kernels; loaded through ctypes by cpu_native.py.",
     .m_size = -1,
 };
 

@@ -1,10 +1,10 @@
-"""Native CPU kernels for quantized weights (_cpu_kernels.c), called through ctypes.
+"""Native CPU kernels for stored weights (_cpu_kernels.c), called through ctypes.
 
-``mxfp4_gemv`` and ``int8_gemv`` multiply a few rows of x by a stored weight without
-materializing it, at close to memory speed; ``mxfp4_dequant`` decodes MXFP4 rows bit-for-bit like
-``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
+``mxfp4_gemv``, ``int8_gemv`` and ``bf16_gemv`` multiply a few float32 rows of x by a stored
+weight without materializing it, at close to memory speed; ``mxfp4_dequant`` decodes MXFP4 rows
+bit-for-bit like ``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
 was not built, ``available()`` is False and callers use the torch references in mxfp4.py and
-int8.py. It is loaded on first use, not at import.
+int8.py (and a float32 conversion for bf16). It is loaded on first use, not at import.
 
 Every function releases the GIL while it runs (ctypes does) and splits the output rows over
 ``threads`` threads, torch.get_num_threads() unless given.
@@ -22,9 +22,9 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 2
+ABI = 3
 # Rows of x up to which the gemvs beat dequantize-then-matmul (they decode each weight row once
-# per 4 rows of x, where a matmul decodes once for all of them).
+# per 4 rows of x, where a matmul decodes once for all of them); bf16 follows the same rule.
 GEMV_MAX_ROWS = 16
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -49,6 +49,8 @@ def _library() -> ctypes.CDLL | None:
         lib.mxfp4_dequant.restype = _int
         lib.int8_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.int8_gemv_f32.restype = _int
+        lib.bf16_gemv_f32.argtypes = [_p, _i64, _p, _i64, _i64, _p, _int, _int]
+        lib.bf16_gemv_f32.restype = _int
     except (OSError, AttributeError):
         return None
     return lib
@@ -156,4 +158,31 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                            y.data_ptr(), _threads(threads), int(use_simd))
     if rc != 0:
         raise RuntimeError(f"int8 gemv failed with code {rc}")
+    return y
+
+
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None,
+              use_simd: bool = True) -> torch.Tensor:
+    """y [M, out] float32 = x [M, in] @ w^T for a bf16 weight w [out, in], summed in float32.
+
+    Each weight widens to float32 exactly, so this matches ``x.float() @ w.float().T`` up to
+    float32 summation order, without a float32 copy of w. A non-contiguous w is copied first
+    (weights read from a checkpoint are contiguous). x is converted to contiguous float32 first
+    if it is not. use_simd=False runs the portable C code even where AVX-512 is present.
+    """
+    lib = _lib_or_raise()
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ValueError(f"w must be a 2-D bfloat16 tensor, got {w.dtype} of shape {tuple(w.shape)}")
+    if w.device.type != "cpu":
+        raise ValueError(f"the native bf16 kernel needs a CPU weight, got {w.device}")
+    out, n = w.shape
+    x = _input(x, n)
+    w = w.contiguous()
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if y.numel() == 0:
+        return y
+    rc = lib.bf16_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(),
+                           _threads(threads), int(use_simd))
+    if rc != 0:
+        raise RuntimeError(f"bf16 gemv failed with code {rc}")
     return y

@@ -42,10 +42,27 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         return qlinear(x, w)
     if w.dtype == x.dtype:
         return F.linear(x, w)
+    if _native_bf16_gemv_applies(x, w):
+        # Decode-sized fp32 rows against a bf16 weight: the native gemv widens each weight as it
+        # reads it, at memory speed, where converting w to fp32 first runs at ~1 GB/s.
+        from ..kernels import cpu_native
+        y = cpu_native.bf16_gemv(x.reshape(-1, w.shape[1]), w)
+        return y.reshape(*x.shape[:-1], w.shape[0])
     if w.numel() <= CONVERT_BLOCK:
         return F.linear(x, w.to(x.dtype))
     rows = max(1, CONVERT_BLOCK // w.shape[1])
     return torch.cat([F.linear(x, w[r:r + rows].to(x.dtype)) for r in range(0, w.shape[0], rows)], dim=-1)
+
+
+def _native_bf16_gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True for float32 rows (at most GEMV_MAX_ROWS) times a 2-D bf16 weight, all on the CPU,
+    when the native library is built."""
+    if not (x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.dim() == 2
+            and x.dim() >= 1 and x.shape[-1] == w.shape[1] > 0
+            and x.device.type == "cpu" and w.device.type == "cpu"):
+        return False
+    from ..kernels import cpu_native
+    return x.numel() // w.shape[1] <= cpu_native.GEMV_MAX_ROWS and cpu_native.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
