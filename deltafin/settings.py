@@ -36,9 +36,9 @@ class Settings:
                        "| bf16 | int8 | mixed", choices=("auto", "bf16", "int8", "mixed"))
     pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming")
     io_workers: int = _knob(8, "parallel pread workers for routed experts")
-    read_mode: str = _knob("buffered", "how expert and spine bytes are read: buffered (page cache), "
-                           "nocache (drop pages after use / O_DIRECT), mmap",
-                           choices=("buffered", "nocache", "mmap"))
+    read_mode: str = _knob("nocache", "how expert and spine bytes are read: nocache (O_DIRECT, else drop pages "
+                           "after use; fastest when streaming), buffered (page cache), mmap",
+                           choices=("nocache", "buffered", "mmap"))
     threads: int = _knob(0, "compute threads; 0 = auto: every core when the model is in RAM, one fewer when "
                          "streaming so the readers keep a core")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill")
