@@ -1,4 +1,4 @@
-"""The native CPU kernels (MXFP4, int8, bf16) against the torch references, and the choice between
+"""The native CPU kernels (MXFP4, int8, int4, int6, bf16) against the torch references, and the choice between
 them in qlinear and ops.linear."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from deltafin.kernels import cpu_native, linear, quantize
+from deltafin.kernels import cpu_native, intq, linear, quantize
 from deltafin.kernels.int8 import int8_dequantize
 from deltafin.kernels.mxfp4 import mxfp4_dequantize
 from deltafin.model import ops
@@ -295,6 +295,156 @@ def test_qlinear_int8_falls_back_to_torch_without_library(monkeypatch):
     with pytest.raises(RuntimeError, match="not built"):
         cpu_native.int8_gemv(x, codes, scale)
     assert torch.equal(linear.qlinear(x, q), x @ int8_dequantize(codes, scale).T)
+
+
+# ---------------------------------------------------------------- int4 / int6
+
+INTQ = pytest.mark.parametrize("codec", ["int4", "int6"])
+
+
+def _random_intq(codec: str, out: int, n: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed bytes (every code, including -offset, which quantize never writes) and
+    float16 scales spanning several orders of magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (out, intq.packed_width(codec, n)), generator=g, dtype=torch.uint8)
+    scale = torch.rand(out, n // group, generator=g) * torch.logspace(-4, 1, out).unsqueeze(1)
+    return packed, scale.half()
+
+
+def _assert_intq_close(y: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       codec: str) -> None:
+    """y equals x @ W^T (W decoded by the torch reference) up to float32 summation order."""
+    w = intq.intq_dequantize(packed, scale, codec)
+    ref = x.float() @ w.T
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert ((y - ref).abs() <= 1e-5 * (x.float().abs() @ w.abs().T)).all()
+
+
+@native
+@SIMD
+@INTQ
+@pytest.mark.parametrize("out,n,group", [(1, 32, 32), (3, 64, 16), (13, 96, 32), (67, 1024, 64),
+                                         (5, 40, 8), (7, 200, 8), (9, 96, 48), (4, 512, 256),
+                                         (6, 120, 40)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_intq_gemv_matches_reference(codec, out, n, group, m, use_simd):
+    # Groups of 8, 16, 40 and 48 straddle the AVX-512 steps (32 int4 / 16 int6 elements); widths
+    # 40, 200 and 120 end inside a step.
+    packed, scale = _random_intq(codec, out, n, group, seed=out * n + m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    y = cpu_native.intq_gemv(x, packed, scale, codec, group, use_simd=use_simd)
+    _assert_intq_close(y, x, packed, scale, codec)
+
+
+@native
+@SIMD
+@INTQ
+@pytest.mark.parametrize("group", [8, 32])
+def test_intq_gemv_extreme_codes_and_zero_scales(codec, group, use_simd):
+    n, lo, hi = 96, -intq.offset(codec), intq.offset(codec) - 1
+    codes = torch.zeros(5, n, dtype=torch.int32)
+    codes[0] = lo
+    codes[1] = hi
+    codes[2] = torch.arange(n) % (hi - lo + 1) + lo               # every code in turn
+    codes[3] = hi                                                  # nonzero codes, but scale 0
+    packed = intq.pack(codes, codec)
+    scale = torch.full((5, n // group), 0.5).half()
+    scale[3] = 0.0
+    scale[4, 0] = 65504.0                                          # largest float16; codes 0
+    x = torch.randint(-8, 9, (4, n), generator=torch.Generator().manual_seed(4)).float()
+    y = cpu_native.intq_gemv(x, packed, scale, codec, group, use_simd=use_simd)
+    _assert_intq_close(y, x, packed, scale, codec)
+    # Small integers times 0.5: every product and partial sum is exact, so the sums are too.
+    assert torch.equal(y[:, :3], x @ (codes[:3].float() * 0.5).T)
+    assert (y[:, 3] == 0).all() and (y[:, 4] == 0).all()
+
+
+@native
+@SIMD
+@INTQ
+def test_intq_gemv_thread_split_gives_identical_results(codec, use_simd):
+    packed, scale = _random_intq(codec, 523, 2048, 32, seed=5)    # enough for 4 threads; 523 = 4k + 3
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5))
+    ys = [cpu_native.intq_gemv(x, packed, scale, codec, 32, threads=t, use_simd=use_simd) for t in (1, 2, 3, 4)]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+    _assert_intq_close(ys[0], x, packed, scale, codec)
+    # A row of x gives the same result alone as inside a batch (blocks of 4 rows of x).
+    assert torch.equal(cpu_native.intq_gemv(x[1:], packed, scale, codec, 32, use_simd=use_simd), ys[0][1:])
+
+
+@native
+@INTQ
+def test_intq_gemv_accepts_strided_and_bf16_inputs(codec):
+    packed, scale = _random_intq(codec, 24, 128, 32, seed=6)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    y = cpu_native.intq_gemv(x, packed, scale, codec, 32)
+    wide_p = torch.cat([packed, packed], dim=1)[:, :packed.shape[1]]   # non-contiguous views
+    wide_s = torch.cat([scale, scale], dim=1)[:, :scale.shape[1]]
+    x_t = x.T.contiguous().T
+    assert not (wide_p.is_contiguous() or wide_s.is_contiguous() or x_t.is_contiguous())
+    assert torch.equal(cpu_native.intq_gemv(x_t, wide_p, wide_s, codec, 32), y)
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(cpu_native.intq_gemv(xb, packed, scale, codec, 32),
+                       cpu_native.intq_gemv(xb.float(), packed, scale, codec, 32))
+
+
+@native
+def test_intq_gemv_rejects_bad_arguments():
+    packed, scale = _random_intq("int4", 4, 64, 16, seed=7)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_native.intq_gemv(torch.zeros(1, 32), packed, scale, "int4", 16)
+    with pytest.raises(ValueError, match="implies group size 16"):
+        cpu_native.intq_gemv(torch.zeros(1, 64), packed, scale, "int4", 32)
+    with pytest.raises(ValueError, match="unknown group-wise"):
+        cpu_native.intq_gemv(torch.zeros(1, 64), packed, scale, "int5", 16)
+    p4, s4 = _random_intq("int4", 4, 64, 4, seed=7)                # valid layout, group too small
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpu_native.intq_gemv(torch.zeros(1, 64), p4, s4, "int4", 4)
+    assert cpu_native.intq_gemv(torch.zeros(0, 64), packed, scale, "int4", 16).shape == (0, 4)
+
+
+@native
+@INTQ
+@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+def test_qlinear_intq_dispatches_to_native_kernel(monkeypatch, codec, rows):
+    q = quantize(torch.randn(40, 160, generator=torch.Generator().manual_seed(rows)), codec, group_size=32)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    calls = []
+    gemv = cpu_native.intq_gemv
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "intq_gemv", counted)
+    y = linear.qlinear(x.view(1, rows, 160), q)
+    assert y.shape == (1, rows, 40) and y.dtype == torch.bfloat16
+    # Decode-sized batches use the gemv; larger ones dequantize and use a matmul.
+    assert len(calls) == int(rows <= cpu_native.GEMV_MAX_ROWS)
+    ref = x.float() @ linear.dequantize(q).T
+    assert torch.allclose(y[0].float(), ref.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    calls.clear()
+    linear.qlinear(x, q, use_triton=False)             # an explicit torch request is honoured
+    # A group size the kernel does not take (not a multiple of 8) stays on the torch path.
+    q4 = quantize(torch.randn(8, 64, generator=torch.Generator().manual_seed(3)), codec, group_size=4)
+    x4 = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(linear.qlinear(x4, q4), x4 @ linear.dequantize(q4).T)
+    assert calls == []
+
+
+@INTQ
+def test_qlinear_intq_falls_back_to_torch_without_library(monkeypatch, codec):
+    q = quantize(torch.randn(24, 64, generator=torch.Generator().manual_seed(2)), codec, group_size=16)
+    packed, scale = q.tensors["weight_packed"], q.tensors["weight_scale"]
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    expect = linear.qlinear(x, q)                   # native when built, else already torch
+    _assert_intq_close(expect, x, packed, scale, codec)
+    monkeypatch.setattr(cpu_native, "_library", lambda: None)
+    assert not cpu_native.available()
+    with pytest.raises(RuntimeError, match="not built"):
+        cpu_native.intq_gemv(x, packed, scale, codec, 16)
+    assert torch.equal(linear.qlinear(x, q), x @ intq.intq_dequantize(packed, scale, codec).T)
 
 
 # ---------------------------------------------------------------- bf16

@@ -1,5 +1,5 @@
-/* Stored weights on the CPU: x @ W^T straight from the stored bytes (MXFP4, int8, bf16), and
-   whole-row MXFP4 decoding.
+/* Stored weights on the CPU: x @ W^T straight from the stored bytes (MXFP4, int8, int4, int6,
+   bf16), and whole-row MXFP4 decoding.
 
    MXFP4 layout (see mxfp4.py): packed uint8 [out, in/2], byte j of a row holds element 2j in its
    low nibble and 2j+1 in its high nibble, each an E2M1 code; scale uint8 [out, in/32] holds one
@@ -12,6 +12,14 @@
    The gemv sums codes * x in float32 and applies the row's scale once, after the sum: every
    code converts to float32 exactly, so the result differs from dequantize-then-matmul only by
    summation order and one rounding of the scale product.
+
+   int4 / int6 layout (see intq.py): packed uint8, scale float16 [out, in/group]. int4 holds
+   element 2j of a row in the low nibble of byte j and 2j+1 in its high nibble; int6 holds every
+   4 elements as a 24-bit little-endian word of 6-bit fields in 3 bytes. Codes are stored plus an
+   offset (8 or 32). Each weight is decoded as the float32 product (u - offset) * scale, exactly
+   as the torch reference does (the AVX-512 code computes it as one FMA, u * s - offset * s,
+   whose single rounding gives the same value because offset * s is exact), so the gemv differs
+   from dequantize-then-matmul only by summation order. The group size must be a multiple of 8.
 
    bf16 layout: uint16 [out, in], each the top half of a float32's bits. Widening is exact (shift
    left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
@@ -37,7 +45,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 3
+#define KERNELS_ABI 4
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -47,6 +55,12 @@
 #define INT8_STEP 16
 /* bf16 elements per AVX-512 step: one 32-byte load widened to 16 floats. */
 #define BF16_STEP 16
+/* Elements of an int4 (16 bytes) and an int6 (12 bytes) AVX-512 step, and the packed bytes. */
+#define INT4_STEP 32
+#define INT6_STEP 16
+#define INT6_STEP_BYTES 12
+/* Elements the portable int4/int6 code decodes at once (the group size is a multiple of it). */
+#define INTQ_UNIT 8
 /* Below this many weights per thread, extra threads cost more than they save. */
 #define MIN_WEIGHTS_PER_THREAD (1 << 18)
 
@@ -72,6 +86,10 @@ struct job {
     const int8_t *codes;     /* int8 [out, n] */
     const float *row_scale;  /* int8 [out] */
     const uint16_t *bf16;    /* bf16 bits [out, n] */
+    const uint16_t *half_scale;  /* int4/int6: float16 bits [out, n/group] */
+    const int32_t *lane_group;   /* int4/int6 AVX-512, groups not aligned to steps: [steps, 16] */
+    int64_t group, steps, x_stride;  /* int4/int6: group size; AVX-512 steps per row; x row stride */
+    int bits;                    /* int4/int6: 4 or 6 */
     void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
     int kind;                /* enum out_kind, dequant only */
@@ -191,6 +209,72 @@ static void bf16_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1
                 float sum = 0.0f;
                 for (int k = 0; k < BF16_STEP; k++) sum += acc[i][k];
                 for (int64_t k = body; k < n; k++) sum += bf16_to_float(w[k]) * xi[k];
+                y[(m0 + i) * jb->out + r] = sum;
+            }
+        }
+    }
+}
+
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 31u, man = h & 1023u, bits;
+    if (exp == 31) {
+        bits = sign | 0x7F800000u | man << 13;          /* inf, NaN */
+    } else if (exp != 0) {
+        bits = sign | (exp + 112) << 23 | man << 13;    /* rebias 15 -> 127 */
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* Subnormal man * 2^-24: normalize into a float32 normal. */
+        exp = 113;
+        while (!(man & 1024u)) man <<= 1, exp--;
+        bits = sign | exp << 23 | (man & 1023u) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static int64_t intq_row_bytes(int bits, int64_t n) { return bits == 4 ? n / 2 : n / 4 * 3; }
+
+/* Elements k0..k0+7 of a packed int4/int6 row, times the group's scale s. */
+static void intq_decode_unit(const uint8_t *p, int bits, int64_t k0, float s, float *w) {
+    if (bits == 4) {
+        for (int j = 0; j < INTQ_UNIT / 2; j++) {
+            const uint8_t b = p[k0 / 2 + j];
+            w[2 * j] = (float)((int)(b & 15) - 8) * s;
+            w[2 * j + 1] = (float)((int)(b >> 4) - 8) * s;
+        }
+        return;
+    }
+    for (int t = 0; t < INTQ_UNIT / 4; t++) {
+        const uint8_t *q = p + (k0 / 4 + t) * 3;
+        const uint32_t word = q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16;
+        for (int j = 0; j < 4; j++) w[4 * t + j] = (float)((int)((word >> (6 * j)) & 63) - 32) * s;
+    }
+}
+
+static void intq_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / jb->group, row_bytes = intq_row_bytes(jb->bits, n);
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = jb->packed + r * row_bytes;
+        const uint16_t *hs = jb->half_scale + r * groups;
+        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
+            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
+            /* One partial sum per lane of a unit: loops the compiler can vectorize. */
+            float acc[X_BLOCK][INTQ_UNIT] = {{0}};
+            float w[INTQ_UNIT];
+            for (int64_t k0 = 0; k0 < n; k0 += INTQ_UNIT) {
+                intq_decode_unit(p, jb->bits, k0, half_to_float(hs[k0 / jb->group]), w);
+                for (int64_t i = 0; i < mb; i++) {
+                    const float *xk = jb->x + (m0 + i) * n + k0;
+                    for (int k = 0; k < INTQ_UNIT; k++) acc[i][k] += w[k] * xk[k];
+                }
+            }
+            for (int64_t i = 0; i < mb; i++) {
+                float sum = 0.0f;
+                for (int k = 0; k < INTQ_UNIT; k++) sum += acc[i][k];
                 y[(m0 + i) * jb->out + r] = sum;
             }
         }
@@ -362,6 +446,163 @@ static AVX512 void bf16_gemv_rows_avx512(const struct job *jb, int64_t r0, int64
     GEMV_ROWS(bf16_gemv_block_avx512, jb, r0, r1);
 }
 
+/* The scale of each of the 16 lanes of step c (E elements per step) of one row, from the row's
+   scales widened to float32 in `s` (followed by 16 zeros). When steps never straddle a group
+   boundary, one broadcast; otherwise lane_group maps each lane to its group, counted from the
+   step's first group, and lanes past the row's end to a zero. */
+static inline __attribute__((always_inline)) AVX512 __m512
+intq_lane_scales(const struct job *jb, const float *s, int64_t c, int64_t E) {
+    const int64_t g0 = c * E / jb->group;
+    if (!jb->lane_group) return _mm512_set1_ps(s[g0]);
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(jb->lane_group + c * 16), _mm512_loadu_ps(s + g0));
+}
+
+/* 16 packed bytes of step c at byte offset `at` of a row of `row_bytes`; near the row's end the
+   bytes left are copied into zeros, so that nothing past the weight is read. */
+static inline __attribute__((always_inline)) AVX512 __m128i
+intq_load_step(const uint8_t *row, int64_t at, int64_t step_bytes, int64_t row_bytes) {
+    if (at + 16 <= row_bytes) return _mm_loadu_si128((const __m128i *)(row + at));
+    uint8_t tail[16] = {0};
+    const int64_t left = row_bytes - at;
+    memcpy(tail, row + at, (size_t)(left < step_bytes ? left : step_bytes));
+    return _mm_loadu_si128((const __m128i *)tail);
+}
+
+/* int4 counterpart of the MXFP4 block: 16 bytes decode to the even and odd elements of a step
+   of 32, which meet the de-interleaved x. `s` holds the R rows' float32 scales, `stride` apart.
+   The R rows of `next` are contiguous, R*16 bytes per step: one cache line when R = 4,
+   prefetched into L2 as for int8. */
+static inline __attribute__((always_inline)) AVX512 void
+int4_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB,
+                       const int64_t next, const float *s, const int64_t stride) {
+    const int64_t row_bytes = jb->n / 2;
+    const char *next_packed = next >= 0 ? (const char *)(jb->packed + next * row_bytes) : NULL;
+    const __m512i nibble = _mm512_set1_epi32(15);
+    const __m512 minus_offset = _mm512_set1_ps(-8.0f);
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < jb->steps; c++) {
+        if (next_packed) _mm_prefetch(next_packed + c * R * 16, _MM_HINT_T1);
+        __m512 w_even[ROW_BLOCK], w_odd[ROW_BLOCK];
+        for (int k = 0; k < R; k++) {
+            const __m512i bytes = _mm512_cvtepu8_epi32(
+                intq_load_step(jb->packed + (r + k) * row_bytes, c * 16, 16, row_bytes));
+            const __m512 sv = intq_lane_scales(jb, s + k * stride, c, INT4_STEP);
+            const __m512 bias = _mm512_mul_ps(sv, minus_offset);
+            w_even[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), sv, bias);
+            w_odd[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, bias);
+        }
+        for (int i = 0; i < MB; i++) {
+            const int64_t off = (m0 + i) * jb->x_stride + c * 16;
+            const __m512 xe = _mm512_loadu_ps(jb->x_even + off);
+            const __m512 xo = _mm512_loadu_ps(jb->x_odd + off);
+            for (int k = 0; k < R; k++)
+                acc[k][i] = _mm512_fmadd_ps(w_odd[k], xo, _mm512_fmadd_ps(w_even[k], xe, acc[k][i]));
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = _mm512_reduce_add_ps(acc[k][i]);
+}
+
+/* int6: 12 bytes decode to 16 consecutive elements. A byte shuffle zero-extends each 3-byte word
+   to 32 bits, a permute gives each lane its word, a per-lane shift and mask its 6-bit field.
+   x is read in place (padded with zeros to whole steps). The R rows of `next` are R*12 bytes per
+   step, so one prefetch per step still touches every cache line. */
+static inline __attribute__((always_inline)) AVX512 void
+int6_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB,
+                       const int64_t next, const float *s, const int64_t stride) {
+    const int64_t row_bytes = jb->n / 4 * 3;
+    const char *next_packed = next >= 0 ? (const char *)(jb->packed + next * row_bytes) : NULL;
+    const __m128i words = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i shifts = _mm512_setr_epi32(0, 6, 12, 18, 0, 6, 12, 18, 0, 6, 12, 18, 0, 6, 12, 18);
+    const __m512i field = _mm512_set1_epi32(63);
+    const __m512 minus_offset = _mm512_set1_ps(-32.0f);
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < jb->steps; c++) {
+        if (next_packed) _mm_prefetch(next_packed + c * R * INT6_STEP_BYTES, _MM_HINT_T1);
+        __m512 w[ROW_BLOCK];
+        for (int k = 0; k < R; k++) {
+            const __m128i raw = intq_load_step(jb->packed + (r + k) * row_bytes, c * INT6_STEP_BYTES,
+                                               INT6_STEP_BYTES, row_bytes);
+            const __m512i lanes = _mm512_permutexvar_epi32(
+                spread, _mm512_castsi128_si512(_mm_shuffle_epi8(raw, words)));
+            const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), field);
+            const __m512 sv = intq_lane_scales(jb, s + k * stride, c, INT6_STEP);
+            w[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), sv, _mm512_mul_ps(sv, minus_offset));
+        }
+        for (int i = 0; i < MB; i++) {
+            const __m512 xv = _mm512_loadu_ps(jb->x_even + (m0 + i) * jb->x_stride + c * INT6_STEP);
+            for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(w[k], xv, acc[k][i]);
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = _mm512_reduce_add_ps(acc[k][i]);
+}
+
+/* The scales of rows r..r+R-1 widened to float32 into s (row k at s + k * stride). */
+static AVX512 void intq_widen_scales(const struct job *jb, int64_t r, int R, float *s, int64_t stride) {
+    const int64_t groups = jb->n / jb->group;
+    for (int k = 0; k < R; k++) {
+        const uint16_t *h = jb->half_scale + (r + k) * groups;
+        float *o = s + k * stride;
+        int64_t g = 0;
+        for (; g + 16 <= groups; g += 16)
+            _mm512_storeu_ps(o + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g))));
+        for (; g < groups; g++) o[g] = half_to_float(h[g]);
+    }
+}
+
+/* As GEMV_ROWS_BLOCK, for the int4/int6 blocks, which also take the rows' float32 scales. */
+#define INTQ_ROWS_BLOCK(block, jb, r, R, next, s, stride)                      \
+    do {                                                                       \
+        int64_t m0_ = 0, next_ = (next);                                       \
+        for (; m0_ + X_BLOCK <= (jb)->m; m0_ += X_BLOCK, next_ = -1)           \
+            block(jb, r, m0_, R, X_BLOCK, next_, s, stride);                   \
+        switch ((jb)->m - m0_) {                                               \
+        case 3: block(jb, r, m0_, R, 3, next_, s, stride); break;              \
+        case 2: block(jb, r, m0_, R, 2, next_, s, stride); break;              \
+        case 1: block(jb, r, m0_, R, 1, next_, s, stride); break;              \
+        default: break;                                                        \
+        }                                                                      \
+    } while (0)
+
+/* As GEMV_ROWS, widening each block's scales first into per-thread scratch (a row's scales and
+   16 zeros for the lanes past its end); without scratch, the portable code runs instead. */
+#define INTQ_ROWS(block, jb, r0, r1)                                                      \
+    do {                                                                                  \
+        const int64_t stride_ = (jb)->n / (jb)->group + 16;                               \
+        float *s_ = calloc((size_t)(ROW_BLOCK * stride_), sizeof *s_);                    \
+        if (!s_) {                                                                        \
+            intq_gemv_rows_portable(jb, r0, r1);                                          \
+            break;                                                                        \
+        }                                                                                 \
+        int64_t r_ = (r0);                                                                \
+        for (; r_ + ROW_BLOCK <= (r1); r_ += ROW_BLOCK) {                                 \
+            intq_widen_scales(jb, r_, ROW_BLOCK, s_, stride_);                            \
+            INTQ_ROWS_BLOCK(block, jb, r_, ROW_BLOCK,                                     \
+                            r_ + 2 * ROW_BLOCK <= (r1) ? r_ + ROW_BLOCK : -1, s_, stride_); \
+        }                                                                                 \
+        for (; r_ < (r1); r_++) {                                                         \
+            intq_widen_scales(jb, r_, 1, s_, stride_);                                    \
+            INTQ_ROWS_BLOCK(block, jb, r_, 1, -1, s_, stride_);                           \
+        }                                                                                 \
+        free(s_);                                                                         \
+    } while (0)
+
+static AVX512 void int4_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    INTQ_ROWS(int4_gemv_block_avx512, jb, r0, r1);
+}
+
+static AVX512 void int6_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
+    INTQ_ROWS(int6_gemv_block_avx512, jb, r0, r1);
+}
+
 static AVX512 void mxfp4_dequant_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, groups = n / GROUP;
     const __m512 values = E2M1_VECTOR();
@@ -517,6 +758,62 @@ int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *s
 #endif
     (void)use_simd;
     return run_rows(&jb, fn, threads);
+}
+
+/* int4 (bits 4) or int6 (bits 6): y [m, out] = x [m, n] @ W^T,
+   y[i, r] = sum over groups g of sum_{k in g} (u[r, k] - offset) * scale[r, g] * x[i, k], with
+   scale given as float16 bits [out, n/group]. use_simd = 0 forces the portable code.
+   Returns 0, -1 when scratch memory cannot be allocated, -2 for an unsupported layout. */
+int intq_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint16_t *scale,
+                  int64_t out, int64_t n, int64_t group, int bits, float *y, int threads, int use_simd) {
+    if ((bits != 4 && bits != 6) || group <= 0 || group % INTQ_UNIT || n % group) return -2;
+    struct job jb = {.x = x, .packed = packed, .half_scale = scale, .y = y, .m = m, .out = out,
+                     .n = n, .group = group, .bits = bits};
+    rows_fn fn = intq_gemv_rows_portable;
+    float *xs = NULL;
+    int32_t *lanes = NULL;
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) {
+        /* x is copied once per call, padded with zeros to whole steps: de-interleaved for int4
+           (so that each decoded half of a step meets its inputs), in order for int6. */
+        const int64_t E = bits == 4 ? INT4_STEP : INT6_STEP, steps = (n + E - 1) / E;
+        const int64_t stride = bits == 4 ? steps * 16 : steps * INT6_STEP;
+        const int64_t copies = bits == 4 ? 2 : 1;
+        xs = calloc((size_t)(copies * m * stride), sizeof *xs);
+        if (!xs) return -1;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t k = 0; k < n; k++) {
+                if (bits == 6) xs[i * stride + k] = x[i * n + k];
+                else xs[((k & 1) * m + i) * stride + k / 2] = x[i * n + k];
+            }
+        if (group % E) {
+            /* Steps straddle groups: each lane's group, from the step's first one; lanes past the
+               row's end point at the zero after the row's scales. */
+            const int64_t groups = n / group;
+            lanes = malloc((size_t)(steps * 16) * sizeof *lanes);
+            if (!lanes) {
+                free(xs);
+                return -1;
+            }
+            for (int64_t c = 0; c < steps; c++)
+                for (int64_t j = 0; j < 16; j++) {
+                    const int64_t k = c * E + (bits == 4 ? 2 * j : j), g0 = c * E / group;
+                    lanes[c * 16 + j] = (int32_t)((k < n ? k / group : groups) - g0);
+                }
+        }
+        jb.x_even = xs;
+        jb.x_odd = xs + m * stride;
+        jb.x_stride = stride;
+        jb.steps = steps;
+        jb.lane_group = lanes;
+        fn = bits == 4 ? int4_gemv_rows_avx512 : int6_gemv_rows_avx512;
+    }
+#endif
+    (void)use_simd;
+    int rc = run_rows(&jb, fn, threads);
+    free(xs);
+    free(lanes);
+    return rc;
 }
 
 /* bf16: y [m, out] = x [m, n] @ W^T, W given as bf16 bits [out, n], summed in float32.

@@ -1,10 +1,10 @@
 """Native CPU kernels for stored weights (_cpu_kernels.c), called through ctypes.
 
-``mxfp4_gemv``, ``int8_gemv`` and ``bf16_gemv`` multiply a few float32 rows of x by a stored
+``mxfp4_gemv``, ``int8_gemv``, ``intq_gemv`` (int4, int6) and ``bf16_gemv`` multiply a few float32 rows of x by a stored
 weight without materializing it, at close to memory speed; ``mxfp4_dequant`` decodes MXFP4 rows
 bit-for-bit like ``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
-was not built, ``available()`` is False and callers use the torch references in mxfp4.py and
-int8.py (and a float32 conversion for bf16). It is loaded on first use, not at import.
+was not built, ``available()`` is False and callers use the torch references in mxfp4.py,
+int8.py and intq.py (and a float32 conversion for bf16). It is loaded on first use, not at import.
 
 Every function releases the GIL while it runs (ctypes does) and splits the output rows over
 ``threads`` threads, torch.get_num_threads() unless given.
@@ -18,11 +18,15 @@ import importlib.util
 import torch
 
 from .int8 import int8_check_shapes
+from .intq import BITS, intq_check_shapes
 from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 3
+ABI = 4
+# int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
+# one group at a time); others stay on the torch reference.
+INTQ_GROUP_MULTIPLE = 8
 # Rows of x up to which the gemvs beat dequantize-then-matmul (they decode each weight row once
 # per 4 rows of x, where a matmul decodes once for all of them); bf16 follows the same rule.
 GEMV_MAX_ROWS = 16
@@ -49,6 +53,8 @@ def _library() -> ctypes.CDLL | None:
         lib.mxfp4_dequant.restype = _int
         lib.int8_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.int8_gemv_f32.restype = _int
+        lib.intq_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _i64, _int, _p, _int, _int]
+        lib.intq_gemv_f32.restype = _int
         lib.bf16_gemv_f32.argtypes = [_p, _i64, _p, _i64, _i64, _p, _int, _int]
         lib.bf16_gemv_f32.restype = _int
     except (OSError, AttributeError):
@@ -158,6 +164,44 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                            y.data_ptr(), _threads(threads), int(use_simd))
     if rc != 0:
         raise RuntimeError(f"int8 gemv failed with code {rc}")
+    return y
+
+
+def intq_gemv_fits(codec: str, group_size: int) -> bool:
+    """True when ``intq_gemv`` handles this codec and group size (given a valid int4/int6 layout)."""
+    return codec in BITS and group_size > 0 and group_size % INTQ_GROUP_MULTIPLE == 0
+
+
+def intq_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, codec: str, group_size: int,
+              threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """y [M, out] float32 = x [M, in] @ W^T for an int4 or int6 weight (intq.py's layout).
+
+    y[m, r] = sum over groups g of sum_{k in g} code[r, k] * scale[r, g] * x[m, k], summed in
+    float32. Every weight is decoded to the same float32 value intq_dequantize gives, so this
+    matches dequantize-then-matmul up to float32 summation order. group_size must be the one the
+    tensors hold and a multiple of INTQ_GROUP_MULTIPLE. x is converted to contiguous float32 first
+    if it is not. use_simd=False runs the portable C code even where AVX-512 is present.
+    """
+    lib = _lib_or_raise()
+    out, n, group = intq_check_shapes(packed, scale, codec)
+    if group != group_size:
+        raise ValueError(f"{codec} weight_scale implies group size {group}, not {group_size}")
+    if not intq_gemv_fits(codec, group_size):
+        raise ValueError(f"the native {codec} gemv needs a group size that is a multiple of "
+                         f"{INTQ_GROUP_MULTIPLE}, got {group_size}")
+    if packed.device.type != "cpu" or scale.device.type != "cpu":
+        raise ValueError(f"the native {codec} kernel needs CPU tensors, got {packed.device} and {scale.device}")
+    x = _input(x, n)
+    packed, scale = packed.contiguous(), scale.contiguous()
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if y.numel() == 0:
+        return y
+    rc = lib.intq_gemv_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), scale.data_ptr(), out, n,
+                           group_size, BITS[codec], y.data_ptr(), _threads(threads), int(use_simd))
+    if rc == -1:
+        raise MemoryError(f"{codec} gemv could not allocate scratch for x of shape {tuple(x.shape)}")
+    if rc != 0:
+        raise RuntimeError(f"{codec} gemv failed with code {rc}")
     return y
 
 

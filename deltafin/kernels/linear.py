@@ -212,11 +212,15 @@ def qlinear(x: torch.Tensor, q: QWeight, use_triton: bool | None = None) -> torc
         if use_triton:
             raise ValueError(f"the Triton kernel cannot run here: device {x.device}, rows {x2.shape[0]}, "
                              f"codec {q.codec}, Triton {'present' if kernels else 'absent'}")
-    if (use_triton is None and q.codec in ("mxfp4", "int8") and x2.shape[0] <= cpu_native.GEMV_MAX_ROWS
+    native_codec = q.codec in ("mxfp4", "int8") or cpu_native.intq_gemv_fits(q.codec, q.group_size)
+    if (use_triton is None and native_codec and x2.shape[0] <= cpu_native.GEMV_MAX_ROWS
             and x2.device.type == "cpu" and q.device.type == "cpu" and cpu_native.available()):
         # Decode-sized batches on the CPU: the native gemv reads the stored weight once.
         if q.codec == "mxfp4":
             y = cpu_native.mxfp4_gemv(x2, q.tensors["weight_packed"], q.tensors["weight_scale"])
+        elif q.codec in intq.BITS:
+            y = cpu_native.intq_gemv(x2, q.tensors["weight_packed"], q.tensors["weight_scale"],
+                                     q.codec, q.group_size)
         else:
             y = cpu_native.int8_gemv(x2, q.tensors["weight"], q.tensors["weight_scale"])
         return y.to(x.dtype).reshape(*x.shape[:-1], q.out_features)
