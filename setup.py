@@ -1,6 +1,6 @@
 """Declares deltafin's one optional native extension; all other metadata is in pyproject.toml.
 
-The CPU kernels for quantized weights (MXFP4, int8) are plain C. ``optional=True`` lets the
+The CPU kernels (MXFP4, int8, int4/int6 and bf16 products) are plain C. ``optional=True`` lets the
 install finish without them (no compiler, unsupported platform); deltafin then uses its torch
 code on the CPU. AVX-512 code paths are selected at run time, so no -march flag is passed.
 """

@@ -12,8 +12,10 @@
 
 The layouts are documented in int8.py, intq.py and mxfp4.py. ``qlinear(x, q)`` computes
 x @ W^T: on CUDA with at most ``TRITON_MAX_ROWS`` rows it runs the fused Triton kernel when
-Triton is installed; otherwise a torch reference that dequantizes a block of output rows at a
-time (fp32 compute), so the whole weight is never materialized.
+Triton is installed; on the CPU with at most ``cpu_native.GEMV_MAX_ROWS`` rows, the native gemv
+(cpu_native.py) when the optional extension was built; otherwise a torch reference that
+dequantizes a block of output rows at a time (fp32 compute), so the whole weight is never
+materialized.
 """
 from __future__ import annotations
 
