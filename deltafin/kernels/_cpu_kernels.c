@@ -55,6 +55,8 @@
 #define INT8_STEP 16
 /* bf16 elements per AVX-512 step: one 32-byte load widened to 16 floats. */
 #define BF16_STEP 16
+/* Lanes the portable int8/bf16 code sums in, the same as both AVX-512 steps. */
+#define DENSE_STEP 16
 /* Elements of an int4 (16 bytes) and an int6 (12 bytes) AVX-512 step, and the packed bytes. */
 #define INT4_STEP 32
 #define INT6_STEP 16
@@ -158,31 +160,6 @@ static void mxfp4_dequant_rows_portable(const struct job *jb, int64_t r0, int64_
     }
 }
 
-static void int8_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
-    const int64_t n = jb->n, body = n - n % INT8_STEP;
-    float *y = (float *)jb->y;
-    for (int64_t r = r0; r < r1; r++) {
-        const int8_t *c = jb->codes + r * n;
-        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
-            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
-            /* One partial sum per lane of a step: loops the compiler can vectorize. */
-            float acc[X_BLOCK][INT8_STEP] = {{0}};
-            for (int64_t k0 = 0; k0 < body; k0 += INT8_STEP)
-                for (int64_t i = 0; i < mb; i++) {
-                    const float *xk = jb->x + (m0 + i) * n + k0;
-                    for (int k = 0; k < INT8_STEP; k++) acc[i][k] += (float)c[k0 + k] * xk[k];
-                }
-            for (int64_t i = 0; i < mb; i++) {
-                const float *xi = jb->x + (m0 + i) * n;
-                float sum = 0.0f;
-                for (int k = 0; k < INT8_STEP; k++) sum += acc[i][k];
-                for (int64_t k = body; k < n; k++) sum += (float)c[k] * xi[k];
-                y[(m0 + i) * jb->out + r] = sum * jb->row_scale[r];
-            }
-        }
-    }
-}
-
 static float bf16_to_float(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -190,26 +167,35 @@ static float bf16_to_float(uint16_t h) {
     return f;
 }
 
-static void bf16_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
-    const int64_t n = jb->n, body = n - n % BF16_STEP;
+/* Element k of row r of a dense weight (int8 codes or bf16 bits), as float. */
+static inline float dense_weight(const struct job *jb, int64_t r, int64_t k) {
+    const int64_t at = r * jb->n + k;
+    return jb->codes ? (float)jb->codes[at] : bf16_to_float(jb->bf16[at]);
+}
+
+/* int8 and bf16 (one element per weight; int8 applies its row scale after the sum). */
+static void dense_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, body = n - n % DENSE_STEP;
     float *y = (float *)jb->y;
     for (int64_t r = r0; r < r1; r++) {
-        const uint16_t *w = jb->bf16 + r * n;
         for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
             const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
             /* One partial sum per lane of a step, as the AVX-512 code sums. */
-            float acc[X_BLOCK][BF16_STEP] = {{0}};
-            for (int64_t k0 = 0; k0 < body; k0 += BF16_STEP)
+            float acc[X_BLOCK][DENSE_STEP] = {{0}};
+            for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
+                float w[DENSE_STEP];
+                for (int k = 0; k < DENSE_STEP; k++) w[k] = dense_weight(jb, r, k0 + k);
                 for (int64_t i = 0; i < mb; i++) {
                     const float *xk = jb->x + (m0 + i) * n + k0;
-                    for (int k = 0; k < BF16_STEP; k++) acc[i][k] += bf16_to_float(w[k0 + k]) * xk[k];
+                    for (int k = 0; k < DENSE_STEP; k++) acc[i][k] += w[k] * xk[k];
                 }
+            }
             for (int64_t i = 0; i < mb; i++) {
                 const float *xi = jb->x + (m0 + i) * n;
                 float sum = 0.0f;
-                for (int k = 0; k < BF16_STEP; k++) sum += acc[i][k];
-                for (int64_t k = body; k < n; k++) sum += bf16_to_float(w[k]) * xi[k];
-                y[(m0 + i) * jb->out + r] = sum;
+                for (int k = 0; k < DENSE_STEP; k++) sum += acc[i][k];
+                for (int64_t k = body; k < n; k++) sum += dense_weight(jb, r, k) * xi[k];
+                y[(m0 + i) * jb->out + r] = jb->codes ? sum * jb->row_scale[r] : sum;
             }
         }
     }
@@ -752,7 +738,7 @@ int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int6
 int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *scale,
                   int64_t out, int64_t n, float *y, int threads, int use_simd) {
     struct job jb = {.x = x, .codes = codes, .row_scale = scale, .y = y, .m = m, .out = out, .n = n};
-    rows_fn fn = int8_gemv_rows_portable;
+    rows_fn fn = dense_gemv_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = int8_gemv_rows_avx512;
 #endif
@@ -821,7 +807,7 @@ int intq_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint16
 int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int64_t n, float *y,
                   int threads, int use_simd) {
     struct job jb = {.x = x, .bf16 = w, .y = y, .m = m, .out = out, .n = n};
-    rows_fn fn = bf16_gemv_rows_portable;
+    rows_fn fn = dense_gemv_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = bf16_gemv_rows_avx512;
 #endif
