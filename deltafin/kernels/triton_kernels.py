@@ -124,19 +124,26 @@ def _int6_code(a, b, c, T: tl.constexpr):
 
 
 @triton.jit
+def _scale_factors(s, CODEC: tl.constexpr):
+    """Stored group scales -> fp32 factors (MXFP4: E8M0 byte s -> 2^(s-128), folding in the doubled
+    codes; 255 -> NaN; others: the fp16 scale itself)."""
+    if CODEC == 2:
+        e = s.to(tl.int32)
+        bits = tl.where(e >= 2, (e - 1) << 23, tl.where(e == 1, 1 << 22, 1 << 21))
+        bits = tl.where(e == 255, 0x7FC00000, bits)
+        f = bits.to(tl.float32, bitcast=True)
+    else:
+        f = s.to(tl.float32)
+    return f
+
+
+@triton.jit
 def _gemv_scales(s_ptr, rows, mask_n, stride_sn, e, k_end, P: tl.constexpr, G: tl.constexpr,
                  CODEC: tl.constexpr):
     """fp32 [BN, W]: the scale of each entry's group (MXFP4: 2^(s-128), the codes being doubled)."""
     s = tl.load(s_ptr + rows[:, None] * stride_sn + ((e * P) // G)[None, :],
                 mask=mask_n[:, None] & ((e * P)[None, :] < k_end), other=0)
-    if CODEC == 2:
-        ex = s.to(tl.int32)
-        bits = tl.where(ex >= 2, (ex - 1) << 23, tl.where(ex == 1, 1 << 22, 1 << 21))
-        bits = tl.where(ex == 255, 0x7FC00000, bits)
-        f = bits.to(tl.float32, bitcast=True)
-    else:
-        f = s.to(tl.float32)
-    return f
+    return _scale_factors(s, CODEC)
 
 
 @triton.jit
@@ -328,14 +335,7 @@ def _scales(s_ptr, rows, mask_n, stride_sn, g0, n_groups, CODEC: tl.constexpr, N
     g = g0 + tl.arange(0, NG)
     s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=mask_n[:, None] & (g[None, :] < n_groups),
                 other=0)
-    if CODEC == 2:
-        e = s.to(tl.int32)
-        bits = tl.where(e >= 2, (e - 1) << 23, tl.where(e == 1, 1 << 22, 1 << 21))
-        bits = tl.where(e == 255, 0x7FC00000, bits)
-        f = bits.to(tl.float32, bitcast=True)
-    else:
-        f = s.to(tl.float32)
-    return f
+    return _scale_factors(s, CODEC)
 
 
 @triton.jit
