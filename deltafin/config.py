@@ -84,13 +84,6 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        d = dict(d)
-        for k in ("kda_layers", "mla_layers", "eos_token_ids"):
-            d[k] = tuple(d[k])
-        return cls(**d)
-
 
 def _req(d: dict, key: str, where: str):
     if key not in d or d[key] is None:

@@ -8,15 +8,14 @@ model in memory, ``io.stream`` reads it from disk per layer. Timing and byte cou
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .config import ModelConfig
 from .model.binding import bind, slot_names, unbind
-from .model.layers import build_templates, layer_kind
+from .model.layers import attn_res, build_templates, layer_kind
 from .model.ops import HalfMatmul, linear, rms_norm
-from .model.layers import attn_res
 from .model.state import DecodeState
 from .settings import Settings
 
@@ -41,12 +40,6 @@ class PassStats:
     def add(self, other: "PassStats") -> None:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
-@dataclass
-class Totals:
-    passes: int = 0
-    stats: PassStats = field(default_factory=PassStats)
 
 
 def to_device(w, device):
@@ -82,7 +75,6 @@ class Engine:
         self._product_slots = {name for t in self.templates.values() for name, shape in slot_names(t).items()
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
-        self.totals = Totals()
         self._head = None  # (provider globals, the same moved to the device)
 
     def new_state(self) -> DecodeState:
@@ -158,6 +150,4 @@ class Engine:
         stats.seconds = time.perf_counter() - t0
         state.num_tokens += len(ids_t)
         self.last_pass = stats
-        self.totals.passes += 1
-        self.totals.stats.add(stats)
         return logits

@@ -171,8 +171,5 @@ class HFCheckpoint:
         info = self.info(name)
         return bytes_to_tensor(pread_exact(self._fd(info.file), info.nbytes, info.offset, info.file), info)
 
-    def has(self, name: str) -> bool:
-        return name in self.infos
-
     def close(self) -> None:
         self._files.close()
