@@ -11,18 +11,11 @@ import torch
 from .engine import Engine
 from .model.state import DecodeState
 from .settings import Settings
+from .tokenizer import load_tokenizer
 
 
 class NoTokenizerError(RuntimeError):
     pass
-
-
-def _load_tokenizer(path: Path):
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        return None
-    # The fast tokenizer class directly: AutoTokenizer would try to interpret K3's config.json.
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -107,7 +100,7 @@ class Model:
         # Process-wide, like the device: the user's setting (or its auto value) for this run.
         torch.set_num_threads(self.threads)
         self.engine = Engine(self.config, provider, settings)
-        self.tokenizer = _load_tokenizer(self.path)
+        self.tokenizer = load_tokenizer(self.path)
         self.last_generation_stats: dict = {}
 
     # -- low level -------------------------------------------------------------------------
@@ -126,7 +119,7 @@ class Model:
     def require_tokenizer(self):
         if self.tokenizer is None:
             raise NoTokenizerError(f"{self.path}: this checkpoint has no tokenizer files "
-                                   "(tokenizer.json); use the token-id API instead")
+                                   "(tiktoken.model or tokenizer.json); use the token-id API instead")
         return self.tokenizer
 
     def encode(self, text: str) -> list[int]:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .tokenizer import stream_decoder
+
 if TYPE_CHECKING:
     from deltafin.model.state import DecodeState
 
@@ -30,9 +32,6 @@ Drafter = Callable[[Sequence[int], int], Sequence[int]]
 # (token_id, its text once safe to show) -> False to cancel
 OnToken = Callable[[int, str], "bool | None"]
 
-# Prompt tokens handed to the detokenizer as left context, so a tokenizer that decides leading
-# spaces from the previous token decodes the first generated token as it would mid-sequence.
-_DECODE_CONTEXT = 4
 # Shortest n-gram that may draft. A verified draft token costs its own routed experts (top-k reads
 # per MoE layer), so drafts must be likely to be accepted; single-token matches rarely are.
 MIN_NGRAM = 2
@@ -271,47 +270,11 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
     return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng).item())
 
 
-class _Detokenizer:
-    """Incremental decoding: text grows only by whole characters, never revised.
-
-    Decodes a short window (a few tokens of left context + the undecoded tail) per token, so the
-    cost per token does not grow with the output. A token that ends inside a multi-byte character
-    yields "" and its bytes come out with the token that completes the character.
-    """
-
-    def __init__(self, tokenizer, prompt: list[int]):
-        self.tokenizer = tokenizer
-        self.ids = list(prompt[-_DECODE_CONTEXT:])
-        # ids[:read] are already text (at first: the prompt's last tokens, as left context)
-        self.read = len(self.ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        return self._advance(final=False)
-
-    def flush(self) -> str:
-        """Whatever is left at the end, incomplete characters included (as U+FFFD)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        before = self._decode(self.ids[:self.read])
-        now = self._decode(self.ids)
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
-            # the tokens just decoded become the left context of the next window
-            self.ids = self.ids[self.read:]
-            self.read = len(self.ids)
-            return now[len(before):]
-        return ""
-
-
 class _Output:
     """Turns produced tokens into returned tokens and text: stop strings, hold-back, on_token."""
 
     def __init__(self, tokenizer, prompt: list[int], stops: list[str], on_token: OnToken | None):
-        self.decoder = _Detokenizer(tokenizer, prompt) if tokenizer is not None else None
+        self.decoder = stream_decoder(tokenizer, prompt) if tokenizer is not None else None
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
         self.on_token = on_token

@@ -99,3 +99,41 @@ def test_inspect_rejects_a_folder_without_config(tmp_path):
     from deltafin.config import ConfigError
     with pytest.raises(ConfigError, match="config.json"):
         inspect_path(tmp_path)
+
+
+def hand_params(t: dict) -> tuple[int, int]:
+    """(total, active) parameters of a K3 text config, written out from K3_MODEL.md sections 1-2.
+    Active: every spine parameter but the input embedding table, plus top-k routed experts."""
+    H, V, n = t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]
+    lac = t["linear_attn_config"]
+    nh, d, K = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
+    D = nh * d
+    mh, ql, kl = t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"]
+    nope, rope, vd = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
+    E, k, I, L = t["num_experts"], t["num_experts_per_token"], t["moe_intermediate_size"], t["routed_expert_hidden_size"]
+    head = 2 * V * H + 3 * H  # embed, lm_head, final norm, output attn-res norm + proj
+    common = 6 * H  # two layernorms, two attn-res norm + proj pairs
+    kda = 5 * D * H + 3 * D * K + 128 + D + d * H + D * d + nh * H + d  # A_log stored padded to 128
+    mla = ql * H + ql + mh * (nope + rope) * ql + (kl + rope) * H + kl + mh * (nope + vd) * kl + 2 * H * mh * vd
+    dense = 3 * t["intermediate_size"] * H
+    moe = E * H + E + 3 * I * t["num_shared_experts"] * H + 2 * L * H + L
+    full = set(lac["full_attn_layers"])
+    spine = head + sum(common + (mla if i + 1 in full else kda) + (dense if i == 0 else moe) for i in range(n))
+    expert = 3 * I * L
+    return spine + (n - 1) * E * expert, spine - V * H + (n - 1) * k * expert
+
+
+def test_inspect_released_k3_config_gives_the_published_totals(tmp_path, capsys):
+    raw = config_dict("k3-slice", {"num_hidden_layers": 93, "num_experts": 896})
+    t = raw["text_config"]
+    assert (t["num_attention_heads"], t["intermediate_size"], t["routed_scaling_factor"]) == (96, 33792, 1.0)
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k3" / "config.json").write_text(json.dumps(raw))
+    total, active = hand_params(t)
+    assert (total, active) == (2_779_484_478_208, 104_189_614_848)  # 2.78 T and 104.2 B, as released
+    got = json.loads(inspect_path(tmp_path / "k3", as_json=True))
+    assert (got["total_params"], got["active_params"]) == (total, active)
+    assert got["source"] == "config only" and got["bytes_per_expert"] == 17_547_264
+    assert main(["inspect", str(tmp_path / "k3")]) == 0
+    out = capsys.readouterr().out
+    assert "total 2.78 T" in out and "active/token 104.2 B" in out

@@ -132,12 +132,18 @@ def test_k3_slice_has_the_real_k3_tensor_shapes():
     assert shapes["language_model.lm_head.weight"] == (163840, 7168)
     assert shapes[L + "0.self_attn.q_proj.weight"] == (96 * 128, 7168)
     assert shapes[L + "0.self_attn.g_proj.weight"] == (96 * 128, 7168)
-    assert shapes[L + "0.mlp.gate_proj.weight"] == (18432, 7168)
+    # the released values: a dense layer-0 MLP of 33792, 96 MLA heads
+    assert shapes[L + "0.mlp.gate_proj.weight"] == (33792, 7168)
+    assert shapes[L + "0.mlp.down_proj.weight"] == (7168, 33792)
     assert shapes[L + "1.self_attn.q_a_proj.weight"] == (1536, 7168)
-    assert shapes[L + "1.self_attn.q_b_proj.weight"] == (56 * 192, 1536)
+    assert shapes[L + "1.self_attn.q_b_proj.weight"] == (18432, 1536)
     assert shapes[L + "1.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 7168)
-    assert shapes[L + "1.self_attn.kv_b_proj.weight"] == (56 * 256, 512)
-    assert shapes[L + "1.self_attn.g_proj.weight"] == (56 * 128, 7168)
+    assert shapes[L + "1.self_attn.kv_b_proj.weight"] == (24576, 512)
+    assert shapes[L + "1.self_attn.g_proj.weight"] == (96 * 128, 7168)
+    assert shapes[L + "1.self_attn.o_proj.weight"] == (7168, 96 * 128)
+    t = raw["text_config"]
+    assert (t["routed_scaling_factor"], t["bos_token_id"], t["pad_token_id"], t["max_position_embeddings"]) == \
+        (1.0, 163584, 163839, 1048576)
     assert shapes[L + "1.block_sparse_moe.shared_experts.gate_proj.weight"] == (2 * 3072, 7168)
     assert shapes[L + "1.block_sparse_moe.routed_expert_down_proj.weight"] == (3584, 7168)
     assert shapes[L + "1.block_sparse_moe.gate.weight"] == (2, 7168)
@@ -166,7 +172,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(made, tmp_path):
     other = make_checkpoint("tiny-k3", tmp_path / "other", seed=1, progress=False)
     assert weights_digest(again) == weights_digest(made["tiny-k3"])
     assert weights_digest(other) != weights_digest(made["tiny-k3"])
-    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
+    for name in ("config.json", "model.safetensors.index.json", "tiktoken.model", "tokenizer_config.json"):
         assert (other / name).read_bytes() == (made["tiny-k3"] / name).read_bytes()
     a = load_tensor(made["tiny-k3"], "language_model.model.embed_tokens.weight")
     b = load_tensor(other, "language_model.model.embed_tokens.weight")
@@ -174,7 +180,9 @@ def test_same_seed_same_bytes_other_seed_other_bytes(made, tmp_path):
 
 
 def test_transformers_loads_and_runs_tiny_kimi_linear(made):
-    from transformers import AutoTokenizer, KimiLinearForCausalLM
+    from transformers import KimiLinearForCausalLM
+
+    from deltafin.tokenizer import load_tokenizer
 
     path = made["tiny-kimi-linear"]
     model, info = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
@@ -182,8 +190,8 @@ def test_transformers_loads_and_runs_tiny_kimi_linear(made):
     assert not info["unexpected_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
     # the checkpoint's values were loaded, not freshly initialized ones
     assert torch.equal(model.lm_head.weight, load_tensor(path, "lm_head.weight").float())
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = tok("The river ran slowly past the old mill.", return_tensors="pt").input_ids
+    tok = load_tokenizer(path)
+    ids = torch.tensor([tok.encode("The river ran slowly past the old mill.")])
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
@@ -201,36 +209,9 @@ def test_kimi_linear_config_is_what_transformers_writes(made, tmp_path):
     assert "moe_router_activation_func" not in raw
 
 
-def test_tokenizer_round_trips_and_renders_the_chat_template(made):
-    from transformers import AutoTokenizer
-
-    for preset in ("tiny-k3", "tiny-kimi-linear"):
-        path = made[preset]
-        tok = AutoTokenizer.from_pretrained(path)
-        text = "naïve café 日本語 — def f(x):\n    return x ** 2  # done"
-        ids = tok(text).input_ids
-        assert tok.decode(ids) == text and max(ids) < len(tok)
-        raw = json.loads((path / "config.json").read_text())
-        t = raw.get("text_config", raw)
-        assert (t["bos_token_id"], t["eos_token_id"], t["pad_token_id"]) == \
-            (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-        assert len(tok) <= t["vocab_size"]
-        gen = json.loads((path / "generation_config.json").read_text())
-        assert tok.convert_tokens_to_ids("<|im_end|>") in gen["eos_token_id"]
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
-    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert rendered == ("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
-    closed = tok.apply_chat_template(messages[:1], add_generation_prompt=False, tokenize=False)
-    assert closed == "<|bos|><|im_start|>system\nBe brief.<|im_end|>\n"
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    assert ids[0] == tok.bos_token_id and tok.decode(ids) == rendered
-
-
 def test_tokenizer_training_is_deterministic():
-    assert synthetic.tokenizer_json.__wrapped__() == synthetic.tokenizer_json()
-    assert synthetic.tokenizer_vocab_size() == synthetic.TOKENIZER_VOCAB_SIZE
+    assert synthetic.trained_tokens.__wrapped__() == synthetic.trained_tokens()
+    assert len(synthetic.trained_tokens()) == synthetic.TRAINED_TOKENS
 
 
 def test_overrides_make_variants(tmp_path):

@@ -2,9 +2,9 @@
 
 No real weights are needed to develop or test deltafin: ``make_checkpoint`` writes a folder
 that looks exactly like a Hugging Face checkpoint of the family (config.json,
-generation_config.json, sharded safetensors with an index, tokenizer.json and
-tokenizer_config.json with a chat template), filled with seeded random weights whose scales
-keep the model numerically healthy.
+generation_config.json, sharded safetensors with an index, and the Kimi tokenizer files
+tiktoken.model and tokenizer_config.json with a chat template), filled with seeded random
+weights whose scales keep the model numerically healthy.
 
 Names, shapes and dtypes come from ``layout.all_tensors(parse_config(config.json))``: the
 config is generated first, parsed like any other checkpoint's, and exactly the tensors the
@@ -19,6 +19,7 @@ to ``OUT`` only when complete.
 """
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import json
@@ -38,7 +39,8 @@ import torch
 from ..config import ModelConfig, parse_config
 from .files import fsync_dir
 from .layout import DTYPE_BYTES, MXFP4_GROUP, TensorSpec, all_tensors, nbytes
-from .tokenizer_data import BOS_TOKEN, CHAT_TEMPLATE, CORPUS, EOS_TOKEN, IM_END, MEDIA_PAD, PAD_TOKEN, SPECIAL_TOKENS
+from .tokenizer_data import BOS_TOKEN, CHAT_TEMPLATE, CORPUS, EOS_TOKEN, IM_END, MEDIA_PAD, PAD_TOKEN, \
+    SPECIAL_OFFSETS, UNK_TOKEN
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output the Kimi Linear config mirrors
 
@@ -93,53 +95,97 @@ POOL_CAP_ELEMS = 32 * 1024 * 1024  # bf16 normal pool (64 MB) and byte pool (32 
 CHUNK_ELEMS = 8 * 1024 * 1024  # largest piece scaled or written at once
 K3_SLICE_RAM_FACTOR = 1.5  # default k3-slice: this many times the machine's RAM, so it cannot all be cached
 
-TOKENIZER_VOCAB_SIZE = 512
+TOKENIZER_VOCAB_SIZE = 512  # model vocabulary of the small presets
+TRAINED_TOKENS = 480  # base tokens learned from the corpus: the 256 bytes + 224 merges
+SPECIAL_BLOCK = 256  # special ids after the base vocabulary in real-size vocabularies (Kimi: 163,584 + 256)
+SMALL_SPECIAL_BLOCK = 32  # the same block, shortened, where the vocabulary is small
+FILLER_LEAD_BYTES = range(0xF8, 0x100)  # never in UTF-8 text: tokens starting with them are never produced
 
 
 # ==============================================================================================
-# Tokenizer
+# Tokenizer (tiktoken.model + tokenizer_config.json, the Kimi format)
 # ==============================================================================================
+def special_block(vocab_size: int) -> int:
+    return SPECIAL_BLOCK if vocab_size >= TRAINED_TOKENS + 2 * SPECIAL_BLOCK else SMALL_SPECIAL_BLOCK
+
+
+def base_vocab_size(vocab_size: int) -> int:
+    """Tokens of tiktoken.model for a model vocabulary: all ids below the special block."""
+    return vocab_size - special_block(vocab_size)
+
+
+def special_token_ids(vocab_size: int) -> dict[str, int]:
+    """Named special tokens -> ids: Kimi's offsets after the base vocabulary; [UNK], [PAD] last."""
+    base, block = base_vocab_size(vocab_size), special_block(vocab_size)
+    ids = {t: base + k for t, k in SPECIAL_OFFSETS.items()}
+    ids.update({UNK_TOKEN: base + block - 2, PAD_TOKEN: base + block - 1})
+    return ids
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 @functools.lru_cache(maxsize=1)
-def tokenizer_json() -> str:
-    """A byte-level BPE trained on the built-in corpus (deterministic), as tokenizer.json text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def trained_tokens() -> tuple[bytes, ...]:
+    """Byte-level BPE tokens trained on the built-in corpus (deterministic), in rank order: the 256
+    single bytes, then the merges in the order they were learned (the order BPE applies them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=TRAINED_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
-    for i, t in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(t) != i:
-            raise RuntimeError(f"tokenizer training put special token {t} at id {tok.token_to_id(t)}, not {i}")
-    return tok.to_str()
+    alphabet = _byte_level_alphabet()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    merged = [bytes(alphabet[c] for c in t) for t, _ in vocab if len(t) > 1]
+    out = tuple(bytes([b]) for b in range(256)) + tuple(merged)
+    if len(out) != TRAINED_TOKENS:
+        raise RuntimeError(f"tokenizer training gave {len(out)} tokens, not {TRAINED_TOKENS}")
+    return out
 
 
-def special_token_ids() -> dict[str, int]:
-    """Special tokens come first in the vocabulary, in SPECIAL_TOKENS order."""
-    return {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+def tiktoken_model(vocab_size: int) -> str:
+    """tiktoken.model text for a model vocabulary: the trained tokens, then (for a real-size
+    vocabulary) unreachable filler tokens up to the special block, so the special ids sit where
+    the real model has them."""
+    base = base_vocab_size(vocab_size)
+    tokens = list(trained_tokens())
+    if base < len(tokens):
+        raise ValueError(f"vocab_size {vocab_size} is too small for the synthetic tokenizer "
+                         f"(at least {TRAINED_TOKENS + SMALL_SPECIAL_BLOCK})")
+    fillers = (bytes([lead, hi, lo]) for lead in FILLER_LEAD_BYTES for hi in range(256) for lo in range(256))
+    while len(tokens) < base:
+        tokens.append(next(fillers))
+    return "".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
 
 
-def tokenizer_vocab_size() -> int:
-    return len(json.loads(tokenizer_json())["model"]["vocab"])
-
-
-def tokenizer_config(model_max_length: int) -> dict:
+def tokenizer_config(vocab_size: int, model_max_length: int) -> dict:
     return {
         "added_tokens_decoder": {
             str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                      "single_word": False, "special": True}
-            for t, i in special_token_ids().items()
+            for t, i in sorted(special_token_ids(vocab_size).items(), key=lambda kv: kv[1])
         },
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
-        "unk_token": None,
+        "unk_token": UNK_TOKEN,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "tokenizer_class": "TikTokenTokenizer",
     }
 
 
@@ -181,9 +227,9 @@ def _k3_text(**sizes) -> dict:
         "model_type": "kimi_linear",
         "vocab_size": 163840,
         "hidden_size": 7168,
-        "intermediate_size": 18432,
+        "intermediate_size": 33792,
         "num_hidden_layers": n,
-        "num_attention_heads": 56,
+        "num_attention_heads": 96,
         "hidden_act": "situ",
         "activation_situ_beta": 4.0,
         "activation_situ_linear_beta": 25.0,
@@ -198,7 +244,7 @@ def _k3_text(**sizes) -> dict:
         "num_experts": 896,
         "num_experts_per_token": 16,
         "num_shared_experts": 2,
-        "routed_scaling_factor": 2.5,
+        "routed_scaling_factor": 1.0,
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
         "use_grouped_topk": True,
@@ -338,7 +384,7 @@ def config_dict(preset: str, overrides: dict | None = None) -> dict:
     if "num_experts_per_token" not in given:
         text["num_experts_per_token"] = min(text["num_experts_per_token"], text["num_experts"])
 
-    ids = special_token_ids()
+    ids = special_token_ids(text["vocab_size"])
     text.update(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
     text["num_key_value_heads"] = text["num_attention_heads"]
     if text["architectures"] == ["KimiLinearForCausalLM"]:
@@ -405,13 +451,13 @@ def _k3_config(t: dict) -> dict:
         "mm_projector_type": "patchmergerv2",
         "mm_hidden_size": VISION_HIDDEN,
         "text_hidden_size": t["hidden_size"],
-        "media_placeholder_token_id": special_token_ids()[MEDIA_PAD],
+        "media_placeholder_token_id": special_token_ids(t["vocab_size"])[MEDIA_PAD],
     }
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "ignore_index": -100,
-        "media_placeholder_token_id": special_token_ids()[MEDIA_PAD],
+        "media_placeholder_token_id": special_token_ids(t["vocab_size"])[MEDIA_PAD],
         "pad_token_id": t["pad_token_id"],
         "tie_word_embeddings": False,
         "quantization_config": quant,
@@ -456,7 +502,7 @@ def k3_slice_default_experts(text: dict) -> int:
 
     probe = copy.deepcopy(text)
     probe.update(num_experts=1, num_experts_per_token=1)
-    ids = special_token_ids()
+    ids = special_token_ids(probe["vocab_size"])
     probe.update(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN],
                  num_key_value_heads=probe["num_attention_heads"])
     cfg = parse_config(_k3_config(probe))
@@ -649,9 +695,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict
         raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
     raw = config_dict(preset, overrides)
     cfg = parse_config(raw, f"preset {preset}")
-    if cfg.vocab_size < tokenizer_vocab_size():
-        raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{tokenizer_vocab_size()} tokens")
+    tiktoken_text = tiktoken_model(cfg.vocab_size)  # raises for a vocabulary too small for it
     specs = {name: _stored_spec(cfg, name, spec) for name, spec in checkpoint_tensors(cfg).items()}
     eps_matched = preset in EPS_MATCHED_LATENT_PRESETS
     fills = {name: _fill_for(cfg, name.removeprefix(cfg.tensor_prefix), spec, eps_matched)
@@ -676,7 +720,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(tmp / "model.safetensors.index.json", index)
         _write_json(tmp / "config.json", raw)
-        ids = special_token_ids()
+        ids = special_token_ids(cfg.vocab_size)
         _write_json(tmp / "generation_config.json", {
             "_from_model_config": True,
             "bos_token_id": ids[BOS_TOKEN],
@@ -684,8 +728,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict
             "pad_token_id": ids[PAD_TOKEN],
             "transformers_version": TRANSFORMERS_VERSION,
         })
-        _write_text(tmp / "tokenizer.json", tokenizer_json())
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(cfg.max_position_embeddings))
+        _write_text(tmp / "tiktoken.model", tiktoken_text)
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(cfg.vocab_size, cfg.max_position_embeddings))
         fsync_dir(tmp)
         if out.exists():  # overwrite: swap only now that the new one is complete
             old = out.with_name(f"{out.name}.old-{os.getpid()}")

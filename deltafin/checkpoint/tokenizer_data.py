@@ -1,4 +1,4 @@
-"""Built-in text and chat template for the tokenizer that ships with synthetic checkpoints.
+"""Built-in text, special tokens and chat template of the tokenizer synthetic checkpoints ship.
 
 The corpus is small on purpose: a byte-level BPE trained on it is deterministic, takes well
 under a second, and still yields a few hundred merges of real English words and Python
@@ -6,22 +6,41 @@ syntax, so tokenized prompts look like ordinary text to the code under test.
 """
 from __future__ import annotations
 
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|pad|>",
-    "<|bos|>",
-    "<|eos|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|media_pad|>",
-)
-PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END, MEDIA_PAD = SPECIAL_TOKENS
+# Special tokens at their offsets after the base vocabulary, as the Kimi family numbers them
+# (K2 / Kimi Linear / K3: [BOS] is the first id after the 163,584 base tokens). The ids between
+# them are reserved tokens; [UNK] and [PAD] take the last two ids of the special block.
+SPECIAL_OFFSETS: dict[str, int] = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "<think>": 22,
+    "</think>": 23,
+}
+UNK_TOKEN, PAD_TOKEN = "[UNK]", "[PAD]"  # at block size - 2 and - 1
+BOS_TOKEN, EOS_TOKEN, IM_END, MEDIA_PAD = "[BOS]", "[EOS]", "<|im_end|>", "<|media_pad|>"
 
-# Renders [{"role": ..., "content": ...}] as <|im_start|>role\ncontent<|im_end|>\n turns.
-# `content` may also be a list of OpenAI-style parts ({"type": "text", "text": ...}); only
-# the text parts are kept. With add_generation_prompt the result ends with the opening of
-# an assistant turn, which is where generation starts.
+# Renders [{"role": ..., "content": ...}] in the Kimi turn format
+# <|im_user|>user<|im_middle|>content<|im_end|> (system: <|im_system|>, assistant: <|im_assistant|>,
+# any other role as a system-style turn under its own name). `content` may also be a list of
+# OpenAI-style parts ({"type": "text", "text": ...}); only the text parts are kept. With
+# add_generation_prompt the result ends with the opening of an assistant turn.
 CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['content'] is string -%}"
     "{%- set text = message['content'] -%}"
@@ -32,9 +51,13 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- set text = text.value -%}"
     "{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + text + '<|im_end|>\\n' -}}"
+    "{%- set role = message['role'] -%}"
+    "{%- if role == 'user' -%}{{- '<|im_user|>' -}}"
+    "{%- elif role == 'assistant' -%}{{- '<|im_assistant|>' -}}"
+    "{%- else -%}{{- '<|im_system|>' -}}{%- endif -%}"
+    "{{- role + '<|im_middle|>' + text + '<|im_end|>' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}{%- endif -%}"
 )
 
 CORPUS = '''\
