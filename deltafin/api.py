@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -114,6 +115,12 @@ class Model:
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(ids), vocab]: a full prefill from a fresh state."""
         return self.forward(list(token_ids), self.new_state())
+
+    @functools.cached_property
+    def identity(self) -> dict:
+        """What a saved decode state must match to be reused here (see saved_state)."""
+        from .saved_state import model_identity
+        return model_identity(self.source, self.settings.dtype)
 
     # -- text ------------------------------------------------------------------------------
     def require_tokenizer(self):

@@ -54,12 +54,18 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
              speculate: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, stop: str | Sequence[str] | None = None,
              on_token: OnToken | None = None, state: "DecodeState | None" = None,
-             eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None) -> Generation:
+             eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None,
+             held_ids: Sequence[int] | None = None,
+             on_prefill: Callable[[DecodeState], None] | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     ``None`` for ``max_new_tokens`` or ``speculate`` means the model's settings. The prompt is
     prefilled in one forward pass (after whatever ``state`` already holds, if one is given; else a
-    fresh state is used). The state is returned in ``Generation.state``.
+    fresh state is used). The state is returned in ``Generation.state``. ``held_ids`` are the
+    token ids that ``state`` already holds (a reused prefix): they change nothing in the
+    computation, but give the drafter and the detokenizer the same context as a full prefill
+    would, so the output is the same text. ``on_prefill(state)`` is called once, right after the
+    prompt is prefilled (the state then holds ``held_ids + prompt_ids``), e.g. to keep a copy.
 
     Decoding is greedy when ``temperature`` is 0. With ``temperature > 0`` tokens are sampled
     (``top_k`` > 0 keeps the k most likely, ``top_p`` < 1 keeps the smallest set whose probability
@@ -104,6 +110,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
     stops = _check_stops(stop, model.tokenizer)
     state = model.new_state() if state is None else state
     held = state.num_tokens
+    history = _check_ids(held_ids or (), config.vocab_size, "held")
+    if held_ids is not None and len(history) != held:
+        raise ValueError(f"held_ids has {len(history)} tokens, but the state holds {held}")
     limit = config.max_position_embeddings
     if held + len(prompt) + max_new > limit:
         raise ValueError(
@@ -130,7 +139,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
     if spec and drafter is None:
         drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
     draft_len = settings.draft_len
-    out = _Output(model.tokenizer, prompt, stops, on_token)
+    out = _Output(model.tokenizer, history + prompt, stops, on_token)
     stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0, "drafted_tokens": 0,
              "tokens_per_pass": 0.0, "prefill_tokens": len(prompt), "prefill_seconds": 0.0,
              "decode_seconds": 0.0, "decode_tok_s": 0.0}
@@ -150,9 +159,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
         return reason
 
     t0 = time.perf_counter()
-    finish = consume(pick(model.forward(prompt, state, last_only=True))[0])
+    first = pick(model.forward(prompt, state, last_only=True))
+    if on_prefill is not None:
+        on_prefill(state)
+    finish = consume(first[0])
     t1 = time.perf_counter()
-    context = prompt + generated  # what the drafter matches against; grows with the output
+    context = history + prompt + generated  # what the drafter matches against; grows with the output
 
     while finish is None:
         token = generated[-1]

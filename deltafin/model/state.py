@@ -7,13 +7,31 @@ Speculative decoding verifies several tokens in one pass and may keep only some 
 run with ``keep_states=True`` records, per KDA layer, the state before the pass and each new
 position's (k, v, g, beta) and conv inputs; ``rollback(n)`` replays the accepted steps from those
 (cheap: a few rank-1 updates) instead of storing a full S per position. MLA rolls back by length.
+
+A state is a self-contained value: ``snapshot`` copies it, ``restore`` puts a copy back, and
+``save`` / ``load`` write it to and read it from a safetensors file whose JSON header says what
+the state belongs to (the caller's fields: model identity, the token ids it holds). Loading
+checks every tensor's name, dtype and shape against a fresh state of the same model before
+anything is allocated, so a truncated, foreign or hostile file is refused with a message. A KDA
+state cannot be cut back to a shorter prefix: keep snapshots where they may be wanted.
 """
 from __future__ import annotations
 
 import copy
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+STATE_FORMAT = "deltafin-decode-state"
+STATE_VERSION = 1
+_HEADER_KEY = "deltafin"
+
+
+class StateFileError(ValueError):
+    """A saved state that cannot be used here (unreadable, corrupt, or for something else)."""
 
 
 @dataclass
@@ -90,6 +108,106 @@ class DecodeState:
         fresh = copy.deepcopy(snap)
         self.layers, self.num_tokens, self._pass_start = fresh.layers, fresh.num_tokens, fresh._pass_start
 
+    def nbytes(self) -> int:
+        """Bytes the state's tensors hold (what keeping it in memory costs)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every state tensor by a stable name (MLA caches cut to their length)."""
+        out = {}
+        for i, st in enumerate(self.layers):
+            if isinstance(st, KDAState):
+                out[f"layers.{i}.conv"], out[f"layers.{i}.S"] = st.conv, st.S
+            else:
+                out[f"layers.{i}.ckv"], out[f"layers.{i}.krot"] = st.view()
+        return out
+
+    def save(self, path: str | Path, header: dict) -> None:
+        """Write the state and ``header`` (JSON-serializable) atomically to a safetensors file."""
+        from safetensors.torch import save_file
+        if self._pass_start is not None:
+            raise RuntimeError("save() right after a keep_states pass: roll back (or run a plain pass) first")
+        meta = {**header, "format": STATE_FORMAT, "version": STATE_VERSION, "num_tokens": self.num_tokens}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: t.detach().cpu().contiguous() for k, t in self.tensors().items()}, str(tmp),
+                  metadata={_HEADER_KEY: json.dumps(meta)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @staticmethod
+    def read_header(path: str | Path) -> dict:
+        """The JSON header of a saved state, checked for format and version (no tensor is read)."""
+        from safetensors import safe_open
+        path = Path(path)
+        if not path.is_file():
+            raise StateFileError(f"{path}: no such state file")
+        try:
+            with safe_open(str(path), "pt") as f:
+                raw = (f.metadata() or {}).get(_HEADER_KEY)
+        except Exception as e:  # safetensors reports truncation and bad headers with its own types
+            raise StateFileError(f"{path}: not a readable state file ({type(e).__name__}: {e})") from None
+        try:
+            meta = json.loads(raw) if raw is not None else None
+        except json.JSONDecodeError:
+            meta = None
+        if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+            raise StateFileError(f"{path}: a safetensors file, but not a saved deltafin decode state")
+        if meta.get("version") != STATE_VERSION:
+            raise StateFileError(f"{path}: state file version {meta.get('version')!r}; this deltafin reads "
+                                 f"version {STATE_VERSION}")
+        if not isinstance(meta.get("num_tokens"), int) or meta["num_tokens"] < 0:
+            raise StateFileError(f"{path}: malformed header (num_tokens)")
+        return meta
+
+    @classmethod
+    def load(cls, path: str | Path, like: "DecodeState") -> "DecodeState":
+        """Read a saved state into the layout of ``like`` (a fresh state of the model it is for).
+
+        Every tensor's name, dtype and shape is checked from the header before any is read; the
+        tensors land on the device and in the dtype of ``like``. Check the header's own fields
+        (``read_header``) before calling this.
+        """
+        from safetensors import safe_open
+        path = Path(path)
+        n = cls.read_header(path)["num_tokens"]
+        expect = {}
+        for i, st in enumerate(like.layers):
+            if isinstance(st, KDAState):
+                expect[f"layers.{i}.conv"], expect[f"layers.{i}.S"] = st.conv, st.S
+            else:
+                expect[f"layers.{i}.ckv"] = st.ckv.new_empty((n, *st.ckv.shape[1:]))
+                expect[f"layers.{i}.krot"] = st.krot.new_empty((n, *st.krot.shape[1:]))
+        got = {}
+        try:
+            with safe_open(str(path), "pt") as f:
+                names = set(f.keys())
+                if names != set(expect):
+                    missing, extra = sorted(set(expect) - names)[:3], sorted(names - set(expect))[:3]
+                    raise StateFileError(f"{path}: the state's layers do not match this model "
+                                         f"(missing {missing}, unexpected {extra})")
+                for name, ref in expect.items():
+                    sl = f.get_slice(name)
+                    shape, dtype = list(sl.get_shape()), sl.get_dtype()
+                    want = _SAFETENSORS_DTYPES.get(ref.dtype)
+                    if shape != list(ref.shape) or dtype != want:
+                        raise StateFileError(f"{path}: tensor '{name}' is {dtype}{shape}; this model's state "
+                                             f"needs {want}{list(ref.shape)}")
+                for name, ref in expect.items():
+                    got[name] = f.get_tensor(name).to(ref.device, ref.dtype)
+        except StateFileError:
+            raise
+        except Exception as e:
+            raise StateFileError(f"{path}: cannot read the state ({type(e).__name__}: {e})") from None
+        layers = []
+        for i, st in enumerate(like.layers):
+            if isinstance(st, KDAState):
+                layers.append(KDAState(conv=got[f"layers.{i}.conv"], S=got[f"layers.{i}.S"]))
+            else:
+                layers.append(MLAState(ckv=got[f"layers.{i}.ckv"], krot=got[f"layers.{i}.krot"], length=n))
+        return cls(layers=layers, num_tokens=n)
+
     def max_abs_diff(self, other: "DecodeState") -> float:
         """Largest difference over every state tensor (inf when the shapes do not match)."""
         if self.num_tokens != other.num_tokens or len(self.layers) != len(other.layers):
@@ -104,6 +222,9 @@ class DecodeState:
                 if x.numel():
                     worst = max(worst, (x.float() - y.float()).abs().max().item())
         return worst
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _kda_rollback(st: KDAState, keep: int) -> None:
