@@ -112,6 +112,10 @@ class Model:
         """Consume ids after what state holds; float32 logits for every position (or the last)."""
         return self.engine.forward(ids, state, keep_states, last_only)
 
+    def forward_batch(self, seqs: list) -> list:
+        """One pass over several sequences (``engine.Seq``), each with its own state; their logits."""
+        return self.engine.forward_batch(seqs)
+
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(ids), vocab]: a full prefill from a fresh state."""
         return self.forward(list(token_ids), self.new_state())

@@ -16,7 +16,7 @@ from .config import ModelConfig
 from .model.binding import bind, slot_names, unbind
 from .model.layers import attn_res, build_templates, layer_kind
 from .model.ops import HalfMatmul, linear, rms_norm
-from .model.state import DecodeState
+from .model.state import DecodeState, Rows
 from .settings import Settings
 
 
@@ -104,21 +104,25 @@ class Engine:
         return {k: HalfMatmul(w, self.matmul_dtype) if k in self._product_slots else w
                 for k, w in weights.items()}
 
-    @torch.inference_mode()
     def forward(self, ids: list[int], state: DecodeState, keep_states: bool = False,
                 last_only: bool = False) -> torch.Tensor:
         """Consume `ids` after what `state` holds; return float32 logits [len(ids), vocab]
         (or [1, vocab] for the last position only: a long prompt's full logits are large)."""
+        return self.forward_batch([Seq(list(ids), state, keep_states, "last" if last_only else "all")])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: list[Seq]) -> list[torch.Tensor | None]:
+        """One pass for several sequences: each consumes its ids after what its own state holds.
+
+        Their rows are concatenated, so every weight is read once for all of them; attention runs
+        per sequence over its own state. Returns each sequence's logits as ``Seq.logits`` asks.
+        """
         cfg = self.cfg
-        ids_t = torch.as_tensor(list(ids), dtype=torch.long)
-        if ids_t.numel() == 0:
-            raise ValueError("forward() needs at least one token id")
-        bad = ids_t[(ids_t < 0) | (ids_t >= cfg.vocab_size)]
-        if bad.numel():
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {cfg.vocab_size})")
+        ids_t = _check_batch(seqs, cfg.vocab_size)
         stats = PassStats(tokens=len(ids_t))
         t0 = time.perf_counter()
-        state.begin_pass(keep_states)
+        for s in seqs:
+            s.state.begin_pass(s.keep_states)
         g = self.provider.globals()
         h = g["embed"][ids_t].to(self.device, self.dtype)
         g = self._head_on_device(g)
@@ -131,7 +135,8 @@ class Engine:
                 tmpl = self.templates[layer_kind(cfg, i)]
                 bind(tmpl, self._for_products(self._on_device(weights)))
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
-                h = tmpl(i, h, blocks, state.layers[i], keep_states, chunk,
+                parts = [Rows(s.state.layers[i], len(s.ids), s.keep_states) for s in seqs]
+                h = tmpl(i, h, blocks, parts, chunk,
                          lambda chosen, i=i: _OnDevice(self.provider.experts(i, chosen, stats), self))
                 # Waiting for routed experts happens inside the layer; it is I/O, not compute.
                 stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
@@ -140,14 +145,61 @@ class Engine:
         finally:
             self.provider.end_pass(stats)
         c0 = time.perf_counter()
-        if last_only:
-            h, blocks = h[-1:], [b[-1:] for b in blocks]
+        rows = _logit_rows(seqs)
+        h, blocks = h[rows], [b[rows] for b in blocks]
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
         head = self._for_products({"lm_head": g["lm_head"]})["lm_head"]
         logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float().cpu()
         stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - t0
-        state.num_tokens += len(ids_t)
+        for s in seqs:
+            s.state.num_tokens += len(s.ids)
         self.last_pass = stats
-        return logits
+        out: list[torch.Tensor | None] = []
+        start = 0
+        for s in seqs:
+            n = _logit_count(s)
+            out.append(logits[start:start + n] if s.logits != "none" else None)
+            start += n
+        return out
+
+
+@dataclass
+class Seq:
+    """One sequence's share of a pass: its new ids, its own state, and which logits it wants."""
+    ids: list[int]
+    state: DecodeState
+    keep_states: bool = False  # record what a later rollback() needs (speculation)
+    logits: str = "all"  # "all" positions | "last" position | "none" (a prompt chunk that is not the last)
+
+
+def _logit_count(s: Seq) -> int:
+    return {"all": len(s.ids), "last": 1, "none": 0}[s.logits]
+
+
+def _logit_rows(seqs: list[Seq]) -> torch.Tensor:
+    rows, start = [], 0
+    for s in seqs:
+        n = len(s.ids)
+        rows.extend(range(start + n - _logit_count(s), start + n))
+        start += n
+    return torch.as_tensor(rows, dtype=torch.long)
+
+
+def _check_batch(seqs: list[Seq], vocab: int) -> torch.Tensor:
+    """All ids of the pass, concatenated, after checking each sequence's part."""
+    if not seqs:
+        raise ValueError("forward_batch() needs at least one sequence")
+    if len({id(s.state) for s in seqs}) != len(seqs):
+        raise ValueError("a decode state appears twice in one pass; each sequence needs its own")
+    for s in seqs:
+        if s.logits not in ("all", "last", "none"):
+            raise ValueError(f"Seq.logits must be 'all', 'last' or 'none', got {s.logits!r}")
+        if not s.ids:
+            raise ValueError("forward() needs at least one token id")
+    ids_t = torch.as_tensor([t for s in seqs for t in s.ids], dtype=torch.long)
+    bad = ids_t[(ids_t < 0) | (ids_t >= vocab)]
+    if bad.numel():
+        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
+    return ids_t

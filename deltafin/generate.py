@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .engine import Seq
 from .tokenizer import stream_decoder
 
 if TYPE_CHECKING:
@@ -50,22 +51,32 @@ class Generation:
     state: "DecodeState | None" = None
 
 
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None, *,
-             speculate: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int | None = None, stop: str | Sequence[str] | None = None,
-             on_token: OnToken | None = None, state: "DecodeState | None" = None,
-             eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None,
-             held_ids: Sequence[int] | None = None,
-             on_prefill: Callable[[DecodeState], None] | None = None) -> Generation:
-    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None, **options) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``: one ``Decoding`` driven alone,
+    one forward pass at a time. The options are ``Decoding``'s."""
+    d = Decoding(model, prompt_ids, max_new_tokens, **options)
+    while not d.done:
+        d.take(model.forward_batch([d.next_pass()])[0])
+    return d.result()
+
+
+class Decoding:
+    """One sequence's generation, advanced one forward pass at a time.
+
+    ``next_pass()`` says what the next pass must feed this sequence (a ``Seq``); ``take(logits)``
+    hands that pass's logits back. ``generate`` drives one Decoding alone; the server's scheduler
+    drives several through one batched pass. Nothing here depends on the other sequences of a
+    pass, so a request's output is the same however it is batched (up to the rounding of matrix
+    products over a different number of rows).
 
     ``None`` for ``max_new_tokens`` or ``speculate`` means the model's settings. The prompt is
-    prefilled in one forward pass (after whatever ``state`` already holds, if one is given; else a
-    fresh state is used). The state is returned in ``Generation.state``. ``held_ids`` are the
-    token ids that ``state`` already holds (a reused prefix): they change nothing in the
-    computation, but give the drafter and the detokenizer the same context as a full prefill
-    would, so the output is the same text. ``on_prefill(state)`` is called once, right after the
-    prompt is prefilled (the state then holds ``held_ids + prompt_ids``), e.g. to keep a copy.
+    prefilled after whatever ``state`` already holds (a fresh state if none is given), in one pass,
+    or in pieces of ``prefill_chunk`` tokens when that is > 0. The state is returned in
+    ``Generation.state``. ``held_ids`` are the token ids that ``state`` already holds (a reused
+    prefix): they change nothing in the computation, but give the drafter and the detokenizer the
+    same context as a full prefill would, so the output is the same text. ``on_prefill(state)`` is
+    called once, right after the prompt is prefilled (the state then holds ``held_ids +
+    prompt_ids``), e.g. to keep a copy.
 
     Decoding is greedy when ``temperature`` is 0. With ``temperature > 0`` tokens are sampled
     (``top_k`` > 0 keeps the k most likely, ``top_p`` < 1 keeps the smallest set whose probability
@@ -88,123 +99,183 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None
     settled, so a call can come a few tokens late; a token cut by a stop string gets its text
     before the stop string; a token ending inside a multi-byte character gets "" and the character
     comes with the token that completes it; without a tokenizer text is always "". Returning False
-    stops generation at once with finish_reason "cancelled"; ``tokens`` and ``text`` are then
-    exactly what was passed so far.
+    (or calling ``cancel()`` between passes) stops generation at once with finish_reason
+    "cancelled"; ``tokens`` and ``text`` are then exactly what was passed so far.
 
     After generation the state holds the prompt followed by ``Generation.generated[:-1]``, exactly
     as plain greedy decoding leaves it: the last produced token is known but not yet fed.
     """
-    config, settings = model.config, model.settings
-    prompt = _check_ids(prompt_ids, config.vocab_size, "prompt")
-    if not prompt:
-        raise ValueError("the prompt is empty: at least one token is needed to start generating")
-    max_new = settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-    if max_new < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    stops = _check_stops(stop, model.tokenizer)
-    state = model.new_state() if state is None else state
-    held = state.num_tokens
-    history = _check_ids(held_ids or (), config.vocab_size, "held")
-    if held_ids is not None and len(history) != held:
-        raise ValueError(f"held_ids has {len(history)} tokens, but the state holds {held}")
-    limit = config.max_position_embeddings
-    if held + len(prompt) + max_new > limit:
-        raise ValueError(
-            f"prompt of {len(prompt)} tokens" + (f" after {held} cached tokens" if held else "")
-            + f" + max_new_tokens {max_new} = {held + len(prompt) + max_new} tokens exceeds the model's "
-            f"context of {limit} tokens (max_position_embeddings)")
-    eos = frozenset(config.eos_token_ids if eos_token_ids is None else (int(t) for t in eos_token_ids))
 
-    sampling = temperature > 0
-    if sampling:
-        rng = torch.Generator()
-        if seed is None:
-            rng.seed()  # fresh entropy for this call only; the global generator is untouched
-        else:
-            rng.manual_seed(int(seed))
+    def __init__(self, model, prompt_ids: Sequence[int], max_new_tokens: int | None = None, *,
+                 speculate: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 on_token: OnToken | None = None, state: "DecodeState | None" = None,
+                 eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None,
+                 held_ids: Sequence[int] | None = None,
+                 on_prefill: Callable[[DecodeState], None] | None = None, prefill_chunk: int = 0):
+        config, settings = model.config, model.settings
+        prompt = _check_ids(prompt_ids, config.vocab_size, "prompt")
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed to start generating")
+        max_new = settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        stops = _check_stops(stop, model.tokenizer)
+        state = model.new_state() if state is None else state
+        held = state.num_tokens
+        history = _check_ids(held_ids or (), config.vocab_size, "held")
+        if held_ids is not None and len(history) != held:
+            raise ValueError(f"held_ids has {len(history)} tokens, but the state holds {held}")
+        limit = config.max_position_embeddings
+        if held + len(prompt) + max_new > limit:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens" + (f" after {held} cached tokens" if held else "")
+                + f" + max_new_tokens {max_new} = {held + len(prompt) + max_new} tokens exceeds the model's "
+                f"context of {limit} tokens (max_position_embeddings)")
+        self.eos = frozenset(config.eos_token_ids if eos_token_ids is None else (int(t) for t in eos_token_ids))
+        self.vocab = config.vocab_size
+        self.prompt, self.max_new, self.state = prompt, max_new, state
+        self.prefill_chunk = prefill_chunk or len(prompt)
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.rng: torch.Generator | None = None
+        if temperature > 0:
+            self.rng = torch.Generator()
+            if seed is None:
+                self.rng.seed()  # fresh entropy for this call only; the global generator is untouched
+            else:
+                self.rng.manual_seed(int(seed))
+        self.spec = (settings.speculate if speculate is None else bool(speculate)) and self.rng is None
+        self.drafter = drafter
+        if self.spec and drafter is None:
+            self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
+        self.draft_len = settings.draft_len
+        self.out = _Output(model.tokenizer, history + prompt, stops, on_token)
+        self.on_prefill = on_prefill
+        self.stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0,
+                      "drafted_tokens": 0, "tokens_per_pass": 0.0, "prefill_tokens": len(prompt),
+                      "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_tok_s": 0.0}
+        self.generated: list[int] = []
+        self.context = history + prompt  # what the drafter matches against; grows with the output
+        self.fed = 0  # prompt tokens fed so far
+        self.finish: str | None = None  # set once generation has ended
+        self._pass: tuple[int, list[int]] | None = None  # (state length before, draft) of the pass in flight
+        self._times: list[float] = []  # start, end of prefill, end
+        if max_new == 0:  # nothing to produce: the prompt is not even fed
+            self.finish = "length"
 
-        def pick(logits: torch.Tensor) -> list[int]:
-            return [_sample(logits[-1], temperature, top_k, top_p, rng)]
-    else:
-        def pick(logits: torch.Tensor) -> list[int]:
-            return logits.argmax(dim=-1).tolist()
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
 
-    spec = (settings.speculate if speculate is None else bool(speculate)) and not sampling
-    if spec and drafter is None:
-        drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
-    draft_len = settings.draft_len
-    out = _Output(model.tokenizer, history + prompt, stops, on_token)
-    stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0, "drafted_tokens": 0,
-             "tokens_per_pass": 0.0, "prefill_tokens": len(prompt), "prefill_seconds": 0.0,
-             "decode_seconds": 0.0, "decode_tok_s": 0.0}
-    if max_new == 0:  # nothing to produce: the prompt is not even fed
-        return Generation([], out.text(), "length", stats, [], state)
-
-    generated: list[int] = []
-
-    def consume(token: int) -> str | None:
-        """Record one produced token; return a finish reason when generation must end here."""
-        generated.append(token)
-        if token in eos:
-            return "stop"
-        reason = out.add(token)
-        if reason is None and len(generated) >= max_new:
-            reason = "length"
-        return reason
-
-    t0 = time.perf_counter()
-    first = pick(model.forward(prompt, state, last_only=True))
-    if on_prefill is not None:
-        on_prefill(state)
-    finish = consume(first[0])
-    t1 = time.perf_counter()
-    context = history + prompt + generated  # what the drafter matches against; grows with the output
-
-    while finish is None:
-        token = generated[-1]
+    def next_pass(self) -> Seq:
+        """What the next forward pass feeds this sequence: the next piece of the prompt, or the last
+        produced token followed by a draft (verified in the same pass)."""
+        if self.done:
+            raise RuntimeError("this generation has ended")
+        if not self._times:
+            self._times.append(time.perf_counter())
+        if self.fed < len(self.prompt):
+            piece = self.prompt[self.fed:self.fed + self.prefill_chunk]
+            last = self.fed + len(piece) == len(self.prompt)
+            self._pass = (self.state.num_tokens, [])
+            return Seq(piece, self.state, False, "last" if last else "none")
         draft: list[int] = []
-        if spec:
+        if self.spec:
             # No point verifying more tokens than may still be produced (the bonus token is one).
-            room = min(draft_len, max_new - len(generated) - 1)
+            room = min(self.draft_len, self.max_new - len(self.generated) - 1)
             if room > 0:
-                draft = _check_ids(list(drafter(context, room))[:room], config.vocab_size, "draft")
-        before = state.num_tokens
-        logits = model.forward([token] + draft, state, keep_states=bool(draft))
-        stats["passes"] += 1
-        stats["drafted_tokens"] += len(draft)
-        preds = pick(logits)
+                draft = _check_ids(list(self.drafter(self.context, room))[:room], self.vocab, "draft")
+        self._pass = (self.state.num_tokens, draft)
+        return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all")
+
+    def take(self, logits: torch.Tensor | None) -> None:
+        """The logits of the pass ``next_pass()`` asked for."""
+        if self._pass is None:
+            raise RuntimeError("take() without a pass in flight: call next_pass() first")
+        before, draft = self._pass
+        self._pass = None
+        if self.fed < len(self.prompt):
+            self.fed += self.state.num_tokens - before
+            if self.fed < len(self.prompt):
+                return
+            token = self._pick(logits)[0]
+            if self.on_prefill is not None:
+                self.on_prefill(self.state)
+            self._times.append(time.perf_counter())
+            self.context.append(token)
+            self._end(self._consume(token))
+            return
+        self.stats["passes"] += 1
+        self.stats["drafted_tokens"] += len(draft)
+        preds = self._pick(logits)
         ok = 0
         while ok < len(draft) and draft[ok] == preds[ok]:
             ok += 1
         used = 0  # tokens of this burst (preds[:ok + 1]) that generation actually took
+        reason = None
         for t in preds[:ok + 1]:
             used += 1
-            context.append(t)
-            finish = consume(t)
-            if finish is not None:
+            self.context.append(t)
+            reason = self._consume(t)
+            if reason is not None:
                 break
-        stats["accepted_draft_tokens"] += used - 1
+        self.stats["accepted_draft_tokens"] += used - 1
         if draft:
             # Fed: [token] + draft; keep [token] + the used-1 accepted drafts. The last used token
             # is the new "known but not fed" one.
-            state.rollback(before + used)
-    t2 = time.perf_counter()
+            self.state.rollback(before + used)
+        self._end(reason)
 
-    finish = out.finish(finish)
-    stats.update(tokens=len(out.tokens), generated_tokens=len(generated), prefill_seconds=t1 - t0,
-                 decode_seconds=t2 - t1)
-    decoded = len(generated) - 1  # tokens produced by decode passes (the first came from prefill)
-    if stats["passes"]:
-        stats["tokens_per_pass"] = decoded / stats["passes"]
-    if t2 > t1:
-        stats["decode_tok_s"] = decoded / (t2 - t1)
-    return Generation(out.tokens, out.text(), finish, stats, generated, state)
+    def cancel(self) -> None:
+        """Stop between passes: finish_reason "cancelled", keeping what was passed to on_token."""
+        if not self.done:
+            self._pass = None
+            self.out.pending, self.out.done = [], "cancelled"
+            self._end("cancelled")
+
+    def result(self) -> Generation:
+        if not self.done:
+            raise RuntimeError("result() before the generation ended")
+        stats, t = self.stats, self._times
+        stats.update(tokens=len(self.out.tokens), generated_tokens=len(self.generated))
+        if len(t) == 3:
+            stats.update(prefill_seconds=t[1] - t[0], decode_seconds=t[2] - t[1])
+            decoded = len(self.generated) - 1  # tokens produced by decode passes (the first came from prefill)
+            if stats["passes"]:
+                stats["tokens_per_pass"] = decoded / stats["passes"]
+            if t[2] > t[1]:
+                stats["decode_tok_s"] = decoded / (t[2] - t[1])
+        return Generation(self.out.tokens, self.out.text(), self.finish, stats, self.generated, self.state)
+
+    def _pick(self, logits: torch.Tensor) -> list[int]:
+        if self.rng is not None:
+            return [_sample(logits[-1], self.temperature, self.top_k, self.top_p, self.rng)]
+        return logits.argmax(dim=-1).tolist()
+
+    def _consume(self, token: int) -> str | None:
+        """Record one produced token; return a finish reason when generation must end here."""
+        self.generated.append(token)
+        if token in self.eos:
+            return "stop"
+        reason = self.out.add(token)
+        if reason is None and len(self.generated) >= self.max_new:
+            reason = "length"
+        return reason
+
+    def _end(self, reason: str | None) -> None:
+        if reason is None:
+            return
+        self.finish = self.out.finish(reason)
+        if len(self._times) == 2:
+            self._times.append(time.perf_counter())
 
 
 class NgramDrafter:

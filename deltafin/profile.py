@@ -15,7 +15,7 @@ MB = 1e6
 
 
 class PassRecorder:
-    """A model whose forward() also records the pass's stats (and when it ended)."""
+    """A model whose forward() / forward_batch() also records the pass's stats (and when it ended)."""
 
     def __init__(self, model, on_pass: Callable[[int, PassStats], None] | None = None):
         self._model = model
@@ -24,7 +24,12 @@ class PassRecorder:
         self.ended: list[float] = []  # perf_counter() at the end of each pass
 
     def forward(self, ids, state, *args, **kwargs):
-        logits = self._model.forward(ids, state, *args, **kwargs)
+        return self._record(self._model.forward(ids, state, *args, **kwargs))
+
+    def forward_batch(self, seqs):
+        return self._record(self._model.forward_batch(seqs))
+
+    def _record(self, logits):
         self.passes.append(self._model.engine.last_pass)
         self.ended.append(time.perf_counter())
         if self.on_pass is not None:

@@ -2,9 +2,10 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both with or without ``stream``),
 GET /v1/models, GET /v1/models/{id}, GET /health. The wire format lives in serve_protocol; this
-module owns the engine's use: one generation at a time on one engine thread, a bounded wait
-queue in front of it (429 beyond ``queue_size`` waiting or ``queue_timeout`` seconds), prompt
-cancellation when a client goes away, and a memo of deterministic answers.
+module owns the engine's use: up to ``max_batch`` generations at a time, batched into shared
+passes by the scheduler (``deltafin.scheduler``), a bounded wait queue in front of them (429 beyond
+``queue_size`` waiting or ``queue_timeout`` seconds), prompt cancellation when a client goes away,
+and a memo of deterministic answers.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deltafin import settings as settings_mod
-from deltafin.generate import generate
+from deltafin.scheduler import Scheduler
 from deltafin.serve_protocol import (
     MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
     resolve_max_tokens, sse)
@@ -46,14 +47,20 @@ class EngineBusy(APIError):
 
 
 class EngineGate:
-    """Admits one generation at a time. At most ``queue_size`` requests wait, first come first
-    served, each for at most ``queue_timeout`` seconds. Used from the event loop thread only."""
+    """Admits up to ``slots`` generations at a time. At most ``queue_size`` requests wait, first
+    come first served, each for at most ``queue_timeout`` seconds. Used from the event loop thread
+    only."""
 
-    def __init__(self, queue_size: int, queue_timeout: float):
+    def __init__(self, queue_size: int, queue_timeout: float, slots: int = 1):
         self.queue_size = queue_size
         self.queue_timeout = max(float(queue_timeout), 0.0)
-        self.busy = False
+        self.slots = slots
+        self.running = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def busy(self) -> bool:
+        return self.running >= self.slots
 
     @property
     def waiting(self) -> int:
@@ -63,7 +70,7 @@ class EngineGate:
         """Wait for the engine. True: it is ours (call ``release`` once done). False: ``abandon``
         was set while waiting. Raises EngineBusy when the queue is full or the wait times out."""
         if not self.busy:
-            self.busy = True
+            self.running += 1
             return True
         if len(self._waiters) >= self.queue_size:
             raise EngineBusy(f"the engine is busy and {len(self._waiters)} request(s) are already waiting "
@@ -93,13 +100,13 @@ class EngineGate:
         return True
 
     def release(self) -> None:
-        # The engine passes straight to the next live waiter, so a newcomer cannot jump the queue.
+        # A freed slot passes straight to the next live waiter, so a newcomer cannot jump the queue.
         while self._waiters:
             turn = self._waiters.popleft()
             if not turn.done():
                 turn.set_result(None)
                 return
-        self.busy = False
+        self.running -= 1
 
 
 @dataclass(frozen=True)
@@ -160,13 +167,13 @@ class Service:
         self.tokenizer = getattr(model, "tokenizer", None)
         self.context = int(model.config.max_position_embeddings)
         self.started = int(time.time())
-        self.gate = EngineGate(settings.queue_size, settings.queue_timeout)
+        self.gate = EngineGate(settings.queue_size, settings.queue_timeout, settings.max_batch)
         self.memo = ResponseMemo(settings.memo_size)
-        # One worker: the engine runs one generation at a time, off the event loop.
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-engine")
+        # The engine runs off the event loop, on the scheduler's thread.
+        self.scheduler = Scheduler(model, settings.max_batch, settings.prefill_chunk)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.close()
 
     # -- request -> job ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -211,9 +218,10 @@ class Service:
 
     # -- the engine ----------------------------------------------------------------------------
     def start(self, job: Job, emit, cancel: threading.Event) -> concurrent.futures.Future:
-        """Run ``job`` on the engine thread (the caller holds the gate; it is released when the
-        engine is done). ``emit(text)`` is called from the engine thread for each new piece of
-        text and ``emit(None)`` once at the end; setting ``cancel`` stops the generation."""
+        """Run ``job`` on the engine thread, batched with the others (the caller holds a gate slot;
+        it is released when the job is done). ``emit(text)`` is called from the engine thread for
+        each new piece of text and ``emit(None)`` once at the end; setting ``cancel`` stops the
+        generation."""
         loop = asyncio.get_running_loop()
 
         def on_token(token_id: int, text: str) -> bool:
@@ -221,22 +229,19 @@ class Service:
                 emit(text)
             return not cancel.is_set()
 
-        def run():
-            try:
-                return generate(self.model, list(job.prompt_ids), job.max_tokens, temperature=job.temperature,
-                                top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=list(job.stop) or None,
-                                on_token=on_token)
-            finally:
-                emit(None)
-
         def engine_done(_):
+            # The slot is handed back before the end is announced, so a client that has its
+            # answer never finds the server still counting its request.
             try:
                 loop.call_soon_threadsafe(self.gate.release)
             except RuntimeError:  # the loop is already closed: nobody is left to admit
-                pass
+                return
+            emit(None)
 
         try:
-            future = self.executor.submit(run)
+            future = self.scheduler.submit(list(job.prompt_ids), job.max_tokens, temperature=job.temperature,
+                                           top_p=job.top_p, top_k=job.top_k, seed=job.seed,
+                                           stop=list(job.stop) or None, on_token=on_token, cancel=cancel)
         except BaseException:
             self.gate.release()
             raise
@@ -465,7 +470,7 @@ def create_app(model, settings: Settings | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": service.name, "busy": service.gate.busy,
-                "waiting": service.gate.waiting, "memo_entries": len(service.memo)}
+                "running": service.gate.running, "waiting": service.gate.waiting, "memo_entries": len(service.memo)}
 
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": service.started, "owned_by": "deltafin",
@@ -518,7 +523,8 @@ def serve(model, host: str | None = None, port: int | None = None) -> None:
     bound = sock.getsockname()[1]
     base = f"http://{_url_host(host)}:{bound}"
     name = app.state.service.name
-    print(f"deltafin serving '{name}' at {base}/v1 (queue_size={settings.queue_size}, "
+    print(f"deltafin serving '{name}' at {base}/v1 (max_batch={settings.max_batch}, "
+          f"prefill_chunk={settings.prefill_chunk}, queue_size={settings.queue_size}, "
           f"queue_timeout={settings.queue_timeout:g}s, memo_size={settings.memo_size}, "
           f"max_tokens_cap={settings.max_tokens_cap})", flush=True)
     example = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})

@@ -54,6 +54,10 @@ class Settings:
     queue_timeout: float = _knob(60.0, "seconds a request may wait for the engine before 429", group="serve")
     memo_size: int = _knob(64, "deterministic-response memo entries (0 disables)", group="serve")
     max_tokens_cap: int = _knob(4096, "server-side cap on max_tokens per request", group="serve")
+    max_batch: int = _knob(8, "generations the server runs together, sharing every weight pass (1 = one at a "
+                           "time)", group="serve")
+    prefill_chunk: int = _knob(64, "prompt tokens a newcomer feeds per batched pass, so running streams keep "
+                               "their pace while it is read in", group="serve")
 
     @classmethod
     def resolve(cls, explicit: dict | None = None, env: dict | None = None) -> "Settings":
@@ -81,7 +85,7 @@ class Settings:
 
     def _check(self) -> None:
         parse_device(self.device)  # raises with a message
-        for name in ("io_workers", "kda_chunk", "ngram", "draft_len"):
+        for name in ("io_workers", "kda_chunk", "ngram", "draft_len", "max_batch", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"setting '{name}' must be >= 1, got {getattr(self, name)}")
         for name in ("threads", "pin_layers", "max_new_tokens", "queue_size", "memo_size", "max_tokens_cap"):

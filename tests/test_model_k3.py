@@ -16,6 +16,7 @@ from deltafin.model.binding import bind, unbind
 from deltafin.model.layers import attn_res, layer_kind
 from deltafin.model.moe import MoE
 from deltafin.model.ops import linear, rms_norm
+from deltafin.model.state import Rows
 
 
 def _prompt(n, seed=0, vocab=500):
@@ -55,10 +56,11 @@ def _loop_forward(m, ids):
         a_in = attn_res(h, blocks, w["attn_res_proj"], w["attn_res_norm"], cfg.rms_norm_eps) if blocks else h
         if i % B == 0:
             blocks = blocks + [h]
-            partial = tmpl.self_attn(rms_norm(a_in, w["input_layernorm"], cfg.rms_norm_eps), st.layers[i], False, 64)
+            partial = tmpl.self_attn(rms_norm(a_in, w["input_layernorm"], cfg.rms_norm_eps),
+                                     [Rows(st.layers[i], len(ids), False)], 64)
         else:
-            partial = h + tmpl.self_attn(rms_norm(a_in, w["input_layernorm"], cfg.rms_norm_eps), st.layers[i],
-                                         False, 64)
+            partial = h + tmpl.self_attn(rms_norm(a_in, w["input_layernorm"], cfg.rms_norm_eps),
+                                         [Rows(st.layers[i], len(ids), False)], 64)
         m_in = attn_res(partial, blocks, w["mlp_res_proj"], w["mlp_res_norm"], cfg.rms_norm_eps)
         x = rms_norm(m_in, w["post_attention_layernorm"], cfg.rms_norm_eps)
         if isinstance(tmpl.mlp, MoE):

@@ -11,6 +11,7 @@ from deltafin.model.binding import bind, slot_names
 from deltafin.model.kda import KDAttention, kda_chunked, kda_recurrent
 from deltafin.model.layers import attn_res
 from deltafin.model.mla import MLAttention
+from deltafin.model.state import Rows
 from deltafin.model.moe import MoE
 from deltafin.model.ops import situ_glu
 
@@ -151,10 +152,11 @@ def test_mla_with_output_gate_prefill_and_absorbed_decode():
     x = torch.randn(6, cfg.hidden_size, generator=gen)
     want = naive_mla(cfg, w, x)
     st = attn.new_state(torch.float32)
-    got_prefill = attn(x, st, False, 64)  # expanded path
+    got_prefill = attn(x, [Rows(st, len(x), False)], 64)  # expanded path
     assert (got_prefill - want).abs().max() < 1e-5
     st = attn.new_state(torch.float32)
-    got = torch.cat([attn(x[:2], st, False, 64)] + [attn(x[t:t + 1], st, False, 64) for t in range(2, 6)])
+    steps = [x[:2]] + [x[t:t + 1] for t in range(2, 6)]
+    got = torch.cat([attn(xs, [Rows(st, len(xs), False)], 64) for xs in steps])
     assert (got - want).abs().max() < 1e-5  # absorbed path, token by token
     assert st.length == 6
 

@@ -254,27 +254,33 @@ def test_memo_answers_repeated_deterministic_requests(server, model, logs):
     assert logs.count("memo hit") == hits + 3
 
 
-# -- one generation at a time ----------------------------------------------------------------
+# -- at most max_batch generations at a time -------------------------------------------------
 
-def test_second_request_waits_for_the_first(server, model, logs):
-    long = _start_long_stream(server, model)
-    result = {}
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_request_beyond_max_batch_waits(model, logs, max_batch):
     messages = _ask("Is this request waiting?")
-    waiter = threading.Thread(target=lambda: result.update(r=server.client().chat.completions.create(
-        model=model.name, messages=messages, max_tokens=3, temperature=0)))
-    waiter.start()
-    while server.request("GET", "/health")[1]["waiting"] < 1:  # returns once the request is queued
-        assert waiter.is_alive()
-    assert "r" not in result
-    long.close()  # the client leaves; its generation stops and the waiting request runs
-    waiter.join()
-    assert result["r"].choices[0].message.content == generate(model, model.encode_chat(messages), 3).text
-    logs.wait_for("generation cancelled")
+    want = generate(model, model.encode_chat(messages), 3).text  # the engine serves one thread at a time
+    settings = dataclasses.replace(model.settings, max_batch=max_batch)
+    with RunningServer(create_app(model, settings=settings)) as srv:
+        longs = [_start_long_stream(srv, model) for _ in range(max_batch)]
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(r=srv.client().chat.completions.create(
+            model=model.name, messages=messages, max_tokens=3, temperature=0)))
+        waiter.start()
+        while srv.request("GET", "/health")[1]["waiting"] < 1:  # returns once the request is queued
+            assert waiter.is_alive()
+        assert "r" not in result and srv.request("GET", "/health")[1]["running"] == max_batch
+        longs[0].close()  # the client leaves; its generation stops and the waiting request runs
+        waiter.join()
+        assert result["r"].choices[0].message.content == want
+        logs.wait_for("generation cancelled")
+        for stream in longs[1:]:
+            stream.close()
 
 
 @pytest.mark.parametrize("queue_size,queue_timeout,code", [(0, 60.0, "queue_full"), (1, 0.0, "queue_timeout")])
 def test_busy_engine_answers_429(model, logs, queue_size, queue_timeout, code):
-    settings = dataclasses.replace(model.settings, queue_size=queue_size, queue_timeout=queue_timeout)
+    settings = dataclasses.replace(model.settings, queue_size=queue_size, queue_timeout=queue_timeout, max_batch=1)
     with RunningServer(create_app(model, settings=settings)) as srv:
         long = _start_long_stream(srv, model)
         with pytest.raises(openai.RateLimitError) as info:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .binding import Bindable
 from .ops import l2_normalize, linear, rms_norm
-from .state import KDAState
+from .state import KDAState, Rows
 
 
 def kda_recurrent(q, k, v, g, beta, S):
@@ -98,11 +98,33 @@ class KDAttention(Bindable):
             return c.kda_gate_lower_bound * torch.sigmoid(a * r)
         return -a * F.softplus(r)
 
-    def forward(self, x: torch.Tensor, st: KDAState, keep_states: bool, chunk: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
+        """x: rows of one or more sequences; the projections run over all of them at once, the
+        conv and the recurrence per sequence on its own state."""
         c = self.cfg
         T = x.shape[0]
         nh, d = c.kda_num_heads, c.kda_head_dim
         xin = torch.stack([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)])  # [3, T, D]
+        g = self.decay(x)
+        beta = torch.sigmoid(linear(x, self.b_proj).float())
+        outs, start = [], 0
+        for st, n, keep_states in parts:
+            rows = slice(start, start + n)
+            outs.append(self._recur(xin[:, rows], g[rows], beta[rows], st, keep_states, chunk))
+            start += n
+        o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if c.kda_full_rank_gate:
+            gate = linear(x, self.g_proj)
+        else:
+            gate = linear(linear(x, self.g_a_proj), self.g_b_proj)
+        o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
+        return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
+
+    def _recur(self, xin, g, beta, st: KDAState, keep_states: bool, chunk: int) -> torch.Tensor:
+        """One sequence: conv over its pre-conv inputs xin [3, T, D], then the delta rule from st.S."""
+        c = self.cfg
+        T = xin.shape[1]
+        nh, d = c.kda_num_heads, c.kda_head_dim
         conv0 = st.conv
         q, k, v = (F.silu(causal_conv(xin[j], conv0[j], w))
                    for j, w in enumerate((self.q_conv, self.k_conv, self.v_conv)))
@@ -112,8 +134,6 @@ class KDAttention(Bindable):
         q = l2_normalize(q.float().view(T, nh, d)) * d ** -0.5
         k = l2_normalize(k.float().view(T, nh, d))
         v = v.float().view(T, nh, d)
-        g = self.decay(x)
-        beta = torch.sigmoid(linear(x, self.b_proj).float())
         S0 = st.S
         if T <= 16 or keep_states:
             o, st.S = kda_recurrent(q, k, v, g, beta, S0)
@@ -121,9 +141,4 @@ class KDAttention(Bindable):
             o, st.S = kda_chunked(q, k, v, g, beta, S0, chunk)
         if keep_states:
             st.pending = dict(S0=S0, q=q, k=k, v=v, g=g, beta=beta, conv0=conv0, xin=xin)
-        if c.kda_full_rank_gate:
-            gate = linear(x, self.g_proj)
-        else:
-            gate = linear(linear(x, self.g_a_proj), self.g_b_proj)
-        o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
-        return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
+        return o

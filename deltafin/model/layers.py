@@ -36,7 +36,8 @@ class DecoderLayer(Bindable):
         self.self_attn = KDAttention(cfg) if attention == "kda" else MLAttention(cfg)
         self.mlp = MoE(cfg) if moe else DenseMLP(cfg, cfg.intermediate_size)
 
-    def forward(self, i: int, h: torch.Tensor, blocks: list, st, keep_states: bool, chunk: int, fetch):
+    def forward(self, i: int, h: torch.Tensor, blocks: list, parts: list, chunk: int, fetch):
+        """h: the rows of every sequence in the pass, concatenated; parts: each one's Rows."""
         c = self.cfg
         eps = c.rms_norm_eps
         B = c.attn_res_block_size
@@ -49,7 +50,7 @@ class DecoderLayer(Bindable):
                 base = h
         else:
             a_in, base = h, h
-        p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), st, keep_states, chunk)
+        p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
         m_in = attn_res(p, blocks, self.mlp_res_proj, self.mlp_res_norm, eps) if B else p
         x = rms_norm(m_in, self.post_attention_layernorm, eps)
         return p + (self.mlp(x, fetch) if isinstance(self.mlp, MoE) else self.mlp(x))

@@ -11,7 +11,7 @@ import torch
 
 from .binding import Bindable
 from .ops import linear, plain, rms_norm
-from .state import MLAState
+from .state import MLAState, Rows
 
 # The latent norms use a fixed eps of 1e-6 (not rms_norm_eps), like the published implementations.
 LATENT_NORM_EPS = 1e-6
@@ -41,7 +41,9 @@ class MLAttention(Bindable):
         return MLAState(ckv=torch.zeros(0, c.kv_lora_rank, dtype=dtype, device=device),
                         krot=torch.zeros(0, c.qk_rope_head_dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, st: MLAState, keep_states: bool, chunk: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
+        """x: rows of one or more sequences; projections over all of them, attention per sequence
+        over its own cache."""
         c = self.cfg
         T, nh = x.shape[0], c.mla_num_heads
         nope, rope, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -50,37 +52,44 @@ class MLAttention(Bindable):
         else:
             q = linear(x, self.q_proj)
         q = q.view(T, nh, nope + rope)
-        q_nope, q_rot = q[..., :nope], q[..., nope:]
         kv = linear(x, self.kv_a_proj_with_mqa)
         ckv_new = rms_norm(kv[:, :r], self.kv_a_layernorm, LATENT_NORM_EPS)
-        past = st.length
-        st.append(ckv_new, kv[:, r:])
-        ckv, krot = st.view()  # [P+T, r], [P+T, rope]
         wkv = plain(self.kv_b_proj)
         wkv = wkv if isinstance(wkv, torch.Tensor) else _dequant(wkv)
         wkv = wkv.to(x.dtype).view(nh, nope + dv, r)
         w_k, w_v = wkv[:, :nope], wkv[:, nope:]  # [nh, nope, r], [nh, dv, r]
+        outs, start = [], 0
+        for st, n, _ in parts:  # MLA rolls back by length: nothing extra to keep
+            rows = slice(start, start + n)
+            st.append(ckv_new[rows], kv[rows, r:])
+            outs.append(self._attend(q[rows, :, :nope], q[rows, :, nope:], st, w_k, w_v))
+            start += n
+        out = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(T, nh * dv)
+        if c.mla_output_gate:
+            out = out * torch.sigmoid(linear(x, self.g_proj).float()).to(out.dtype)
+        return linear(out, self.o_proj)
+
+    def _attend(self, q_nope, q_rot, st: MLAState, w_k, w_v) -> torch.Tensor:
+        """One sequence's T new queries against its cache (which already holds their own keys)."""
+        T = q_nope.shape[0]
+        ckv, krot = st.view()  # [P+T, r], [P+T, rope]
+        past = st.length - T
         # causal mask: new token t sits at position past + t
-        pos_q = torch.arange(past, past + T, device=x.device)
-        mask = torch.arange(past + T, device=x.device)[None, :] > pos_q[:, None]  # [T, P+T]
+        pos_q = torch.arange(past, past + T, device=q_nope.device)
+        mask = torch.arange(past + T, device=q_nope.device)[None, :] > pos_q[:, None]  # [T, P+T]
         if past == 0 and T > 1:
             k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k)  # expand keys/values once for the prompt
             vals = torch.einsum("nr,hdr->hnd", ckv, w_v)
             scores = (torch.einsum("thd,hnd->htn", q_nope, k_nope)
                       + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
-            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(x.dtype)
-            out = torch.einsum("htn,hnd->thd", probs, vals)
-        else:
-            q_lat = torch.einsum("thd,hdr->htr", q_nope, w_k)  # absorb W_k into the query
-            scores = (torch.einsum("htr,nr->htn", q_lat, ckv)
-                      + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
-            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(x.dtype)
-            lat = torch.einsum("htn,nr->htr", probs, ckv)
-            out = torch.einsum("htr,hdr->thd", lat, w_v)  # absorb W_v on the way out
-        out = out.reshape(T, nh * dv)
-        if c.mla_output_gate:
-            out = out * torch.sigmoid(linear(x, self.g_proj).float()).to(out.dtype)
-        return linear(out, self.o_proj)
+            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_nope.dtype)
+            return torch.einsum("htn,hnd->thd", probs, vals)
+        q_lat = torch.einsum("thd,hdr->htr", q_nope, w_k)  # absorb W_k into the query
+        scores = (torch.einsum("htr,nr->htn", q_lat, ckv)
+                  + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_nope.dtype)
+        lat = torch.einsum("htn,nr->htr", probs, ckv)
+        return torch.einsum("htr,hdr->thd", lat, w_v)  # absorb W_v on the way out
 
 
 def _dequant(w):

@@ -22,6 +22,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +68,13 @@ def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
     out = t.new_zeros((cap, *t.shape[1:]))
     out[: t.shape[0]] = t
     return out
+
+
+class Rows(NamedTuple):
+    """One sequence's share of a layer's rows in a batched pass: its layer state and row count."""
+    state: "KDAState | MLAState"
+    n: int
+    keep_states: bool
 
 
 @dataclass

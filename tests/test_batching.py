@@ -1,0 +1,259 @@
+"""Batched passes: several sequences share every weight pass, and each gets what it gets alone.
+
+A sequence's logits in a batch differ from the same sequence run alone only by the rounding of
+matrix products over a different number of rows (the native gemv serves up to 16 rows, larger
+batches go through torch's sgemm; both sum in their own order). That difference is measured here
+and bounded by ROUNDING, the same budget as decode-with-cache against full recompute; greedy
+tokens and seeded samples must be identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from deltafin.engine import Seq
+from deltafin.generate import generate
+from deltafin.scheduler import Scheduler
+from deltafin.serve import create_app
+
+ROUNDING = 1e-4  # fp32 logits of magnitude ~10: a few ulps of accumulated rounding
+
+
+@pytest.fixture(scope="module")
+def model(tiny_k3_model):
+    return tiny_k3_model
+
+
+def _ids(model, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def _compare(alone: list, batched: list) -> float:
+    worst = 0.0
+    for a, b in zip(alone, batched):
+        if a is None:
+            assert b is None
+            continue
+        assert a.shape == b.shape
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
+def test_batched_pass_equals_each_sequence_alone(model):
+    """Ragged passes: prompt chunks (with and without logits), single decode tokens, and drafts
+    verified with keep_states then rolled back per sequence, over three passes."""
+    prompts = [_ids(model, n, seed) for seed, n in enumerate((3, 40, 1, 23))]
+    alone = [model.new_state() for _ in prompts]
+    batch = [model.new_state() for _ in prompts]
+    worst = 0.0
+    plan = [  # per pass: (ids, keep_states, logits, rollback-to) for each sequence
+        [(prompts[0], False, "all", None), (prompts[1][:32], False, "none", None),
+         (prompts[2], False, "last", None), (prompts[3], False, "last", None)],
+        [(_ids(model, 1, 10), False, "all", None), (prompts[1][32:], False, "last", None),
+         (_ids(model, 4, 11), True, "all", 2), (_ids(model, 3, 12), True, "all", 23 + 3)],
+        [(_ids(model, 5, 13), True, "all", 3 + 1 + 1), (_ids(model, 1, 14), False, "all", None),
+         (_ids(model, 1, 15), False, "all", None), (_ids(model, 1, 16), False, "all", None)],
+    ]
+    for step in plan:
+        want = [model.engine.forward_batch([Seq(ids, st, keep, logits)])[0]
+                for (ids, keep, logits, _), st in zip(step, alone)]
+        got = model.engine.forward_batch([Seq(ids, st, keep, logits) for (ids, keep, logits, _), st in zip(step, batch)])
+        assert model.engine.last_pass.tokens == sum(len(ids) for ids, *_ in step)
+        worst = max(worst, _compare(want, got))
+        for (_, _, _, back), a, b in zip(step, alone, batch):
+            if back is not None:
+                a.rollback(back)
+                b.rollback(back)
+            assert a.num_tokens == b.num_tokens
+            assert a.max_abs_diff(b) <= ROUNDING
+    assert worst <= ROUNDING
+    # the rolled-back states are exact prefills: one more token agrees with a fresh full prefill
+    full = model.new_state()
+    assert batch[0].num_tokens == 5
+    history = prompts[0] + _ids(model, 1, 10) + _ids(model, 5, 13)[:1]
+    model.forward(history, full)
+    assert full.max_abs_diff(batch[0]) <= ROUNDING
+
+
+def test_routed_experts_are_read_once_per_layer_for_the_batch(model):
+    """The experts a batch asks for are the union of what its rows chose, each read once."""
+    seqs = [Seq(_ids(model, 1, 20 + k), model.new_state()) for k in range(6)]
+    model.engine.forward_batch(seqs)
+    together = model.engine.last_pass.experts_loaded
+    apart = 0
+    for s in seqs:
+        model.engine.forward_batch([Seq(s.ids, model.new_state())])
+        apart += model.engine.last_pass.experts_loaded
+    cfg = model.config
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_layers))
+    assert together <= moe_layers * cfg.num_experts and together < apart
+
+
+def test_bad_batches_are_refused_and_change_nothing(model):
+    st = model.new_state()
+    model.forward(_ids(model, 4, 1), st)
+    cases = [
+        ([], "at least one sequence"),
+        ([Seq([1], st), Seq([2], st)], "appears twice"),
+        ([Seq([1], st, logits="some")], "'all', 'last' or 'none'"),
+        ([Seq([], st)], "at least one token id"),
+        ([Seq([1], model.new_state()), Seq([model.config.vocab_size], st)], "outside the vocabulary"),
+    ]
+    for seqs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model.engine.forward_batch(seqs)
+        assert st.num_tokens == 4
+
+
+# -- the scheduler ---------------------------------------------------------------------------
+
+PREFILL_CHUNK = 8
+
+
+def _requests(model):
+    """Mixed prompt lengths (some longer than a prefill chunk), max_tokens, greedy (speculating)
+    and seeded sampling."""
+    out = []
+    for k in range(8):
+        prompt = _ids(model, (2, 9, 30, 5, 17, 1, 12, 40)[k], 100 + k)
+        if k % 3 == 1:
+            prompt = prompt + prompt[:6] + prompt  # repetition gives the n-gram drafter something
+        options = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.8, "top_k": 20, "seed": 7 + k}
+        out.append((prompt, (12, 5, 20, 1, 9, 16, 3, 7)[k], options))
+    return out
+
+
+def _drafts(model, k: int, prompt: list[int], truth: list[int]) -> dict:
+    """For every other greedy request, a drafter that proposes the true continuation with one
+    wrong token (at a position that varies), so drafts are accepted, cut and rolled back per
+    sequence inside shared passes; the rest keep the n-gram drafter."""
+    if k % 4:
+        return {}
+    wrong_at = k % 3 + 1
+
+    def drafter(context, n):
+        done = len(context) - len(prompt)
+        draft = list(truth[done:done + n])
+        if wrong_at < len(draft):
+            draft[wrong_at] = (draft[wrong_at] + 1) % model.config.vocab_size
+        return draft
+    return {"drafter": drafter}
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    return [generate(model, p, n, prefill_chunk=PREFILL_CHUNK, **o) for p, n, o in _requests(model)]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
+    sched = Scheduler(model, max_batch, PREFILL_CHUNK)
+    try:
+        futures = [sched.submit(p, n, **o, **_drafts(model, k, p, want.generated))
+                   for k, ((p, n, o), want) in enumerate(zip(_requests(model), alone))]
+        got = [f.result(timeout=300) for f in futures]
+    finally:
+        sched.close()
+    for g, want in zip(got, alone):
+        assert (g.tokens, g.finish_reason) == (want.tokens, want.finish_reason)
+        assert g.state.num_tokens == want.state.num_tokens
+    passes = sum(len(want.tokens) for want in alone)  # at least one pass per token alone
+    if max_batch > 1:
+        assert sched.passes < passes  # sequences shared passes
+    assert sum(g.stats["accepted_draft_tokens"] for g in got) > 0  # speculation ran inside the batch
+
+
+def test_scheduler_takes_a_prefilled_state_and_cancels(model, alone):
+    prefix, rest = _ids(model, 10, 50), _ids(model, 6, 51)
+    held = model.new_state()
+    model.forward(prefix, held)
+    want = generate(model, rest, 8, state=held.snapshot(), prefill_chunk=PREFILL_CHUNK)
+    gone = threading.Event()
+    gone.set()
+    sched = Scheduler(model, 4, PREFILL_CHUNK)
+    try:
+        cancelled = sched.submit(_ids(model, 30, 52), 50, cancel=gone)
+        got = sched.submit(rest, 8, state=held.snapshot())
+        p, n, o = _requests(model)[2]
+        other = sched.submit(p, n, **o)
+        bad = sched.submit([], 3)
+        assert cancelled.result(timeout=300).finish_reason == "cancelled"
+        assert cancelled.result().tokens == []
+        assert got.result(timeout=300).tokens == want.tokens
+        assert got.result().state.num_tokens == 10 + 6 + len(want.generated) - 1
+        assert other.result(timeout=300).tokens == alone[2].tokens
+        with pytest.raises(ValueError, match="prompt is empty"):
+            bad.result(timeout=10)
+    finally:
+        sched.close()
+
+
+def test_scheduler_settings_are_checked(model):
+    with pytest.raises(ValueError, match="max_batch and prefill_chunk must be >= 1"):
+        Scheduler(model, 0, 8)
+
+
+# -- through the real server -------------------------------------------------------------------
+
+def _server_requests():
+    """(kind, prompt, max_tokens, sampling, stream, stop): mixed lengths, greedy and seeded."""
+    words = "the river ran past old stones and over the weir into the town where lamps were lit".split()
+    out = []
+    for k in range(8):
+        prompt = " ".join(words[: (2, 14, 5, 17, 1, 9, 11, 3)[k]] * (1 + k % 3))
+        sampling = {"temperature": 0} if k % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 40 + k}
+        out.append((prompt, (9, 4, 16, 6, 12, 2, 7, 10)[k], sampling, k % 3 == 0, ["e t"] if k == 5 else None))
+    return out
+
+
+def _ask_server(srv, name, request) -> tuple:
+    prompt, max_tokens, sampling, stream, stop = request
+    c = srv.client()
+    r = c.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=stream, stop=stop, **sampling)
+    if not stream:
+        return r.choices[0].text, r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in r:
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("clients", [1, 3, 8])
+def test_server_answers_equal_each_request_served_alone(model, clients):
+    from test_serve import RunningServer
+
+    requests = _server_requests()
+    settings = dataclasses.replace(model.settings, max_batch=8, prefill_chunk=4, memo_size=0)
+    # the engine itself, one request at a time (before the server's engine thread exists)
+    engine = []
+    for prompt, max_tokens, sampling, _, stop in requests:
+        g = generate(model, model.encode(prompt), max_tokens, prefill_chunk=4, stop=stop,
+                     temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0), seed=sampling.get("seed"))
+        engine.append((g.text, g.finish_reason))
+    with RunningServer(create_app(model, settings=settings)) as srv:
+        scheduler = srv.server.config.app.state.service.scheduler
+        alone = [_ask_server(srv, model.name, r) for r in requests]
+        assert alone == engine
+        alone_passes = scheduler.passes
+        got: dict[int, tuple] = {}
+        start = threading.Barrier(clients)
+
+        def client(first: int):
+            start.wait()
+            for k in range(first, len(requests), clients):  # each client asks its share in turn
+                got[k] = _ask_server(srv, model.name, requests[k])
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [got[k] for k in range(len(requests))] == alone
+        if clients > 1:  # the concurrent requests shared passes
+            assert scheduler.passes - alone_passes < alone_passes
+        assert srv.request("GET", "/health")[1]["running"] == 0
