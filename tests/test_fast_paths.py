@@ -29,3 +29,27 @@ def test_bf16_products_stay_close_to_fp32(tiny_k3_path, tiny_kl_path):
         # Measured: tiny-k3 KL 0.11 / top-1 0.87. The synthetic weights are deliberately "hot" (every
         # term must move the logits), so small perturbations grow; real checkpoints are calmer.
         assert sum(kls) / 4 < 0.3 and sum(tops) / 4 > 0.75, (path.name, kls, tops)
+
+
+def test_16_bit_products_on_the_cpu_run_the_float32_kernels():
+    """On the CPU a 16-bit product is its rounded input row sent through the float32 path (the native
+    gemv for decode-sized batches, fp32 GEMM above), not torch's 16-bit matmul, which measured slower
+    on processors without 16-bit matrix units. It is still the same product torch's computes."""
+    import torch.nn.functional as F
+    from deltafin.kernels import cpu_native
+    from deltafin.model.ops import HalfMatmul, linear
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 160, generator=g).bfloat16()
+    for rows in (1, 3, cpu_native.GEMV_MAX_ROWS + 5):
+        x = torch.randn(rows, 160, generator=g)
+        for dtype in (torch.bfloat16, torch.float16):
+            got = linear(x, HalfMatmul(w, dtype))
+            assert got.dtype == torch.float32
+            assert torch.equal(got, linear(x.to(dtype).float(), w).to(dtype).float())
+        if rows <= cpu_native.GEMV_MAX_ROWS and cpu_native.available():
+            rounded = x.bfloat16().float()
+            assert torch.equal(linear(x, HalfMatmul(w, torch.bfloat16)),
+                               cpu_native.bf16_gemv(rounded, w).bfloat16().float())
+        # torch's bf16 matmul: the same product up to summation order and the result's rounding
+        torch.testing.assert_close(linear(x, HalfMatmul(w, torch.bfloat16)),
+                                   F.linear(x.bfloat16(), w).float(), rtol=2 ** -7, atol=0.05)

@@ -569,8 +569,10 @@ def test_linear_float32_by_bf16_dispatches_to_native_kernel(monkeypatch, rows):
     # Other dtype pairs keep their torch products.
     assert ops.linear(x.to(torch.bfloat16), w).dtype == torch.bfloat16
     assert torch.equal(ops.linear(x, w.float()), torch.nn.functional.linear(x, w.float()))
-    assert ops.linear(x, ops.HalfMatmul(w, torch.bfloat16)).dtype == torch.float32
     assert calls == []
+    # bf16 products round the row and take the same kernel as float32 (test_fast_paths.py).
+    assert ops.linear(x, ops.HalfMatmul(w, torch.bfloat16)).dtype == torch.float32
+    assert len(calls) == int(rows <= cpu_native.GEMV_MAX_ROWS)
 
 
 def test_linear_float32_by_bf16_falls_back_to_torch_without_library(monkeypatch):
@@ -583,3 +585,18 @@ def test_linear_float32_by_bf16_falls_back_to_torch_without_library(monkeypatch)
     with pytest.raises(RuntimeError, match="not built"):
         cpu_native.bf16_gemv(x, w)
     assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w.float()))
+
+
+@pytest.mark.skipif(cpu_native.simd() != "avx2",
+                    reason="the AVX2 gemvs run only where AVX2 is the widest code")
+@pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (9, 300, 9)])
+def test_avx2_dense_gemvs_are_bit_identical_to_the_portable_code(out, n, m):
+    g = torch.Generator().manual_seed(out * n + m)
+    x = torch.randn(m, n, generator=g) * 3
+    w = _random_bf16(out, n, seed=n)
+    assert torch.equal(cpu_native.bf16_gemv(x, w), cpu_native.bf16_gemv(x, w, use_simd=False))
+    codes = torch.randint(-128, 128, (out, n), generator=g, dtype=torch.int8)
+    scale = torch.rand(out, 1, generator=g) + 0.01
+    assert torch.equal(cpu_native.int8_gemv(x, codes, scale), cpu_native.int8_gemv(x, codes, scale, use_simd=False))
+    for threads in (1, 3):  # and the thread split changes nothing
+        assert torch.equal(cpu_native.bf16_gemv(x, w, threads=threads), cpu_native.bf16_gemv(x, w, use_simd=False))

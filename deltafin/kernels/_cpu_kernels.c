@@ -25,8 +25,8 @@
    left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
 
    Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
-   library itself needs no -march flag) and portable C. The AVX-512 one is chosen at run time
-   when the CPU has it. Work is split over output rows between `threads` pthreads (the caller's
+   library itself needs no -march flag) and portable C; the int8 and bf16 gemvs have a third,
+   AVX2, bit-identical to the portable code. The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
    thread is one of them); a row's result never depends on the split.
 
    The functions are called through ctypes (cpu_native.py); PyInit exists only so that the file
@@ -45,7 +45,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 4
+#define KERNELS_ABI 5
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -621,6 +621,67 @@ static AVX512 void mxfp4_dequant_rows_avx512(const struct job *jb, int64_t r0, i
 }
 #endif
 
+#ifdef KERNELS_X86
+#define AVX2 __attribute__((target("avx2")))
+
+/* 16 weights of a dense row (int8 codes or bf16 bits) from element `at`, as floats: lanes 0-7
+   in *lo, 8-15 in *hi. Both conversions are exact. */
+static AVX2 inline void dense_load16_avx2(const struct job *jb, int64_t at, __m256 *lo, __m256 *hi) {
+    if (jb->codes) {
+        const __m128i c = _mm_loadu_si128((const __m128i *)(jb->codes + at));
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+    } else {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(jb->bf16 + at));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16));
+        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16));
+    }
+}
+
+/* The portable dense gemv with its DENSE_STEP lanes held in two AVX2 registers: the same
+   products and sums in the same order (multiply then add, no FMA), hence the same bits, for
+   processors with AVX2 but not AVX-512 (measured ~2.5x the portable code's speed on one). */
+static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, body = n - n % DENSE_STEP;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
+            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
+            __m256 lo[X_BLOCK], hi[X_BLOCK];
+            for (int i = 0; i < X_BLOCK; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+            for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
+                __m256 wl, wh;
+                dense_load16_avx2(jb, r * n + k0, &wl, &wh);
+                for (int64_t i = 0; i < mb; i++) {
+                    const float *xk = jb->x + (m0 + i) * n + k0;
+                    lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(wl, _mm256_loadu_ps(xk)));
+                    hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(wh, _mm256_loadu_ps(xk + 8)));
+                }
+            }
+            for (int64_t i = 0; i < mb; i++) {
+                float acc[DENSE_STEP];
+                _mm256_storeu_ps(acc, lo[i]);
+                _mm256_storeu_ps(acc + 8, hi[i]);
+                const float *xi = jb->x + (m0 + i) * n;
+                float sum = 0.0f;
+                for (int k = 0; k < DENSE_STEP; k++) sum += acc[k];
+                for (int64_t k = body; k < n; k++) sum += dense_weight(jb, r, k) * xi[k];
+                y[(m0 + i) * jb->out + r] = jb->codes ? sum * jb->row_scale[r] : sum;
+            }
+        }
+    }
+}
+#endif
+
+static int have_avx2(void) {
+#ifdef KERNELS_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
 static int have_avx512(void) {
 #ifdef KERNELS_X86
     __builtin_cpu_init();
@@ -689,6 +750,9 @@ int cpu_kernels_abi(void) { return KERNELS_ABI; }
 /* 1 when the AVX-512 code runs on this CPU. */
 int cpu_kernels_has_avx512(void) { return have_avx512(); }
 
+/* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8 / bf16; the others portable), 0 portable. */
+int cpu_kernels_simd(void) { return have_avx512() ? 2 : have_avx2() ? 1 : 0; }
+
 /* MXFP4: y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
    Returns 0, or -1 when scratch memory cannot be allocated. */
 int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8_t *scale,
@@ -741,6 +805,7 @@ int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *s
     rows_fn fn = dense_gemv_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = int8_gemv_rows_avx512;
+    else if (use_simd && have_avx2()) fn = dense_gemv_rows_avx2;
 #endif
     (void)use_simd;
     return run_rows(&jb, fn, threads);
@@ -810,6 +875,7 @@ int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int
     rows_fn fn = dense_gemv_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = bf16_gemv_rows_avx512;
+    else if (use_simd && have_avx2()) fn = dense_gemv_rows_avx2;
 #endif
     (void)use_simd;
     return run_rows(&jb, fn, threads);

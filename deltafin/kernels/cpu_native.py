@@ -1,7 +1,8 @@
 """Native CPU kernels for stored weights (_cpu_kernels.c), called through ctypes.
 
 ``mxfp4_gemv``, ``int8_gemv``, ``intq_gemv`` (int4, int6) and ``bf16_gemv`` multiply a few float32 rows of x by a stored
-weight without materializing it, at close to memory speed; ``mxfp4_dequant`` decodes MXFP4 rows
+weight without materializing it, at close to memory speed (AVX-512 where the CPU has it; the
+int8 and bf16 gemvs also have an AVX2 path, bit-identical to their portable C); ``mxfp4_dequant`` decodes MXFP4 rows
 bit-for-bit like ``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
 was not built, ``available()`` is False and callers use the torch references in mxfp4.py,
 int8.py and intq.py (and a float32 conversion for bf16). It is loaded on first use, not at import.
@@ -23,7 +24,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 4
+ABI = 5
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -47,6 +48,7 @@ def _library() -> ctypes.CDLL | None:
         if lib.cpu_kernels_abi() != ABI:
             return None
         lib.cpu_kernels_has_avx512.restype = _int
+        lib.cpu_kernels_simd.restype = _int
         lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.mxfp4_gemv_f32.restype = _int
         lib.mxfp4_dequant.argtypes = [_p, _p, _i64, _i64, _p, _int, _int, _int]
@@ -71,6 +73,13 @@ def has_avx512() -> bool:
     """True when the native library runs its AVX-512 code on this CPU (else its portable C)."""
     lib = _library()
     return lib is not None and bool(lib.cpu_kernels_has_avx512())
+
+
+def simd() -> str:
+    """The widest code the gemvs run on this CPU: "avx512", "avx2" (int8 and bf16 gemvs; the others
+    run portable C there), "portable", or "none" when the library is not built."""
+    lib = _library()
+    return "none" if lib is None else ("portable", "avx2", "avx512")[lib.cpu_kernels_simd()]
 
 
 def _lib_or_raise() -> ctypes.CDLL:
