@@ -1,12 +1,23 @@
 """``deltafin bench``: decode and prefill speed, bytes per token, and how close the streamer gets
 to this machine's raw read bandwidth, in one record.
 
-The raw bandwidth is measured by the same command on the same files with the same access
-pattern and settings: after evicting the files from the page cache, every streamed layer's
-spine extents and ``experts_per_token`` randomly chosen experts per MoE layer are read with
-``io_workers`` workers in ``read_mode``, and only the reads are timed. ``io_efficiency`` is the
-time the bytes one token reads from disk would take at that bandwidth divided by the time a token
-took (1.0: the disk never idles and nothing else costs time).
+Cold measurements evict only the model's own files from the page cache (per file, with
+``POSIX_FADV_DONTNEED``): before the prefill, before the decode and before each raw-read probe.
+Nothing else on the machine loses its cache.
+
+The raw bandwidth is probed only when the model streams (in RAM a decode token reads nothing from
+disk), by the same command on the same files with the same access pattern and settings: every
+streamed layer's spine extents and ``experts_per_token`` randomly chosen experts per MoE layer,
+read with ``io_workers`` workers in ``read_mode``, all the probe's tokens queued at once so the
+workers always have reads in flight (decoding also reads ahead), and only the reads timed. The
+probe runs twice, immediately before and immediately after the decode measurement; both are
+reported with their spread, which tells the disk's drift from a real gain. ``io_efficiency`` is
+the time the bytes one token reads from disk would take at the probes' mean bandwidth divided by
+the time a token took (1.0: the disk never idles and nothing else costs time);
+``io_efficiency_range`` is the same against the faster and the slower probe.
+
+The record also says which numerics produced the figures: the spine read (bf16 is exact; int8 and
+mixed are lossy), the product dtype (float32 is the reference) and the compute threads.
 """
 from __future__ import annotations
 
@@ -45,8 +56,11 @@ def _extent(source, method: str, *args):
     return f(*args) if f is not None else None
 
 
-def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, drop_cache: bool = True) -> dict:
-    """Read what `tokens` decode passes read (streamed spines + random experts), reads only timed."""
+def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, evict: list[str] = ()) -> dict:
+    """Read what `tokens` decode passes read (streamed spines + random experts), reads only timed.
+
+    Every token's reads are queued at once, so ``io_workers`` reads stay in flight until the end.
+    ``evict``: files whose cached pages are dropped first, so the bytes come off the disk."""
     cfg = source.config
     rng = random.Random(seed)
     layers = range(min(settings.pin_layers, cfg.num_layers), cfg.num_layers)
@@ -61,19 +75,19 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
     slots = [AlignedBuffer(max((lay.size for p in picks for lay in p), default=1)) for _ in range(max(k, 1))]
     spine_jobs = chunked([(r, spine_buf.mem, s) for lay in spines for r, s in zip(lay.runs, lay.starts)],
                          SPINE_CHUNK)
+    jobs = []
+    for experts in picks:
+        jobs += spine_jobs
+        for n, lay in enumerate(experts):
+            jobs += [(r, slots[n % len(slots)].mem, s) for r, s in zip(lay.runs, lay.starts)]
+    nbytes = tokens * sum(lay.nbytes for lay in spines) + sum(lay.nbytes for p in picks for lay in p)
     files = Files(settings.read_mode)
     pool = ReadPool(files, settings.io_workers)
     try:
-        method = drop_file_cache(checkpoint_files(source)) if drop_cache else "none"
-        nbytes, seconds = 0, 0.0
-        for experts in picks:
-            jobs = list(spine_jobs)
-            for n, lay in enumerate(experts):
-                jobs += [(r, slots[n % len(slots)].mem, s) for r, s in zip(lay.runs, lay.starts)]
-            nbytes += sum(lay.nbytes for lay in spines) + sum(lay.nbytes for lay in experts)
-            t0 = time.perf_counter()
-            pool.submit(jobs, URGENT).wait()
-            seconds += time.perf_counter() - t0
+        method = drop_file_cache(evict) if evict else "none"
+        t0 = time.perf_counter()
+        pool.submit(jobs, URGENT).wait()
+        seconds = time.perf_counter() - t0
     finally:
         pool.shutdown()
         files.close()
@@ -81,12 +95,22 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
             "cache_drop": method, "tokens": tokens}
 
 
+def raw_read_summary(probes: list[dict]) -> dict:
+    """The probes' mean bandwidth and their spread ((fastest - slowest) / mean)."""
+    rates = [p["gbps"] for p in probes]
+    mean = sum(rates) / len(rates)
+    return {"gbps": mean, "min_gbps": min(rates), "max_gbps": max(rates),
+            "spread": (max(rates) - min(rates)) / mean if mean > 0 else 0.0, "probes": probes}
+
+
 def machine_info(settings: Settings) -> dict:
     import psutil
     import torch
     device = settings.torch_device()
+    from .kernels import cpu_native
     info = {"cpu_count": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "device": str(device),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_kernels": cpu_native.simd()}
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
     return info
@@ -99,8 +123,8 @@ def peak_rss_bytes() -> int:
 
 def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, settings: Settings | None = None,
               seed: int = 0, drop_cache: bool = True) -> dict:
-    """Prefill a random prompt, decode `tokens` tokens greedily (no speculation), measure the raw
-    read bandwidth; return one flat record (see the module docstring)."""
+    """Prefill a random prompt, decode `tokens` tokens greedily (no speculation) between two raw
+    read probes when streaming; return one flat record (see the module docstring)."""
     from .api import load
     if tokens < 2:
         raise ValueError("bench needs at least 2 tokens (the first comes from the prefill)")
@@ -113,49 +137,69 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     cfg = model.config
     rng = random.Random(seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_tokens)]
-    files = checkpoint_files(model.source) if drop_cache else []
+    # In RAM every weight was read at load: there is nothing to evict and no disk to measure.
+    files = checkpoint_files(model.source) if drop_cache and model.streaming else []
+    probe_tokens = min(tokens - 1, 4)
+    probes: list[dict] = []
+
+    def probe() -> None:
+        probes.append(measure_raw_read(model.source, settings, tokens=probe_tokens, seed=seed + len(probes),
+                                       evict=files))
 
     marks: dict[str, float] = {}
 
     def on_pass(index: int, stats) -> None:
-        if index == 0:  # prefill done: from here on decode is measured from disk, not from cache
+        if index == 0:  # prefill done: probe the disk, then decode is measured from disk, not from cache
             marks["first_token"] = time.perf_counter()
-            if drop_cache:
-                drop_file_cache(files)
+            if model.streaming:
+                probe()
+            drop_file_cache(files)
             marks["decode_start"] = time.perf_counter()
 
     rec = PassRecorder(model, on_pass)
-    cache_drop = drop_file_cache(files) if drop_cache else "none"
+    cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
     gen_stats = _decode(rec, prompt, tokens)
     if len(rec.passes) < 2:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
-    prefill, decode = rec.passes[0], rec.passes[1:]
     decode_seconds = rec.ended[-1] - marks["decode_start"]
+    if model.streaming:
+        probe()
+    prefill, decode = rec.passes[0], rec.passes[1:]
     d = summarize(decode)
     s_per_tok = decode_seconds / d["tokens"]
 
-    raw = measure_raw_read(model.source, settings, tokens=min(len(decode), 8), seed=seed, drop_cache=drop_cache)
-    bytes_per_token = d["bytes_per_token"]
+    raw = raw_read_summary(probes) if probes else None
+    disk_s_per_tok = d["read_bytes_per_token"] / GB  # seconds per token at 1 GB/s
+
+    def efficiency(gbps: float) -> float:
+        return disk_s_per_tok / gbps / s_per_tok if gbps > 0 else 0.0
+
     expert_bytes = _expert_bytes(model.source)
     spine_bytes = sum(t.nbytes for i in range(cfg.num_layers) for t in model.source.spine_infos(i).values())
     out = {
         "model": str(path),
         "streaming": model.streaming,
+        # Which numerics produced these figures (bf16 spine + float32 products = the reference).
+        "spine": model.source.spine_codec,
+        "spine_exact": model.source.spine_codec == "bf16",
+        "product_dtype": settings.dtype,
+        "threads": model.threads,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": d["tokens"],
         "decode_tok_s": d["tokens"] / decode_seconds,
         "prefill_tok_s": prefill.tokens / prefill.seconds,
         "ttft_s": marks["first_token"] - start,
         "load_seconds": load_seconds,
-        "bytes_per_token": bytes_per_token,
+        "bytes_per_token": d["bytes_per_token"],
         "read_bytes_per_token": d["read_bytes_per_token"],
         "ram_bytes_per_token": d["ram_bytes_per_token"],
-        "raw_read_gbps": raw["gbps"],
+        "raw_read_gbps": raw["gbps"] if raw else None,
         "achieved_read_gbps": d["read_bytes_per_token"] / s_per_tok / GB,
         # Only what had to come off the disk counts: bytes served from RAM (pinned layers, the head)
         # cost no read time, so counting them would flatter the figure.
-        "io_efficiency": (d["read_bytes_per_token"] / (raw["gbps"] * GB)) / s_per_tok if raw["gbps"] > 0 else 0.0,
+        "io_efficiency": efficiency(raw["gbps"]) if raw else None,
+        "io_efficiency_range": [efficiency(raw["max_gbps"]), efficiency(raw["min_gbps"])] if raw else None,
         "io_split": {
             "spine_bytes_per_token": spine_bytes,
             "expert_bytes_per_token": d["experts_per_token"] * expert_bytes,
@@ -209,8 +253,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (default 64)")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of a table")
     p.add_argument("--drop-cache", default=True, action=argparse.BooleanOptionalAction,
-                   help="evict the model's files from the page cache before prefill, decode and the raw "
-                        "read measurement, so the disk is measured (default on)")
+                   help="when streaming, evict the model's own files (only those, per file) from the page "
+                        "cache before prefill, decode and each raw read probe, so the disk is measured "
+                        "(default on)")
     add_arguments(p, groups=("engine",))
     p.set_defaults(func=handle_cli)
     return p
@@ -240,13 +285,25 @@ def format_table(r: dict) -> str:
                        f"{sp['spine_wait_s_per_token'] * 1e3:.1f} ms, "
                        f"expert wait {sp['expert_wait_s_per_token'] * 1e3:.1f} ms, "
                        f"other {sp['other_s_per_token'] * 1e3:.1f} ms"),
-        ("disk", f"achieved {r['achieved_read_gbps']:.2f} GB/s, raw {r['raw_read_gbps']:.2f} GB/s "
-                 f"(cache drop: {r['raw_read']['cache_drop']})"),
-        ("io efficiency", f"{r['io_efficiency']:.2f}"),
+        ("disk", _disk_line(r)),
+        ("io efficiency", f"{r['io_efficiency']:.2f} ({r['io_efficiency_range'][0]:.2f}-"
+                          f"{r['io_efficiency_range'][1]:.2f} against the faster / slower probe)"
+         if r["raw_read"] else "- (in RAM: nothing read per token)"),
         ("peak RSS", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"),
     ]
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
-            f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} dtype={s['dtype']}\n"
+            f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
+            f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "
+            f"products {r['product_dtype']}{' (reference)' if r['product_dtype'] == 'float32' else ''}\n"
             f"{m['cpu_count']} CPUs, {m['ram_bytes'] / 2**30:.0f} GiB RAM, device {m['device']}")
     width = max(len(k) for k, _ in rows)
     return head + "\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _disk_line(r: dict) -> str:
+    raw = r["raw_read"]
+    if raw is None:
+        return f"achieved {r['achieved_read_gbps']:.2f} GB/s (in RAM: raw bandwidth not probed)"
+    before, after = (p["gbps"] for p in raw["probes"])
+    return (f"achieved {r['achieved_read_gbps']:.2f} GB/s, raw {raw['gbps']:.2f} GB/s (probes before / after "
+            f"decode {before:.2f} / {after:.2f}, spread {raw['spread'] * 100:.0f}%; cache drop: {r['cache_drop']})")

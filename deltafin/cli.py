@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,16 +23,42 @@ def default_model_path(settings: Settings) -> Path:
     return path
 
 
-def spine_message(source, path) -> str:
-    """Which spine this run reads, and how to get a faster one when there is one to get."""
+def spine_message(source, path, chosen: str = "auto") -> str:
+    """Which spine this run reads: whether it is exact, and how to get the exact (or a faster) one."""
     if source.kind == "hf":
-        return (f"bf16 spine read from the Hugging Face folder (faster: deltafin convert {path} STORE --spine int8, "
-                "then --model STORE)")
-    if source.spine_codec == "bf16" and "int8" not in source.spines:
-        return f"bf16 spine (faster: deltafin convert SRC {path} --spine int8 adds an int8 spine)"
-    if source.spine_codec == "mixed":
-        return f"mixed spine (policy {source.manifest['spines']['mixed']['policy']['name']})"
-    return f"{source.spine_codec} spine"
+        return (f"bf16 spine (exact) read from the Hugging Face folder (faster: deltafin convert {path} STORE "
+                "--spine int8, then --model STORE)")
+    codec = source.spine_codec
+    if codec == "bf16":
+        if "int8" in source.spines:
+            return "bf16 spine (exact)"
+        return f"bf16 spine (exact; faster: deltafin convert SRC {path} --spine int8 adds an int8 spine)"
+    what = f"{codec} spine" + (f" (policy {source.manifest['spines']['mixed']['policy']['name']})"
+                               if codec == "mixed" else "")
+    why = " chosen by --spine auto because the store has one;" if chosen == "auto" else ""
+    exact = ("--spine bf16 (or DELTAFIN_SPINE=bf16)" if "bf16" in source.spines
+             else f"deltafin convert SRC {path} --spine bf16 adds it")
+    return f"{what}: LOSSY,{why} outputs differ from the bf16 reference; for the exact spine: {exact}"
+
+
+def products_message(settings: Settings) -> str:
+    if settings.dtype == "float32":
+        return "float32 products (reference)"
+    return f"{settings.dtype} products (lossy; --dtype float32 is the reference)"
+
+
+def threads_message(model) -> str:
+    if model.settings.threads:
+        return f"{model.threads} compute threads (set)"
+    why = "model in RAM: every core" if not model.streaming else "streaming: one core left to the readers"
+    return f"{model.threads} compute thread{'s' if model.threads != 1 else ''} (auto, {why})"
+
+
+def startup_message(model, path) -> str:
+    """The start-up line: what runs, from where, with which numerics."""
+    return (f"deltafin: {Path(path).name}: {model.config.architecture}, {model.config.num_layers} layers, "
+            f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
+            f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}")
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -58,10 +85,7 @@ def cmd_run(args) -> int:
     path = args.model or default_model_path(settings)
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
     model = deltafin.load(path, settings=settings)
-    print(f"deltafin: {Path(path).name}: {model.config.architecture}, {model.config.num_layers} layers, "
-          f"{'streaming from disk' if model.streaming else 'in RAM'}, {model.threads} compute threads; "
-          f"{spine_message(model.source, path)}",
-          file=sys.stderr)
+    print(startup_message(model, path), file=sys.stderr)
     ids = model.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else model.encode(args.prompt)
     runner = model
     if settings.profile:  # every pass prints a line as it ends
@@ -91,8 +115,14 @@ def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="describe a checkpoint: layers, parameters, bytes per token")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=lambda a: print(__import__("deltafin.inspect", fromlist=["x"]).inspect_path(a.path, a.json))
-                   or 0)
+    add_arguments(p, only=("spine",))
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args) -> int:
+    from .inspect import inspect_path
+    print(inspect_path(args.path, args.json, spine=from_args(args).spine))
+    return 0
 
 
 def _add_make_checkpoint(sub) -> None:
@@ -151,7 +181,14 @@ def main(argv=None) -> int:
     from .checkpoint.hf import CheckpointError
     from .config import ConfigError
     try:
-        return args.func(args) or 0
+        rc = args.func(args) or 0
+        sys.stdout.flush()  # a pipe buffers: a closed reader shows up here, not at exit
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`deltafin inspect ... | head`): stop quietly, like other Unix tools.
+        # stdout is pointed at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
     except (SettingsError, ConfigError, CheckpointError, NoTokenizerError, FileNotFoundError, ValueError) as e:
         print(f"deltafin: error: {e}", file=sys.stderr)
         return 2

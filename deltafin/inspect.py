@@ -46,6 +46,7 @@ def summarize(source) -> dict:
         "path": str(source.path),
         "source": source.kind,
         "spine_codec": getattr(source, "spine_codec", "bf16"),
+        "spines": list(getattr(source, "spines", ("bf16",))),
         "architecture": cfg.architecture,
         "num_layers": cfg.num_layers,
         "kda_layers": list(cfg.kda_layers),
@@ -93,7 +94,8 @@ def _count(n: int) -> str:
 
 def format_summary(s: dict) -> str:
     lines = [
-        f"{s['path']}  ({s['source']}, {s['architecture']}, spine {s['spine_codec']}, experts {s['expert_format']})",
+        f"{s['path']}  ({s['source']}, {s['architecture']}, spine {s['spine_codec']} of "
+        f"{', '.join(s['spines'])}, experts {s['expert_format']})",
         f"layers        {s['num_layers']}: KDA {s['kda_layers']}  MLA {s['mla_layers']}  dense {s['dense_layers']}",
         f"schedule      {' '.join(s['layer_schedule'])}",
         f"experts       {s['num_experts']} per MoE layer, top-{s['experts_per_token']}, "
@@ -139,10 +141,12 @@ def _has_weights(path: Path) -> bool:
                                                "deltafin-store.json"))
 
 
-def inspect_path(path, as_json: bool = False) -> str:
+def inspect_path(path, as_json: bool = False, spine: str = "auto") -> str:
+    """The summary of a checkpoint folder or store, for the spine `spine` would run (see Settings.spine)."""
     from .api import open_source
     path = Path(path)
-    src = open_source(path) if _has_weights(path) or not (path / "config.json").exists() else PlannedSource(path)
+    src = (open_source(path, spine) if _has_weights(path) or not (path / "config.json").exists()
+           else PlannedSource(path))
     try:
         s = summarize(src)
     finally:

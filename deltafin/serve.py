@@ -550,10 +550,12 @@ def run_cli(args: argparse.Namespace) -> int:
     import sys
 
     import deltafin
-    from deltafin.cli import default_model_path
+    from deltafin.cli import default_model_path, startup_message
 
     settings = settings_mod.from_args(args)
     path = args.model or default_model_path(settings)
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
-    serve(deltafin.load(path, settings=settings))
+    model = deltafin.load(path, settings=settings)
+    print(startup_message(model, path), file=sys.stderr)
+    serve(model)
     return 0

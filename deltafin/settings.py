@@ -28,19 +28,27 @@ def _default_cache_dir() -> str:
 @dataclass
 class Settings:
     device: str = _knob("auto", "compute device: auto (cuda, then mps, then cpu) | cpu | cuda[:N] | mps")
-    dtype: str = _knob("float32", "compute dtype; float32 is the reference, the others are faster and labeled",
+    dtype: str = _knob("float32", "dtype of the spine's matrix products (states, norms and the residual stream "
+                       "stay float32). float32 is the exact reference. bfloat16 / float16 round each product's "
+                       "input row and result (their distance from float32 is measured in the tests) and run "
+                       "on the 16-bit matrix units of CUDA / MPS devices; on the CPU they run the same native "
+                       "kernels as float32 at the same speed (decoding there is bound by reading the stored "
+                       "weights), so float32 is the choice there",
                        choices=("float32", "bfloat16", "float16"))
     stream: str = _knob("auto", "stream weights from disk per layer (on), keep them in RAM (off), "
                         "or decide from the model size and free RAM (auto)", choices=("auto", "on", "off"))
     spine: str = _knob("auto", "which spine of a converted store to use: auto (int8 if present, else bf16) "
-                       "| bf16 | int8 | mixed", choices=("auto", "bf16", "int8", "mixed"))
+                       "| bf16 (exact) | int8 | mixed (int8 and mixed are lossy: smaller and faster to read, "
+                       "logits measurably off the bf16 reference)", choices=("auto", "bf16", "int8", "mixed"))
     pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming")
     io_workers: int = _knob(8, "parallel pread workers for routed experts")
     read_mode: str = _knob("nocache", "how expert and spine bytes are read: nocache (O_DIRECT, else drop pages "
                            "after use; fastest when streaming), buffered (page cache), mmap",
                            choices=("nocache", "buffered", "mmap"))
-    threads: int = _knob(0, "compute threads; 0 = auto: every core when the model is in RAM, one fewer when "
-                         "streaming so the readers keep a core")
+    threads: int = _knob(0, "compute threads; 0 = auto: every core when the model is in RAM; when streaming, "
+                         "one fewer than the cores (at least 1), because the pread workers need a core and "
+                         "compute threads that share one with them stall on every small op (2 cores, "
+                         "streaming: 1 thread measured faster than 2)")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")
@@ -158,10 +166,11 @@ def resolve_device(spec: str) -> str:
     return spec
 
 
-def add_arguments(parser: argparse.ArgumentParser, groups=("engine", "generate")) -> None:
-    """Add a --flag for every knob in the given groups (default None = not given)."""
+def add_arguments(parser: argparse.ArgumentParser, groups=("engine", "generate"), only=None) -> None:
+    """Add a --flag for every knob in the given groups, or only for the knobs named in `only`
+    (default None = not given)."""
     for f in fields(Settings):
-        if f.metadata.get("group") not in groups:
+        if (f.name not in only) if only is not None else (f.metadata.get("group") not in groups):
             continue
         flag = "--" + f.name.replace("_", "-")
         env = "DELTAFIN_" + f.name.upper()

@@ -1,11 +1,13 @@
 """Settings priority and validation; the command line's help and entry points."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+import deltafin
 from deltafin.cli import build_parser, main
 from deltafin.settings import Settings, SettingsError, resolve_device
 
@@ -85,3 +87,39 @@ def test_missing_model_path_is_a_clean_error(capsys, tmp_path, monkeypatch):
     assert "no such checkpoint folder" in capsys.readouterr().err
     assert main(["run", "--model", "someone/not-here", "hi"]) == 2
     assert "Hugging Face hub" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["inspect", "--json"], ["run", "--max-new-tokens", "2", "--stream", "off"]])
+def test_a_closed_pipe_ends_a_printing_command_quietly(tiny_k3_path, command):
+    """`deltafin inspect ... | head`: the reader is gone before deltafin writes; no traceback."""
+    args = [command[0], *([str(tiny_k3_path)] if command[0] == "inspect" else ["--model", str(tiny_k3_path)]),
+            *command[1:]]
+    p = subprocess.Popen([sys.executable, "-m", "deltafin", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # long before the child has imported torch and printed anything
+    err = p.stderr.read().decode()
+    assert p.wait() == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err
+
+
+def test_help_says_what_auto_threads_and_16_bit_products_do(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 = auto: every core when the model is in RAM; when streaming, one fewer than the cores" in out
+    assert "on the CPU they run the same native kernels as float32 at the same speed" in out
+
+
+def test_start_up_line_says_what_auto_threads_chose(tiny_k3_path):
+    import torch
+    from deltafin.cli import threads_message
+    try:
+        m = deltafin.load(tiny_k3_path, device="cpu", stream="off", threads=0)
+        assert m.threads == (os.cpu_count() or 1)
+        assert threads_message(m).endswith("(auto, model in RAM: every core)")
+        m = deltafin.load(tiny_k3_path, device="cpu", stream="on", threads=0)
+        assert m.threads == max(1, (os.cpu_count() or 1) - 1)
+        assert threads_message(m).endswith("(auto, streaming: one core left to the readers)")
+        m = deltafin.load(tiny_k3_path, device="cpu", stream="off", threads=3)
+        assert threads_message(m) == "3 compute threads (set)"
+    finally:
+        torch.set_num_threads(1)  # process-wide; the other tests run with one

@@ -332,3 +332,43 @@ def test_disk_filling_up_mid_write_fails_cleanly_on_tmpfs(stores, tmp_path, monk
         monkeypatch.undo()
         convert(src, dst, progress=False)
         assert _tree(dst) == _tree(bf16) and verify(dst) == []
+
+
+def test_start_up_line_says_when_the_spine_or_the_products_are_lossy(stores):
+    from deltafin.cli import startup_message
+    _, bf16, both = stores["k3"]
+    line = startup_message(_load(both), both)  # auto picks the int8 spine
+    assert "int8 spine: LOSSY, chosen by --spine auto" in line and "for the exact spine: --spine bf16" in line
+    assert "float32 products (reference)" in line
+    assert "int8 spine: LOSSY, outputs differ" in startup_message(_load(both, spine="int8"), both)
+    assert "bf16 spine (exact);" in startup_message(_load(both, spine="bf16"), both)
+    line = startup_message(_load(bf16, dtype="bfloat16"), bf16)
+    assert "bf16 spine (exact; faster:" in line and "bfloat16 products (lossy; --dtype float32 is the reference)" in line
+
+
+def test_inspect_shows_the_spine_asked_for(stores, capsys, monkeypatch):
+    from deltafin.cli import main
+    _, bf16, both = stores["k3"]
+
+    def inspect(*args) -> dict:
+        assert main(["inspect", *map(str, args), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    auto, exact = inspect(both), inspect(both, "--spine", "bf16")
+    assert auto["spine_codec"] == "int8" and exact["spine_codec"] == "bf16"
+    assert auto["spines"] == exact["spines"] == ["bf16", "int8"]
+    assert exact["spine_bytes"] > auto["spine_bytes"] and exact["expert_bytes"] == auto["expert_bytes"]
+    assert exact == inspect(bf16, "--spine", "bf16") | {"path": exact["path"], "spines": ["bf16", "int8"]}
+    monkeypatch.setenv("DELTAFIN_SPINE", "bf16")
+    assert inspect(both)["spine_codec"] == "bf16"
+    assert inspect(both, "--spine", "int8")["spine_codec"] == "int8"  # the flag wins over the environment
+    assert main(["inspect", str(both)]) == 0
+    assert "spine bf16 of bf16, int8" in capsys.readouterr().out
+    monkeypatch.delenv("DELTAFIN_SPINE")
+    # bad input: a spine the store lacks, an unknown spine, a Hugging Face folder asked for int8
+    assert main(["inspect", str(bf16), "--spine", "int8"]) == 2
+    assert "no int8 spine (it has: bf16)" in capsys.readouterr().err
+    assert main(["inspect", str(both), "--spine", "int3"]) == 2
+    assert "allowed: auto, bf16, int8, mixed" in capsys.readouterr().err
+    assert main(["inspect", str(stores["k3"][0]), "--spine", "int8"]) == 2
+    assert "needs a converted store" in capsys.readouterr().err

@@ -192,19 +192,57 @@ def test_pass_recorder_and_profile_lines(tiny_k3_path):
     assert text.startswith(f"prefill: {len(PROMPT)} tok") and "decode: 3 tok in 3 passes" in text
 
 
-def test_bench_cli_json(tiny_k3_path, capsys):
+def _bench_json(capsys, *argv) -> dict:
     from deltafin.bench import add_cli
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--model", str(tiny_k3_path), "--tokens", "3", "--prompt-tokens", "4",
-                              "--json", "--no-drop-cache", "--stream", "on", "--device", "cpu", "--io-workers", "2"])
+    args = parser.parse_args(["bench", "--tokens", "3", "--prompt-tokens", "4", "--json", "--device", "cpu",
+                              *map(str, argv)])
     assert args.func(args) == 0
-    r = json.loads(capsys.readouterr().out)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_cli_json(tiny_k3_path, capsys):
+    r = _bench_json(capsys, "--model", tiny_k3_path, "--stream", "on", "--io-workers", "2")
     for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "bytes_per_token", "raw_read_gbps", "achieved_read_gbps",
-                "io_efficiency", "peak_rss_bytes", "tokens_per_pass", "settings", "machine", "io_split"):
+                "io_efficiency", "io_efficiency_range", "peak_rss_bytes", "tokens_per_pass", "settings", "machine",
+                "io_split", "spine", "spine_exact", "product_dtype", "threads"):
         assert key in r, key
     assert r["streaming"] is True and r["decode_tokens"] == 2 and r["tokens_per_pass"] == 1.0
     assert r["bytes_per_token"] == r["read_bytes_per_token"] + r["ram_bytes_per_token"] > 0
-    assert r["raw_read"]["bytes"] > 0 and r["raw_read_gbps"] > 0 and r["io_efficiency"] > 0
+    # Two raw probes, one on each side of the decode, each evicting only the model's files first.
+    raw = r["raw_read"]
+    assert len(raw["probes"]) == 2 and all(p["bytes"] > 0 and p["tokens"] == 2 for p in raw["probes"])
+    assert r["cache_drop"] == "fadvise" and all(p["cache_drop"] == "fadvise" for p in raw["probes"])
+    rates = [p["gbps"] for p in raw["probes"]]
+    assert raw["min_gbps"] == min(rates) and raw["max_gbps"] == max(rates) and r["raw_read_gbps"] == raw["gbps"] > 0
+    assert raw["spread"] == pytest.approx((max(rates) - min(rates)) / (sum(rates) / 2))
+    low, high = r["io_efficiency_range"]
+    assert 0 < low <= r["io_efficiency"] <= high
     assert r["settings"]["io_workers"] == 2 and r["machine"]["cpu_count"] >= 1
     assert r["io_split"]["experts_per_token"] == 20  # 5 MoE layers x top-4
+    # Which numerics produced the figures: the synthetic folder has only the exact bf16 spine.
+    assert (r["spine"], r["spine_exact"], r["product_dtype"], r["threads"]) == ("bf16", True, "float32", 1)
+
+
+def test_bench_in_ram_neither_evicts_nor_probes_the_disk(tiny_k3_path, capsys):
+    r = _bench_json(capsys, "--model", tiny_k3_path, "--stream", "off", "--dtype", "bfloat16")
+    assert r["streaming"] is False and r["read_bytes_per_token"] == 0
+    assert r["cache_drop"] == "none" and r["raw_read"] is None and r["raw_read_gbps"] is None
+    assert r["io_efficiency"] is None and r["io_efficiency_range"] is None
+    assert r["product_dtype"] == "bfloat16" and r["decode_tok_s"] > 0
+    from deltafin.bench import format_table
+    assert "in RAM: raw bandwidth not probed" in format_table(r) and "products bfloat16" in format_table(r)
+
+
+def test_drop_file_cache_evicts_only_the_files_given(tmp_path):
+    from deltafin.io.reader import cached_fraction, drop_file_cache
+    ours, theirs = tmp_path / "model.bin", tmp_path / "someone-else.bin"
+    for f in (ours, theirs):
+        f.write_bytes(os.urandom(1 << 20))
+        f.read_bytes()  # now in the page cache
+    if cached_fraction([theirs]) is None or cached_fraction([theirs]) < 0.99:
+        pytest.skip("this filesystem does not keep file pages in a page cache mincore can see")
+    assert drop_file_cache([ours]) == "fadvise"
+    assert cached_fraction([ours]) == 0.0
+    assert cached_fraction([theirs]) > 0.99  # nobody else's cache was emptied
