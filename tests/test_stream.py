@@ -223,6 +223,8 @@ def test_bench_cli_json(tiny_k3_path, capsys):
     assert r["io_split"]["experts_per_token"] == 20  # 5 MoE layers x top-4
     # Which numerics produced the figures: the synthetic folder has only the exact bf16 spine.
     assert (r["spine"], r["spine_exact"], r["product_dtype"], r["threads"]) == ("bf16", True, "float32", 1)
+    from deltafin.bench import format_table
+    assert "probes before / after decode" in format_table(r) and "spine bf16 (exact)" in format_table(r)
 
 
 def test_bench_in_ram_neither_evicts_nor_probes_the_disk(tiny_k3_path, capsys):
