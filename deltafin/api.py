@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 
 from .engine import Engine
+from .errors import DeltafinError
 from .model.state import DecodeState
 from .settings import Settings
 from .tokenizer import load_tokenizer
 
 
-class NoTokenizerError(RuntimeError):
+class NoTokenizerError(DeltafinError):
     pass
 
 

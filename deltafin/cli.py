@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+from .errors import DeltafinError
 from .settings import Settings, SettingsError, add_arguments, from_args
 
 DEFAULT_PRESET = "small-k3"
@@ -168,7 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if hasattr(mod, "add_cli"):
             mod.add_cli(sub)
+    for command in sub.choices.values():  # every command takes --debug
+        add_arguments(command, groups=("cli",))
     return parser
+
+
+def _debug(args) -> bool:
+    if getattr(args, "debug", None) is not None:
+        return bool(args.debug)
+    try:
+        return Settings.resolve().debug  # DELTAFIN_DEBUG
+    except SettingsError:
+        return False
 
 
 def main(argv=None) -> int:
@@ -177,9 +188,6 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from .api import NoTokenizerError
-    from .checkpoint.hf import CheckpointError
-    from .config import ConfigError
     try:
         rc = args.func(args) or 0
         sys.stdout.flush()  # a pipe buffers: a closed reader shows up here, not at exit
@@ -189,8 +197,16 @@ def main(argv=None) -> int:
         # stdout is pointed at /dev/null so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
-    except (SettingsError, ConfigError, CheckpointError, NoTokenizerError, FileNotFoundError, ValueError) as e:
-        print(f"deltafin: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if _debug(args):
+            raise
+        # DeltafinError: bad input or a fault deltafin named; OSError: what the system refused
+        # (permission, disk full); ValueError: a refused argument. Anything else is a bug.
+        if isinstance(e, (DeltafinError, OSError, ValueError)):
+            print(f"deltafin: error: {e}", file=sys.stderr)
+        else:
+            print(f"deltafin: error: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
+                  file=sys.stderr)
+        return 2

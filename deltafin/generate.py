@@ -14,6 +14,7 @@ gives after exactly the tokens before it, so the output equals plain greedy deco
 """
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -120,12 +121,14 @@ class Decoding:
         max_new = settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if max_new < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if seed is not None and not -(1 << 63) <= int(seed) < (1 << 64):
+            raise ValueError(f"seed must be a 64-bit integer, got {seed}")
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         stops = _check_stops(stop, model.tokenizer)
@@ -339,8 +342,12 @@ def _check_stops(stop: str | Sequence[str] | None, tokenizer) -> list[str]:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rng: torch.Generator) -> int:
-    # On the CPU in fp32 so that one seed gives one output on every device.
-    x = logits.detach().float().cpu() / temperature
+    # On the CPU in fp32 so that one seed gives one output on every device. Shifting the largest
+    # logit to 0 before dividing keeps a tiny temperature finite (below fp32's smallest normal it
+    # would round to 0): the other logits go to -inf and the draw becomes the argmax, the limit
+    # of sampling as the temperature goes to 0.
+    x = logits.detach().float().cpu()
+    x = (x - x.max()) / max(temperature, torch.finfo(torch.float32).tiny)
     if 0 < top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

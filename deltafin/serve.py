@@ -1,11 +1,17 @@
 """``deltafin serve``: an OpenAI-compatible HTTP server over one loaded model.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both with or without ``stream``),
-GET /v1/models, GET /v1/models/{id}, GET /health. The wire format lives in serve_protocol; this
-module owns the engine's use: up to ``max_batch`` generations at a time, batched into shared
-passes by the scheduler (``deltafin.scheduler``), a bounded wait queue in front of them (429 beyond
-``queue_size`` waiting or ``queue_timeout`` seconds), prompt cancellation when a client goes away,
-and a memo of deterministic answers.
+GET /v1/models, GET /v1/models/{id}, GET|HEAD /health, GET /metrics. The wire format lives in
+serve_protocol, listening and the header time limit in serve_http; this module owns the engine's
+use: up to ``max_batch`` generations at a time, batched into shared passes by the scheduler
+(``deltafin.scheduler``), a bounded wait queue in front of them (429 beyond ``queue_size`` waiting
+or ``queue_timeout`` seconds), prompt cancellation when a client goes away, and a memo of
+deterministic answers.
+
+What the server trusts: the model folder (its chat template is rendered in a sandbox, off the
+event loop, within ``render_timeout``), and nothing a client sends. Requests are validated before
+anything runs; a fault reading the weights is answered 503 without local paths and turns
+/health to "degraded".
 """
 from __future__ import annotations
 
@@ -13,9 +19,10 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import hmac
 import json
 import logging
-import socket
+import os
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -24,16 +31,19 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deltafin import metrics as metrics_mod
 from deltafin import settings as settings_mod
+from deltafin.errors import DeltafinError
 from deltafin.scheduler import Scheduler
 from deltafin.serve_protocol import (
     MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
     resolve_max_tokens, sse)
-from deltafin.settings import Settings
+from deltafin.serve_http import bind, header_timeout_protocol
+from deltafin.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -157,32 +167,122 @@ class ResponseMemo:
         return len(self._entries)
 
 
+class _CountPasses:
+    """The model as the scheduler sees it: each forward pass also reports its weight bytes."""
+
+    def __init__(self, model, on_pass):
+        self._model, self._on_pass = model, on_pass
+
+    def forward_batch(self, seqs):
+        out = self._model.forward_batch(seqs)
+        stats = getattr(getattr(self._model, "engine", None), "last_pass", None)
+        if stats is not None:
+            self._on_pass(stats)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 class Service:
     """Everything one app serves with: the model, its name, the gate, the memo, the engine thread."""
 
     def __init__(self, model, settings: Settings):
         self.model = model
         self.settings = settings
-        self.name = model_name(model)
+        aliases = [n.strip() for n in settings.served_model_name.split(",") if n.strip()]
+        self.names = aliases or [model_name(model)]
+        self.name = self.names[0]  # the name responses report
         self.tokenizer = getattr(model, "tokenizer", None)
         self.context = int(model.config.max_position_embeddings)
+        if settings.max_model_len:
+            if settings.max_model_len > self.context:
+                raise SettingsError(f"setting 'max_model_len' is {settings.max_model_len}, more than the model's "
+                                    f"context of {self.context} tokens")
+            self.context = settings.max_model_len
         self.started = int(time.time())
         self.gate = EngineGate(settings.queue_size, settings.queue_timeout, settings.max_batch)
         self.memo = ResponseMemo(settings.memo_size)
+        self.fault: str | None = None  # why the server is degraded (no local paths), once it is
+        self._renders: dict[int, float] = {}  # render job id -> when it started
+        self._render_ids = iter(range(1 << 62))
+        root = getattr(model, "path", None)
+        self._roots = sorted({str(root), os.path.realpath(root)}, key=len, reverse=True) if root else []
+        self.metrics = metrics_mod.Registry()
+        self._count_metrics()
         # The engine runs off the event loop, on the scheduler's thread.
-        self.scheduler = Scheduler(model, settings.max_batch, settings.prefill_chunk)
+        self.scheduler = Scheduler(_CountPasses(model, self._count_pass), settings.max_batch, settings.prefill_chunk)
+        # Chat templates and tokenizers run here, so a slow one never holds up the event loop.
+        self.renderer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltafin-render")
+
+    def _count_metrics(self) -> None:
+        m = self.metrics
+        self.requests = m.counter("deltafin_requests_total", "HTTP requests answered, by route and status",
+                                  ("route", "status"))
+        self.prompt_tokens = m.counter("deltafin_prompt_tokens_total", "prompt tokens of finished generations")
+        self.completion_tokens = m.counter("deltafin_completion_tokens_total", "tokens generated")
+        self.weight_bytes = m.counter("deltafin_weight_bytes_total",
+                                      "weight bytes used by forward passes, by where they came from "
+                                      "(ram: a cache hit, disk: read)", ("source",))
+        self.memo_lookups = m.counter("deltafin_memo_lookups_total",
+                                      "deterministic requests looked up in the response memo", ("result",))
+        self.faults = m.counter("deltafin_engine_faults_total", "generations ended by a fault reading the weights")
+        m.gauge("deltafin_queue_depth", "requests waiting for the engine", lambda: self.gate.waiting)
+        m.gauge("deltafin_running", "generations running (batched into shared passes)", lambda: self.gate.running)
+        m.gauge("deltafin_memo_entries", "answers held by the response memo", lambda: len(self.memo))
+
+    def _count_pass(self, stats) -> None:
+        self.weight_bytes.inc(stats.bytes_read, source="disk")
+        self.weight_bytes.inc(stats.bytes_from_ram, source="ram")
 
     def close(self) -> None:
         self.scheduler.close()
+        self.renderer.shutdown(wait=False, cancel_futures=True)
+
+    def without_paths(self, text: str) -> str:
+        """`text` with the model folder's location removed (file names inside it stay)."""
+        for root in self._roots:
+            text = text.replace(root + os.sep, "").replace(root, "<model>")
+        return text
+
+    def health(self) -> tuple[int, dict]:
+        stuck = [time.monotonic() - t for t in list(self._renders.values())]
+        stuck = [s for s in stuck if s > self.settings.render_timeout]
+        reason = self.fault or (f"a prompt has been rendering for {max(stuck):.0f} s (is the chat template "
+                                "looping?)" if stuck else None)
+        body = {"status": "degraded" if reason else "ok", "model": self.name, "busy": self.gate.busy,
+                "running": self.gate.running, "waiting": self.gate.waiting, "memo_entries": len(self.memo)}
+        if reason:
+            body["reason"] = reason
+        return (503 if reason else 200), body
 
     # -- request -> job ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         # A request without "model" means the one model served here.
-        if name is not None and name != self.name:
+        if name is not None and name not in self.names:
             raise APIError(404, f"the model '{name}' does not exist here; this server serves '{self.name}'",
                            param="model", code="model_not_found")
 
-    def encode(self, req: ParsedRequest) -> list[int]:
+    async def encode(self, req: ParsedRequest) -> list[int]:
+        """The prompt's token ids, rendered and tokenized off the event loop within render_timeout."""
+        job = next(self._render_ids)
+
+        def run():
+            self._renders[job] = time.monotonic()
+            try:
+                return self._encode(req)
+            finally:
+                self._renders.pop(job, None)
+
+        limit = self.settings.render_timeout
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.renderer, run), limit)
+        except asyncio.TimeoutError:
+            log.warning("rendering and tokenizing a prompt took longer than %g s; answered 503", limit)
+            raise APIError(503, f"rendering and tokenizing the prompt took longer than {limit:g} s "
+                           "(render_timeout)", code="render_timeout") from None
+
+    def _encode(self, req: ParsedRequest) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise APIError(500, f"the model '{self.name}' was loaded without a tokenizer, so the text endpoints "
@@ -251,11 +351,13 @@ class Service:
     # -- responses -----------------------------------------------------------------------------
     async def respond(self, req: ParsedRequest) -> Response:
         self.check_model(req.model)
-        prompt_ids = self.encode(req)
+        prompt_ids = await self.encode(req)
         job = self.job(req, prompt_ids)
         shaper = Shaper(req.kind, self.name, req.include_usage)
         key = self.memo_key(req, job)
         entry = self.memo.get(key) if key is not None else None
+        if key is not None:
+            self.memo_lookups.inc(result="hit" if entry is not None else "miss")
         if entry is not None:
             log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, len(prompt_ids),
                      entry.completion_tokens)
@@ -372,11 +474,14 @@ class _GenerationResponse(Response):
         try:
             gen = await asyncio.wrap_future(future)
         except Exception as e:
-            if isinstance(e, ValueError):  # the engine's own checks on the prompt
-                error = bad(str(e), param=req.prompt_param)
-            else:
+            if isinstance(e, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
+                log.error("%s: reading the weights failed: %s", shaper.id, e)
+                service.faults.inc()
+                service.fault = f"reading the model's weights failed: {service.without_paths(str(e))}"
+                error = APIError(503, f"{service.fault}; the server is degraded (see /health)", code="engine_fault")
+            else:  # requests are validated before they reach the engine: this is a bug
                 log.exception("%s: generation failed", shaper.id)
-                error = APIError(500, f"generation failed: {type(e).__name__}: {e}", code="engine_error")
+                error = APIError(500, f"generation failed: {type(e).__name__}", code="engine_error")
             if req.stream:  # headers are out: the error travels as an event
                 await _send_body(send, sse(error.body()) + SSE_DONE, more=False)
             else:
@@ -384,6 +489,8 @@ class _GenerationResponse(Response):
             return
 
         prompt_n, completion_n = len(job.prompt_ids), len(gen.tokens)
+        service.prompt_tokens.inc(prompt_n)
+        service.completion_tokens.inc(completion_n)
         elapsed = time.perf_counter() - t0
         if gen.finish_reason == "cancelled":
             log.info("%s: generation cancelled (client disconnected) after %d tokens", shaper.id, completion_n)
@@ -406,18 +513,26 @@ async def _send_body(send, data: bytes, more: bool = True) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-async def _read_json(request: Request) -> dict:
+async def _read_json(request: Request, timeout: float) -> dict:
+    """The body as a JSON object; each part of it must arrive within `timeout` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large(int(declared))
     raw = bytearray()
+    parts = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(parts.__anext__(), timeout)
+            except StopAsyncIteration:
+                break
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 raise _too_large(None)
     except ClientDisconnect:
         raise bad("the client went away while sending the request body", code="incomplete_body") from None
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body stopped arriving for {timeout:g} s", code="body_timeout") from None
     return decode_body(bytes(raw))
 
 
@@ -438,10 +553,14 @@ def create_app(model, settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(_RequireKey, key=service.settings.api_key)
+    app.add_middleware(_CountRequests, counter=service.requests)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # A timed-out body leaves the connection mid-request: it cannot carry another one.
+        headers = {"connection": "close"} if e.status == 408 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -464,44 +583,85 @@ def create_app(model, settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        error = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+        error = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
         return JSONResponse(error.body(), status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        return {"status": "ok", "model": service.name, "busy": service.gate.busy,
-                "running": service.gate.running, "waiting": service.gate.waiting, "memo_entries": len(service.memo)}
+        status, body = service.health()
+        return JSONResponse(body, status_code=status)
 
-    def model_card() -> dict:
-        return {"id": service.name, "object": "model", "created": service.started, "owned_by": "deltafin",
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(service.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": service.started, "owned_by": "deltafin",
                 "max_model_len": service.context}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in service.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
         service.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
+
+    body_timeout = service.settings.body_timeout
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await service.respond(parse_chat(await _read_json(request)))
+        return await service.respond(parse_chat(await _read_json(request, body_timeout)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await service.respond(parse_completion(await _read_json(request)))
+        return await service.respond(parse_completion(await _read_json(request, body_timeout)))
 
     return app
 
 
+class _RequireKey:
+    """With an API key set, every /v1 route needs ``Authorization: Bearer KEY`` (401 otherwise);
+    /health and /metrics stay open to monitors."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401,
+                                   headers={"www-authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _CountRequests:
+    """Counts answered requests by route (the matched path template) and status."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.counter.inc(route=getattr(route, "path", "other"), status=str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 # -- running it ---------------------------------------------------------------------------------
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
-
 
 def _url_host(host: str) -> str:
     # A wildcard address is not something to curl; the loopback of the same family is.
@@ -509,8 +669,9 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def serve(model, host: str | None = None, port: int | None = None) -> None:
-    """Serve ``model`` until interrupted. host/port default to the model's settings."""
+def serve(model, host: str | None = None, port: int | None = None, sock=None) -> None:
+    """Serve ``model`` until interrupted. host/port default to the model's settings; ``sock``, a
+    socket already listening (see ``serve_http.bind``), replaces them."""
     settings = model.settings
     host = settings.host if host is None else host
     port = settings.port if port is None else int(port)
@@ -519,18 +680,27 @@ def serve(model, host: str | None = None, port: int | None = None) -> None:
     import uvicorn
 
     app = create_app(model)
-    sock = _bind(host, port)
+    sock = bind(host, port) if sock is None else sock
     bound = sock.getsockname()[1]
     base = f"http://{_url_host(host)}:{bound}"
     name = app.state.service.name
     print(f"deltafin serving '{name}' at {base}/v1 (max_batch={settings.max_batch}, "
           f"prefill_chunk={settings.prefill_chunk}, queue_size={settings.queue_size}, "
           f"queue_timeout={settings.queue_timeout:g}s, memo_size={settings.memo_size}, "
-          f"max_tokens_cap={settings.max_tokens_cap})", flush=True)
+          f"max_tokens_cap={settings.max_tokens_cap}, api key {'required' if settings.api_key else 'not required'})",
+          flush=True)
     example = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
-    print(f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{example}'", flush=True)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    auth = " -H 'Authorization: Bearer $KEY'" if settings.api_key else ""
+    print(f"try: curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{example}'",
+          flush=True)
+    uvicorn.Server(uvicorn_config(app, settings)).run(sockets=[sock])
+
+
+def uvicorn_config(app, settings: Settings):
+    """How uvicorn runs the app: h11 with the header time limit."""
+    import uvicorn
+    return uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5,
+                          http=header_timeout_protocol(settings.header_timeout))
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -553,9 +723,13 @@ def run_cli(args: argparse.Namespace) -> int:
     from deltafin.cli import default_model_path, startup_message
 
     settings = settings_mod.from_args(args)
-    path = args.model or default_model_path(settings)
-    print(f"deltafin: {settings.summary()}", file=sys.stderr)
-    model = deltafin.load(path, settings=settings)
-    print(startup_message(model, path), file=sys.stderr)
-    serve(model)
+    sock = bind(settings.host, settings.port)  # a busy port is reported before the model loads, not after
+    try:
+        path = args.model or default_model_path(settings)
+        print(f"deltafin: {settings.summary()}", file=sys.stderr)
+        model = deltafin.load(path, settings=settings)
+        print(startup_message(model, path), file=sys.stderr)
+        serve(model, sock=sock)
+    finally:
+        sock.close()
     return 0

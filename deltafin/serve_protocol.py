@@ -11,7 +11,9 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 # Larger request bodies are refused with 413 before they are read in full.
 MAX_BODY_BYTES = 1 << 20
@@ -144,82 +146,64 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise bad(f"'{name}' must be a number, got {_json_type(v)}", param=name, code="invalid_type")
-    if v < lo or (lo_open and v == lo) or v > hi:
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad(f"'{name}' must be in {interval}, got {v!r}", param=name)
-    return float(v)
+# Seeds are what torch's generator accepts: any 64-bit value, signed or not.
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
-def _int(body: dict, name: str, lo: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise bad(f"'{name}' must be an integer, got {_json_type(v)}", param=name, code="invalid_type")
-    if lo is not None and v < lo:
-        raise bad(f"'{name}' must be >= {lo}, got {v}", param=name)
-    return v
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = None
 
 
-def _bool(body: dict, name: str, where: str | None = None) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad(f"'{where or name}' must be a boolean, got {_json_type(v)}", param=where or name,
-                  code="invalid_type")
-    return v
+class SamplingFields(BaseModel):
+    """The request fields shared by both endpoints, with their types and ranges (JSON types are
+    taken strictly: "0.5" is not a number, 1.0 is not an integer, true is not 1)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # max_tokens' newer name; wins
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # an extension many servers accept; -1 and 0 mean off
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    # one string or a list of them; a lone string is read as a list of one
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS),
+                    BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] | None = None
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    """The first problem pydantic found, as OpenAI reports one: named parameter, type or value."""
+    first = e.errors(include_url=False)[0]
+    loc = first["loc"]
+    param = f"{loc[0]}.{loc[1]}" if loc[0] == "stream_options" and len(loc) > 1 else str(loc[0])
+    kind = first["type"]
+    code = "invalid_type" if kind.endswith(("_type", "_parsing")) or kind == "union_tag_invalid" else "invalid_value"
+    got = first.get("input")
+    try:
+        shown = json.dumps(got)[:80]
+    except (TypeError, ValueError):
+        shown = repr(got)[:80]
+    return bad(f"'{param}': {first['msg']} (got {shown})", param=param, code=code)
 
 
 def _parse_common(body: dict, kind: str, messages, prompt) -> ParsedRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad(f"'model' must be a string, got {_json_type(model)}", param="model", code="invalid_type")
-
-    # max_completion_tokens is the newer name of max_tokens; it wins when both are given.
-    max_tokens = _int(body, "max_completion_tokens", lo=1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", lo=1)
-
-    top_k = _int(body, "top_k", lo=-1)  # an extension many servers accept; -1 and 0 mean off
-    seed = _int(body, "seed")
-
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise bad(f"'stream_options' must be an object, got {_json_type(options)}", param="stream_options",
-                      code="invalid_type")
-        if not stream:
-            raise bad("'stream_options' is only allowed together with 'stream': true", param="stream_options")
-        include_usage = _bool(options, "include_usage", where="stream_options.include_usage")
-
+    try:
+        f = SamplingFields.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    stream = bool(f.stream)
+    if f.stream_options is not None and not stream:
+        raise bad("'stream_options' is only allowed together with 'stream': true", param="stream_options")
+    stop = tuple(f.stop or ())
     return ParsedRequest(
-        kind=kind, model=model, messages=messages, prompt=prompt, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
-        top_p=_number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
-        top_k=max(top_k or 0, 0), seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage)
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad("'stop' must be a string or an array of strings", param="stop", code="invalid_type")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
-    if any(not s for s in stops):
-        raise bad("'stop' strings must not be empty", param="stop")
-    return tuple(stops)
+        kind=kind, model=f.model, messages=messages, prompt=prompt,
+        max_tokens=f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens,
+        temperature=DEFAULT_TEMPERATURE if f.temperature is None else f.temperature,
+        top_p=DEFAULT_TOP_P if f.top_p is None else f.top_p,
+        top_k=max(f.top_k or 0, 0), seed=f.seed, stop=stop, stream=stream,
+        include_usage=bool(f.stream_options and f.stream_options.include_usage))
 
 
 def _messages(body: dict) -> list[dict]:

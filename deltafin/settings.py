@@ -7,12 +7,15 @@ reads the environment anywhere else.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .errors import DeltafinError
 
-class SettingsError(ValueError):
+
+class SettingsError(DeltafinError):
     pass
 
 
@@ -66,6 +69,18 @@ class Settings:
                            "time)", group="serve")
     prefill_chunk: int = _knob(64, "prompt tokens a newcomer feeds per batched pass, so running streams keep "
                                "their pace while it is read in", group="serve")
+    max_model_len: int = _knob(0, "longest prompt + reply the server accepts, in tokens; 0 = the model's context",
+                               group="serve")
+    api_key: str = _knob("", "require 'Authorization: Bearer KEY' on every /v1 route; empty = no key",
+                         group="serve")
+    served_model_name: str = _knob("", "comma-separated names the server answers to in the 'model' field "
+                                   "(the first is the one it reports); empty = the model folder's name",
+                                   group="serve")
+    header_timeout: float = _knob(10.0, "seconds a client may take to send a request's headers", group="serve")
+    body_timeout: float = _knob(30.0, "seconds a client may pause while sending a request body", group="serve")
+    render_timeout: float = _knob(10.0, "seconds the chat template and tokenizer may take for one request",
+                                  group="serve")
+    debug: bool = _knob(False, "on an error, print the full traceback instead of one line", group="cli")
 
     @classmethod
     def resolve(cls, explicit: dict | None = None, env: dict | None = None) -> "Settings":
@@ -93,12 +108,15 @@ class Settings:
 
     def _check(self) -> None:
         parse_device(self.device)  # raises with a message
-        for name in ("io_workers", "kda_chunk", "ngram", "draft_len", "max_batch", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise SettingsError(f"setting '{name}' must be >= 1, got {getattr(self, name)}")
-        for name in ("threads", "pin_layers", "max_new_tokens", "queue_size", "memo_size", "max_tokens_cap"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"setting '{name}' must be >= 0, got {getattr(self, name)}")
+        for f in fields(self):
+            lo, hi = RANGES.get(f.name, (None, None))
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise SettingsError(f"setting '{f.name}' must be a finite number, got {v}")
+            if lo is not None and v < lo:
+                raise SettingsError(f"setting '{f.name}' must be >= {lo}, got {v}")
+            if hi is not None and v > hi:
+                raise SettingsError(f"setting '{f.name}' must be <= {hi}, got {v}")
 
     def torch_device(self):
         import torch
@@ -110,11 +128,24 @@ class Settings:
 
     def summary(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                        if f.metadata.get("group") != "serve")
+                        if f.metadata.get("group") in ("engine", "generate"))
 
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir)
+
+
+# (lowest, highest) of numeric settings; None: unbounded on that side. The upper bounds keep a
+# typo from asking for more threads, workers or buffers than any machine has (100000 compute
+# threads crash the tokenizer's thread pool).
+MAX_THREADS = 1024
+RANGES = {
+    "pin_layers": (0, None), "io_workers": (1, 256), "threads": (0, MAX_THREADS), "kda_chunk": (1, 4096),
+    "ngram": (1, 64), "draft_len": (1, 64), "max_new_tokens": (0, None), "port": (0, 65535),
+    "queue_size": (0, None), "queue_timeout": (0, None), "memo_size": (0, None), "max_tokens_cap": (0, None),
+    "max_model_len": (0, None), "header_timeout": (0.1, None), "body_timeout": (0.1, None),
+    "render_timeout": (0.1, None), "max_batch": (1, 256), "prefill_chunk": (1, None),
+}
 
 
 def _coerce(f, raw, source: str):
