@@ -7,11 +7,14 @@ comes from the file; nothing here knows the real K3's numbers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .errors import DeltafinError
 
-class ConfigError(ValueError):
+
+class ConfigError(DeltafinError):
     """config.json is missing, malformed, or describes a model deltafin cannot run."""
 
 
@@ -85,27 +88,84 @@ class ModelConfig:
         return asdict(self)
 
 
-def _req(d: dict, key: str, where: str):
-    if key not in d or d[key] is None:
-        raise ConfigError(f"{where}: required field '{key}' is missing")
-    return d[key]
+# Sane maxima: far above any published Kimi model (K3: 93 layers, 896 experts, H 7168, vocab
+# 163840) and far below what would make deltafin allocate or enumerate without end. The files'
+# real sizes are checked against the config by the checkpoint readers.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 1 << 16
+MAX_DIM = 1 << 20  # any width, rank or head dimension
+MAX_HEADS = 1 << 12
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 30
+
+
+def _present(d: dict, key: str) -> bool:
+    return key in d and d[key] is not None
+
+
+def _int(d: dict, keys, where: str, default=None, lo: int = 0, hi: int = MAX_DIM, required: bool = False):
+    """The first of `keys` present in d, as an integer in [lo, hi] (JSON integers only: "64", 64.5
+    and true are refused, naming the field)."""
+    keys = (keys,) if isinstance(keys, str) else keys
+    key = next((k for k in keys if _present(d, k)), None)
+    if key is None:
+        if required:
+            raise ConfigError(f"{where}: required field '{keys[0]}' is missing")
+        return default
+    v = d[key]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ConfigError(f"{where}: field '{key}' must be an integer, got {json.dumps(v)[:60]}")
+    if not lo <= v <= hi:
+        raise ConfigError(f"{where}: field '{key}' = {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _float(d: dict, key: str, where: str, default=None):
+    if not _present(d, key):
+        return default
+    v = d[key]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ConfigError(f"{where}: field '{key}' must be a finite number, got {json.dumps(v)[:60]}")
+    return float(v)
+
+
+def _int_list(d: dict, key: str, where: str, lo: int, hi: int) -> list[int]:
+    v = d[key]
+    if not isinstance(v, list) or len(v) > MAX_LAYERS or not all(
+            isinstance(i, int) and not isinstance(i, bool) and lo <= i <= hi for i in v):
+        raise ConfigError(f"{where}: field '{key}' must be a list of layer numbers in [{lo}, {hi}]")
+    return v
+
+
+def _obj(d: dict, key: str, where: str) -> dict:
+    v = d.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: field '{key}' must be an object, got {json.dumps(v)[:60]}")
+    return v
 
 
 def load_config(path: str | Path) -> ModelConfig:
     """Read config.json from a checkpoint folder (or the file itself)."""
+    from .checkpoint.files import CheckpointError, read_json
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"{file}: no config.json (is this a Hugging Face checkpoint folder?)")
     try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+        raw = read_json(file, "config.json", max_bytes=16 << 20)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     return parse_config(raw, str(file))
 
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the config must be a JSON object")
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{where}: field 'architectures' must be a list of strings")
     if "text_config" in raw or any("K3" in a for a in archs):
         text = raw.get("text_config")
         if not isinstance(text, dict):
@@ -121,13 +181,15 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
 
 
 def _parse_text(t: dict, where: str, architecture: str, prefix: str, quant) -> ModelConfig:
-    n = int(_req(t, "num_hidden_layers", where))
-    lac = t.get("linear_attn_config") or {}
+    n = _int(t, "num_hidden_layers", where, lo=1, hi=MAX_LAYERS, required=True)
+    lac = _obj(t, "linear_attn_config", where)
     if "kda_layers" in lac and "full_attn_layers" in lac:
-        kda = sorted(int(i) - 1 for i in lac["kda_layers"])  # the file is 1-indexed
-        mla = sorted(int(i) - 1 for i in lac["full_attn_layers"])
+        kda = sorted(i - 1 for i in _int_list(lac, "kda_layers", where, 1, n))  # the file is 1-indexed
+        mla = sorted(i - 1 for i in _int_list(lac, "full_attn_layers", where, 1, n))
     elif t.get("layer_types"):
         kinds = t["layer_types"]
+        if not isinstance(kinds, list):
+            raise ConfigError(f"{where}: field 'layer_types' must be a list")
         kda = [i for i, k in enumerate(kinds) if k == "linear_attention"]
         mla = [i for i, k in enumerate(kinds) if k == "full_attention"]
     else:
@@ -137,8 +199,10 @@ def _parse_text(t: dict, where: str, architecture: str, prefix: str, quant) -> M
             f"{where}: kda_layers and full_attn_layers must cover layers 1..{n} exactly once "
             f"(got kda={[i + 1 for i in kda]}, full={[i + 1 for i in mla]})")
 
-    heads = int(lac.get("num_heads", t.get("linear_num_heads", 0)) or 0)
-    head_dim = int(lac.get("head_dim", t.get("linear_head_dim", 0)) or 0)
+    heads = _int(lac, "num_heads", where, default=None, hi=MAX_HEADS)
+    heads = _int(t, "linear_num_heads", where, default=0, hi=MAX_HEADS) if heads is None else heads
+    head_dim = _int(lac, "head_dim", where, default=None)
+    head_dim = _int(t, "linear_head_dim", where, default=0) if head_dim is None else head_dim
     if kda and (heads <= 0 or head_dim <= 0):
         raise ConfigError(f"{where}: linear_attn_config needs num_heads and head_dim")
 
@@ -149,16 +213,18 @@ def _parse_text(t: dict, where: str, architecture: str, prefix: str, quant) -> M
     if router_act not in ("sigmoid", "softmax"):
         raise ConfigError(f"{where}: moe_router_activation_func '{router_act}' (allowed: sigmoid, softmax)")
 
-    num_experts = int(t.get("num_experts", t.get("num_local_experts", t.get("n_routed_experts", 0))) or 0)
-    top_k = int(t.get("num_experts_per_token", t.get("num_experts_per_tok", 0)) or 0)
-    first_dense = t.get("first_k_dense_replace")
+    num_experts = _int(t, ("num_experts", "num_local_experts", "n_routed_experts"), where, default=0,
+                       hi=MAX_EXPERTS)
+    top_k = _int(t, ("num_experts_per_token", "num_experts_per_tok"), where, default=0, hi=MAX_EXPERTS)
+    first_dense = _int(t, "first_k_dense_replace", where, default=None, hi=n)
     if first_dense is None:
         mlp_types = t.get("mlp_layer_types") or []
+        if not isinstance(mlp_types, list):
+            raise ConfigError(f"{where}: field 'mlp_layer_types' must be a list")
         first_dense = sum(1 for k in mlp_types if k == "dense") if mlp_types else 1
-    first_dense = int(first_dense)
     if num_experts and not (0 < top_k <= num_experts):
         raise ConfigError(f"{where}: num_experts_per_token={top_k} must be in 1..num_experts={num_experts}")
-    groups = int(t.get("num_expert_group", t.get("n_group", 1)) or 1)
+    groups = _int(t, ("num_expert_group", "n_group"), where, default=1, lo=1, hi=MAX_EXPERTS)
     if num_experts and num_experts % groups:
         raise ConfigError(f"{where}: num_experts={num_experts} is not divisible by num_expert_group={groups}")
 
@@ -170,50 +236,57 @@ def _parse_text(t: dict, where: str, architecture: str, prefix: str, quant) -> M
             expert_format = "mxfp4"
 
     eos = t.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    latent = t.get("routed_expert_hidden_size")
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_list):
+        raise ConfigError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids")
+    bos = _int(t, "bos_token_id", where, default=None, hi=MAX_VOCAB)
+    latent = _int(t, "routed_expert_hidden_size", where, default=0)
+    attn_res = _int(t, "attn_res_block_size", where, default=0, hi=MAX_LAYERS)
+    q_lora = _int(t, "q_lora_rank", where, default=0)
+    lower = _float(lac, "gate_lower_bound", where)
+    beta, linear_beta = _float(t, "activation_situ_beta", where), _float(t, "activation_situ_linear_beta", where)
     return ModelConfig(
         architecture=architecture,
-        vocab_size=int(_req(t, "vocab_size", where)),
-        hidden_size=int(_req(t, "hidden_size", where)),
+        vocab_size=_int(t, "vocab_size", where, lo=1, hi=MAX_VOCAB, required=True),
+        hidden_size=_int(t, "hidden_size", where, lo=1, required=True),
         num_layers=n,
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=_float(t, "rms_norm_eps", where, 1e-5),
         kda_layers=tuple(kda),
         mla_layers=tuple(mla),
         kda_num_heads=heads,
         kda_head_dim=head_dim,
-        conv_kernel=int(lac.get("short_conv_kernel_size", t.get("linear_conv_kernel_dim", 4))),
+        conv_kernel=_int(lac, "short_conv_kernel_size", where, default=None, lo=1, hi=64)
+        or _int(t, "linear_conv_kernel_dim", where, default=4, lo=1, hi=64),
         kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
-        kda_gate_lower_bound=(float(lac["gate_lower_bound"]) if lac.get("gate_lower_bound") is not None
-                              else None),
-        mla_num_heads=int(t.get("num_attention_heads", 0) or 0),
-        q_lora_rank=(int(t["q_lora_rank"]) if t.get("q_lora_rank") else None),
-        kv_lora_rank=int(t.get("kv_lora_rank", 0) or 0),
-        qk_nope_head_dim=int(t.get("qk_nope_head_dim", 0) or 0),
-        qk_rope_head_dim=int(t.get("qk_rope_head_dim", 0) or 0),
-        v_head_dim=int(t.get("v_head_dim", 0) or 0),
+        kda_gate_lower_bound=lower,
+        mla_num_heads=_int(t, "num_attention_heads", where, default=0, hi=MAX_HEADS),
+        q_lora_rank=q_lora or None,
+        kv_lora_rank=_int(t, "kv_lora_rank", where, default=0),
+        qk_nope_head_dim=_int(t, "qk_nope_head_dim", where, default=0),
+        qk_rope_head_dim=_int(t, "qk_rope_head_dim", where, default=0),
+        v_head_dim=_int(t, "v_head_dim", where, default=0),
         mla_output_gate=bool(t.get("mla_use_output_gate", False)),
         first_k_dense=first_dense,
-        intermediate_size=int(t.get("intermediate_size", 0) or 0),
+        intermediate_size=_int(t, "intermediate_size", where, default=0),
         num_experts=num_experts,
         experts_per_token=top_k,
-        num_shared_experts=int(t.get("num_shared_experts", t.get("n_shared_experts", 0)) or 0),
-        moe_intermediate_size=int(t.get("moe_intermediate_size", 0) or 0),
-        latent_size=(int(latent) if latent else None),
+        num_shared_experts=_int(t, ("num_shared_experts", "n_shared_experts"), where, default=0, hi=MAX_EXPERTS),
+        moe_intermediate_size=_int(t, "moe_intermediate_size", where, default=0),
+        latent_size=latent or None,
         latent_norm=bool(t.get("latent_moe_use_norm", False)) and bool(latent),
         router_activation=router_act,
         num_expert_group=groups,
-        topk_group=int(t.get("topk_group", 1) or 1),
+        topk_group=_int(t, "topk_group", where, default=1, lo=0, hi=MAX_EXPERTS) or 1,
         renormalize=bool(t.get("moe_renormalize", t.get("norm_topk_prob", True))),
-        routed_scaling_factor=float(t.get("routed_scaling_factor", 1.0) or 1.0),
+        routed_scaling_factor=_float(t, "routed_scaling_factor", where, 1.0) or 1.0,
         hidden_act=act,
-        situ_beta=(float(t["activation_situ_beta"]) if t.get("activation_situ_beta") is not None else None),
-        situ_linear_beta=(float(t["activation_situ_linear_beta"])
-                          if t.get("activation_situ_linear_beta") is not None else None),
-        attn_res_block_size=(int(t["attn_res_block_size"]) if t.get("attn_res_block_size") else None),
+        situ_beta=beta,
+        situ_linear_beta=linear_beta,
+        attn_res_block_size=attn_res or None,
         expert_format=expert_format,
         tensor_prefix=prefix,
-        max_position_embeddings=int(t.get("max_position_embeddings", t.get("model_max_length", 1 << 20))),
-        bos_token_id=t.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        max_position_embeddings=_int(t, ("max_position_embeddings", "model_max_length"), where, default=1 << 20,
+                                     lo=1, hi=MAX_CONTEXT),
+        bos_token_id=bos,
+        eos_token_ids=tuple(eos_list),
     )

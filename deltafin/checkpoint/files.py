@@ -1,14 +1,108 @@
-"""Low-level file access shared by the readers and writers: cached descriptors, exact preads,
-and the directory fsync that makes a rename durable."""
+"""Low-level file access shared by the readers and writers: where a file named by data may be,
+how it is opened, cached descriptors, exact preads, and the directory fsync that makes a rename
+durable.
+
+The confinement rule: a path that comes from a data file (a safetensors index, a store manifest)
+is resolved, symlinks included, and must land inside the model folder; anything else is refused
+by name. A folder inside a Hugging Face hub cache snapshot (``models--org--name/snapshots/REV``)
+may reach the whole ``models--org--name`` folder, because the hub links every snapshot file to
+``../../blobs``. Only regular files are opened: a FIFO or a device would block or never end.
+"""
 from __future__ import annotations
 
+import json
 import os
+import stat
 import threading
 from pathlib import Path
 
+from ..errors import DeltafinError
 
-class CheckpointError(ValueError):
+MAX_JSON_BYTES = 256 << 20  # a config, index or manifest larger than this is not one deltafin wrote or reads
+
+
+class CheckpointError(DeltafinError):
     """The checkpoint is incomplete, corrupt, or does not match its config."""
+
+
+def confinement_root(folder: str | Path) -> Path:
+    """The folder that paths named by the data files of `folder` must stay inside (resolved)."""
+    real = Path(os.path.realpath(folder))
+    parts = real.parts
+    for k in range(len(parts) - 2, 0, -1):  # .../models--org--name/snapshots/REV[/sub]
+        if parts[k] == "snapshots" and parts[k - 1].startswith(("models--", "datasets--", "spaces--")):
+            return Path(*parts[:k])
+    return real
+
+
+def confine(folder: str | Path, rel, where: str, root: Path | None = None) -> Path:
+    """`folder / rel` for a path `rel` read from a data file, or a CheckpointError naming it.
+
+    `where` names the data file (and field) the path came from; `root` is
+    ``confinement_root(folder)`` when the caller already has it."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise CheckpointError(f"{where}: file name {rel!r} is not a relative path")
+    if os.path.isabs(rel):
+        raise CheckpointError(f"{where}: file name {rel!r} is absolute; only paths inside the model folder "
+                              f"{folder} are allowed")
+    root = confinement_root(folder) if root is None else root
+    path = Path(folder) / rel
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, str(root)]) != str(root):
+        raise CheckpointError(f"{where}: file name {rel!r} points outside the model folder {folder}")
+    return path
+
+
+def open_regular(file: str | Path, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of `file`, which must be a regular file (a FIFO or device is refused, never waited on)."""
+    try:
+        fd = os.open(file, flags | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot open ({e.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{file}: not a regular file ({_kind(mode)}); deltafin reads only plain files")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def regular_size(file: str | Path) -> int:
+    """Size of `file` after checking (without opening it) that it is a regular file."""
+    try:
+        st = os.stat(file)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{file}: not a regular file ({_kind(st.st_mode)}); deltafin reads only plain files")
+    return st.st_size
+
+
+def read_json(file: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES):
+    """The JSON value in a regular file of at most `max_bytes`, or a CheckpointError naming the file."""
+    fd = open_regular(file)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise CheckpointError(f"{file}: {size} bytes is too large for {what} (at most {max_bytes})")
+        raw = pread_exact(fd, size, 0, str(file))
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{file}: {what} is not valid JSON ({e})") from None
 
 
 class FileHandles:
@@ -25,10 +119,7 @@ class FileHandles:
             with self._lock:  # threads may ask for the same file at once
                 fd = self._fds.get(key)
                 if fd is None:
-                    try:
-                        fd = self._fds[key] = os.open(file, flags)
-                    except OSError as e:
-                        raise CheckpointError(f"{file}: cannot open ({e.strerror})") from None
+                    fd = self._fds[key] = open_regular(file, flags)
         return fd
 
     def close(self) -> None:

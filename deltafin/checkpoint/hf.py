@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, load_config
-from .files import CheckpointError, FileHandles, pread_exact
-from .layout import all_tensors
+from .files import CheckpointError, FileHandles, confine, confinement_root, open_regular, pread_exact, read_json
+from .layout import all_tensors, check_config_fits
 
 # safetensors dtype names -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -37,6 +37,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
 BYTE_DTYPES = {"U8", "I8", "F8_E8M0"}
 MAX_HEADER = 100 * 1024 * 1024
+MAX_RANK = 8
 
 
 @dataclass(frozen=True)
@@ -49,24 +50,29 @@ class TensorInfo:
     dtype: str  # safetensors dtype name
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def read_safetensors_header(file: str | Path) -> dict[str, TensorInfo]:
     """Parse one shard's header; check that the file holds every byte the header promises."""
     file = str(file)
+    fd = open_regular(file)
     try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > MAX_HEADER or 8 + hlen > size:
-                raise CheckpointError(f"{file}: bad safetensors header (header length {hlen}, file {size} bytes)")
-            raw = f.read(hlen)
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+        (hlen,) = struct.unpack("<Q", pread_exact(fd, 8, 0, file))
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            raise CheckpointError(f"{file}: bad safetensors header (header length {hlen}, file {size} bytes)")
+        raw = pread_exact(fd, hlen, 8, file)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: bad safetensors header (not JSON: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: bad safetensors header (not an object)")
@@ -75,22 +81,30 @@ def read_safetensors_header(file: str | Path) -> dict[str, TensorInfo]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (start, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: bad safetensors header entry for tensor '{name}'") from None
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{file}: tensor '{name}' has unsupported dtype {dtype}")
+        where = f"{file}: safetensors header entry for tensor '{name}'"
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{where} is not an object")
+        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CheckpointError(f"{file}: tensor '{name}' has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: 'shape' must be a list of at most {MAX_RANK} non-negative integers, "
+                                  f"got {str(shape)[:80]}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_int(o) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where}: 'data_offsets' must be two integers [begin, end] with "
+                                  f"0 <= begin <= end, got {str(offsets)[:80]}")
+        start, end = offsets
         n = DTYPES[dtype][1]
-        for s in shape:
-            n *= s
-        if end - start != n or start < 0:
-            raise CheckpointError(f"{file}: tensor '{name}' header says {end - start} bytes, shape {list(shape)} "
+        for d in shape:
+            n *= d
+        if end - start != n:
+            raise CheckpointError(f"{file}: tensor '{name}' header says {end - start} bytes, shape {shape} "
                                   f"{dtype} needs {n}")
         if base + end > size:
             raise CheckpointError(f"{file}: truncated: tensor '{name}' ends at byte {base + end} "
                                   f"but the file has {size} bytes")
-        out[name] = TensorInfo(name, file, base + start, n, shape, dtype)
+        out[name] = TensorInfo(name, file, base + start, n, tuple(shape), dtype)
     return out
 
 
@@ -109,9 +123,11 @@ class HFCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a directory")
         self.config: ModelConfig = load_config(self.path)
-        self.raw_config = json.loads((self.path / "config.json").read_text())
+        self.raw_config = read_json(self.path / "config.json", "config.json")
         self.infos: dict[str, TensorInfo] = self._read_index()
         self._files = FileHandles()
+        check_config_fits(self.config, len(self.infos), sum(i.nbytes for i in self.infos.values()),
+                          str(self.path / "config.json"))
         if validate:
             self.validate()
 
@@ -119,25 +135,30 @@ class HFCheckpoint:
     def _read_index(self) -> dict[str, TensorInfo]:
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            raw = read_json(index, "the safetensors index")
+            weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: not a valid safetensors index (no 'weight_map' object)")
+            bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+            if bad is not None:
+                raise CheckpointError(f"{index}: weight_map['{bad}'] must be a shard file name, "
+                                      f"got {str(weight_map[bad])[:80]}")
             shards = sorted(set(weight_map.values()))
         elif (self.path / "model.safetensors").exists():
             weight_map, shards = None, ["model.safetensors"]
         else:
             raise CheckpointError(f"{self.path}: no model.safetensors.index.json or model.safetensors")
         infos: dict[str, TensorInfo] = {}
+        root = confinement_root(self.path)
         for shard in shards:
-            file = self.path / shard
+            file = confine(self.path, shard, f"{index}: weight_map", root)
             if not file.exists():
                 raise CheckpointError(f"{index}: lists shard {shard}, which does not exist")
             infos.update(read_safetensors_header(file))
         if weight_map is not None:
             for name, shard in weight_map.items():
                 info = infos.get(name)
-                if info is None or Path(info.file).name != shard:
+                if info is None or info.file != str(self.path / shard):
                     raise CheckpointError(f"{self.path / shard}: the index says tensor '{name}' is in this shard, "
                                           "but it is not")
         return infos

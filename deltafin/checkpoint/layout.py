@@ -164,3 +164,34 @@ def nbytes(spec: TensorSpec) -> int:
     for s in spec.shape:
         n *= s
     return n
+
+
+def implied_totals(cfg: ModelConfig) -> tuple[int, int]:
+    """(tensor count, bytes) every checkpoint of `cfg` must hold, computed without listing the
+    experts one by one (a config may claim any number of them; the files decide)."""
+    count, size = 0, 0
+    specs = [global_tensors(cfg)] + [layer_spine_tensors(cfg, i) for i in range(cfg.num_layers)]
+    for group in specs:
+        count += len(group)
+        size += sum(nbytes(s) for s in group.values())
+    moe = sum(1 for i in range(cfg.num_layers) if cfg.is_moe(i))
+    if moe and cfg.num_experts:
+        one = expert_tensors(cfg, cfg.first_k_dense, 0)
+        count += moe * cfg.num_experts * len(one)
+        size += moe * cfg.num_experts * sum(nbytes(s) for s in one.values())
+    return count, size
+
+
+def check_config_fits(cfg: ModelConfig, have_tensors: int, have_bytes: int, where: str) -> None:
+    """Refuse a config whose sizes imply more tensors or bytes than the files hold, before anything
+    is enumerated or allocated from those sizes."""
+    from .files import CheckpointError
+    count, size = implied_totals(cfg)
+    shape = (f"num_hidden_layers={cfg.num_layers}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}, "
+             f"num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}")
+    if count > have_tensors:
+        raise CheckpointError(f"{where}: the config ({shape}) implies {count} tensors, but the files hold only "
+                              f"{have_tensors}")
+    if size > have_bytes:
+        raise CheckpointError(f"{where}: the config ({shape}) implies {size} bytes of tensors, but the files hold "
+                              f"only {have_bytes}")

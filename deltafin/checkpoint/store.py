@@ -32,7 +32,6 @@ a model with ~80k experts small.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import zlib
@@ -44,7 +43,8 @@ from pathlib import Path
 from ..config import ModelConfig, parse_config
 from ..kernels.linear import QWeight
 from . import source as hf_source
-from .files import CheckpointError, FileHandles, pread_exact
+from .files import CheckpointError, FileHandles, open_regular, pread_exact, read_json, regular_size
+from .manifest import check_manifest
 from .hf import TensorInfo
 from .layout import expert_tensors, global_tensors, layer_spine_tensors
 
@@ -106,9 +106,9 @@ def read_manifest(path: str | Path) -> dict:
         raise StoreError(f"{path}: not a finished deltafin store (no {MANIFEST}; an interrupted "
                          "conversion resumes when `deltafin convert` is run again)")
     try:
-        m = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreError(f"{file}: cannot read the store manifest ({e})") from None
+        m = read_json(file, "the store manifest")
+    except CheckpointError as e:
+        raise StoreError(str(e)) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         found = m.get("format") if isinstance(m, dict) else None
         raise StoreError(f"{file}: not a deltafin store manifest (format {found!r}, expected {FORMAT!r})")
@@ -121,6 +121,10 @@ def read_manifest(path: str | Path) -> dict:
             raise StoreError(f"{file}: the manifest lacks '{key}'")
     if m["checksum"] != CHECKSUM:
         raise StoreError(f"{file}: unknown checksum kind {m['checksum']!r} (expected {CHECKSUM!r})")
+    try:
+        check_manifest(Path(path), m, str(file))
+    except CheckpointError as e:  # one error type for everything wrong with a store
+        raise StoreError(str(e)) from None
     return m
 
 
@@ -129,10 +133,13 @@ def check_files(path: str | Path, manifest: dict) -> list[str]:
     problems = []
     for rel, meta in manifest["files"].items():
         file = Path(path) / rel
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
+        if not os.path.lexists(file):
             problems.append(f"{file}: missing (the store manifest lists it)")
+            continue
+        try:
+            size = regular_size(file)
+        except CheckpointError as e:
+            problems.append(str(e))
             continue
         if size != meta["nbytes"]:
             kind = "truncated" if size < meta["nbytes"] else "wrong size"
@@ -359,7 +366,7 @@ def _checks(root: Path, m: dict) -> Iterator[_Check]:
 
 
 def _run_check(c: _Check) -> tuple[int, list[str]]:
-    fd = os.open(c.file, os.O_RDONLY)
+    fd = open_regular(c.file)
     try:
         problems = []
         if len(c.tensors) == 1:
