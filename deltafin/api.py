@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from pathlib import Path
 
@@ -54,14 +53,14 @@ def open_source(path: str | Path, spine: str = "auto"):
 
 def _with_generation_eos(cfg, path: Path):
     """Chat models end turns with tokens listed only in generation_config.json: stop on those too."""
+    from .checkpoint.files import read_json
     file = path / "generation_config.json"
     if not file.exists():
         return cfg
-    try:
-        eos = json.loads(file.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError):
-        return cfg
+    raw = read_json(file, "generation_config.json", max_bytes=1 << 20)
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
     extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    extra = [e for e in extra if isinstance(e, int) and not isinstance(e, bool)]
     ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
     return dataclasses.replace(cfg, eos_token_ids=ids)
 

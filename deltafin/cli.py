@@ -15,11 +15,21 @@ DEFAULT_PRESET = "small-k3"
 def default_model_path(settings: Settings) -> Path:
     """The built-in default model, made on first use under the cache directory."""
     path = settings.cache_path / DEFAULT_PRESET
-    if not (path / "config.json").exists():
-        from .checkpoint.synthetic import make_checkpoint
-        print(f"deltafin: making the built-in default model ({DEFAULT_PRESET}, synthetic weights) in {path}",
+    if (path / "config.json").exists():
+        return path
+    from .checkpoint.files import writer_lock
+    from .checkpoint.synthetic import make_checkpoint
+
+    def waiting(holder: str) -> None:
+        print(f"deltafin: waiting for {holder}, which is making the built-in default model in {path}",
               file=sys.stderr)
-        make_checkpoint(DEFAULT_PRESET, path, seed=0)
+
+    # Two first runs at once: one makes the model, the other waits for it and then uses it.
+    with writer_lock(path, "making the default model", wait=True, on_wait=waiting):
+        if not (path / "config.json").exists():
+            print(f"deltafin: making the built-in default model ({DEFAULT_PRESET}, synthetic weights) in {path}",
+                  file=sys.stderr)
+            make_checkpoint(DEFAULT_PRESET, path, seed=0)
     return path
 
 

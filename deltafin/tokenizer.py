@@ -18,7 +18,10 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import os
 from pathlib import Path
+
+from .errors import DeltafinError
 
 # The pre-tokenizer of the Kimi family: runs of Han characters; words with an optional leading
 # non-letter and English contractions (letters of other scripts split from Han); numbers of up to
@@ -43,12 +46,22 @@ MAX_RUN_CHARS = 25_000
 MAX_VOCAB_LINE = 4096  # bytes of one tiktoken.model line; real tokens are a few dozen
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DeltafinError):
     """The tokenizer files are missing, malformed or inconsistent."""
+
+
+# Files a tokenizer loader may open: each must be a regular file inside the model folder.
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
 
 
 def load_tokenizer(path: Path):
     """The folder's tokenizer: tiktoken.model (Kimi) or tokenizer.json; None when it has neither."""
+    from .checkpoint.files import confine, regular_size
+    for name in TOKENIZER_FILES:  # a FIFO here would block the loader for ever
+        if os.path.lexists(path / name):
+            regular_size(confine(path, name, f"{path}: tokenizer file"))
     if (path / "tiktoken.model").exists():
         return KimiTokenizer(path)
     if (path / "tokenizer.json").exists():

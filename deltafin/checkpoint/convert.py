@@ -32,7 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels.linear import quantize
-from .files import CheckpointError, fsync_dir, pread_exact
+from .files import CheckpointError, fsync_dir, pread_exact, writer_lock
 from .hf import DTYPES, TensorInfo
 from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles
 from .policy import is_spine_projection  # noqa: F401  (its home was here; callers import it from here)
@@ -333,6 +333,8 @@ def read_journal(dst: Path) -> tuple[dict | None, dict[str, dict]]:
             e = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             break  # the line being written when the run was killed, and nothing after it
+        if not (isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("nbytes"), int)):
+            break  # not a line this deltafin wrote: nothing from here on is trusted
         entries[e["file"]] = e
     return header, entries
 
@@ -421,7 +423,8 @@ def inspect_destination(dst: Path, hf_config: dict, spine: str,
                          f"first, or remove {dst}")
     # Keep only files that are there in full (a file is renamed into place before it is journaled).
     kept = {rel: e for rel, e in entries.items()
-            if (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
+            if not os.path.isabs(rel) and ".." not in Path(rel).parts
+            and (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
     return existing, kept
 
 
@@ -491,47 +494,54 @@ def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: boo
         raise StoreError(f"{src}: is already a deltafin store; convert from the Hugging Face checkpoint folder")
     source = HFSource(src)  # validates every tensor before anything is written
     try:
-        hf_config = json.loads((src / "config.json").read_text())
-        existing, done = inspect_destination(dst, hf_config, spine, recorded)
-        if existing is not None and spine in existing["spines"]:
-            header, _ = read_journal(dst)
-            if header is not None and header.get("spine") in existing["spines"]:
-                (dst / JOURNAL).unlink()  # left by a run killed after its manifest was written
-            return dst
-        jobs = plan(source, spine, shared=existing is None, policy=pol)
-        done = {rel: e for rel, e in done.items() if rel in {j.rel for j in jobs}}
-        todo = [j for j in jobs if j.rel not in done]
-        check_free_space(dst, sum(j.est_bytes for j in todo) + _manifest_estimate(jobs, source))
-        dst.mkdir(parents=True, exist_ok=True)
-        for name in [j.rel for j in jobs] + [MANIFEST]:
-            (dst / (name + ".tmp")).unlink(missing_ok=True)  # left by a killed run
-        current = JOURNAL
-        journal = None
-        try:
-            journal = Journal(dst, _journal_header(hf_config, spine, recorded), done)
-            with _progress_bar(sum(j.src_bytes for j in todo), spine, progress) as bar:
-                for job in todo:
-                    current = job.rel
-                    with AtomicFile(dst / job.rel) as out:
-                        frag = job.write(out, bar.update)
-                        out.commit()
-                    entry = {"file": job.rel, "nbytes": out.size, "fragment": frag}
-                    journal.record(entry)
-                    done[job.rel] = json.loads(json.dumps(entry))  # exactly what a resumed run would read back
-            current = MANIFEST
-            manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done, recorded)
-            with AtomicFile(dst / MANIFEST) as out:
-                data = json.dumps(manifest, separators=(",", ":")).encode()
-                out.write_at(data, out.reserve(len(data), 1))
-                out.commit()
-            journal.remove()
-        except OSError as e:
-            raise _write_error(dst, current, e) from None
-        finally:
-            if journal is not None:
-                journal.close()
+        with writer_lock(dst, "a conversion into this folder"):
+            return _convert_locked(dst, spine, progress, pol, recorded, source)
     finally:
         source.close()
+
+
+def _convert_locked(dst: Path, spine: str, progress: bool, pol: SpinePolicy | None,
+                    recorded: dict | None, source: HFSource) -> Path:
+    """convert() once it holds the destination's lock (no other writer can be in DST)."""
+    hf_config = source.ckpt.raw_config
+    existing, done = inspect_destination(dst, hf_config, spine, recorded)
+    if existing is not None and spine in existing["spines"]:
+        header, _ = read_journal(dst)
+        if header is not None and header.get("spine") in existing["spines"]:
+            (dst / JOURNAL).unlink()  # left by a run killed after its manifest was written
+        return dst
+    jobs = plan(source, spine, shared=existing is None, policy=pol)
+    done = {rel: e for rel, e in done.items() if rel in {j.rel for j in jobs}}
+    todo = [j for j in jobs if j.rel not in done]
+    check_free_space(dst, sum(j.est_bytes for j in todo) + _manifest_estimate(jobs, source))
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in [j.rel for j in jobs] + [MANIFEST]:
+        (dst / (name + ".tmp")).unlink(missing_ok=True)  # left by a killed run
+    current = JOURNAL
+    journal = None
+    try:
+        journal = Journal(dst, _journal_header(hf_config, spine, recorded), done)
+        with _progress_bar(sum(j.src_bytes for j in todo), spine, progress) as bar:
+            for job in todo:
+                current = job.rel
+                with AtomicFile(dst / job.rel) as out:
+                    frag = job.write(out, bar.update)
+                    out.commit()
+                entry = {"file": job.rel, "nbytes": out.size, "fragment": frag}
+                journal.record(entry)
+                done[job.rel] = json.loads(json.dumps(entry))  # exactly what a resumed run would read back
+        current = MANIFEST
+        manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done, recorded)
+        with AtomicFile(dst / MANIFEST) as out:
+            data = json.dumps(manifest, separators=(",", ":")).encode()
+            out.write_at(data, out.reserve(len(data), 1))
+            out.commit()
+        journal.remove()
+    except OSError as e:
+        raise _write_error(dst, current, e) from None
+    finally:
+        if journal is not None:
+            journal.close()
     return dst
 
 

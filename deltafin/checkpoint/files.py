@@ -10,9 +10,12 @@ may reach the whole ``models--org--name`` folder, because the hub links every sn
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -157,3 +160,35 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def writer_lock(target: str | Path, what: str, wait: bool = False, on_wait=None):
+    """Hold the lock of `target` (a folder being written) while the block runs.
+
+    The lock is ``fcntl.flock`` on a hidden file beside the folder (``.NAME.deltafin-lock``; beside,
+    so the folder itself holds only what is written into it), named after the folder's resolved
+    path so every spelling of it shares one lock. The system drops the lock when its holder exits,
+    however it exits. Taken: without `wait`, a CheckpointError naming the holder (its pid and
+    command, which it writes into the lock file); with `wait`, ``on_wait(holder)`` is called once
+    and the lock is waited for."""
+    real = Path(os.path.realpath(target))
+    lock = real.parent / f".{real.name}.deltafin-lock"
+    real.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            if not wait:
+                raise CheckpointError(f"{target}: {what} is already in progress ({holder}); wait for it to "
+                                      "finish, or stop it, then run this again") from None
+            if on_wait is not None:
+                on_wait(holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
