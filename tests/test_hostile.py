@@ -452,7 +452,7 @@ def _fifo(path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["model-00002-of-00004.safetensors", "config.json", "model.safetensors.index.json",
-                                  "tokenizer.json", "generation_config.json"])
+                                  "tiktoken.model", "tokenizer_config.json", "generation_config.json"])
 def test_fifo_in_a_checkpoint_is_refused(ckpt, capsys, name):
     _fifo(ckpt / name)
     assert_cli_error(capsys, ["run", "--model", ckpt, "--max-new-tokens", "1", "hi"], name, "regular file")
