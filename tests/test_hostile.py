@@ -21,17 +21,16 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 import deltafin
 from deltafin.generate import generate
-from deltafin.serve import create_app, uvicorn_config
+from deltafin.serve import create_app
+from test_serve import RunningServer
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -40,51 +39,13 @@ MSG = [{"role": "user", "content": "hi"}]
 
 # -- helpers --------------------------------------------------------------------------------------
 
-class Server:
-    """The app under uvicorn as ``deltafin serve`` runs it (h11 with the header time limit)."""
-
-    def __init__(self, app, settings):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn_config(app, settings)
-        config.log_level = "warning"
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "Server":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
-
-    def request(self, method: str, path: str, body=None, headers: dict | None = None):
-        if isinstance(body, (dict, list)):
-            body = json.dumps(body)
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-            resp = conn.getresponse()
-            data = resp.read()
-            try:
-                parsed = json.loads(data) if data else None
-            except ValueError:
-                parsed = data.decode()
-            return resp.status, parsed, {k.lower(): v for k, v in resp.getheaders()}
-        finally:
-            conn.close()
-
-
 @pytest.fixture(scope="module")
 def model(tiny_k3_model):
     return tiny_k3_model
 
 
 def serving(model, **settings):
-    s = dataclasses.replace(model.settings, **settings)
-    return Server(create_app(model, settings=s), s)
+    return RunningServer(create_app(model, settings=dataclasses.replace(model.settings, **settings)))
 
 
 # -- e. the chat template runs off the event loop, within a time limit ----------------------------
@@ -568,33 +529,14 @@ def test_debug_shows_the_traceback(ckpt, capsys):
 
 # -- j. one writer per destination -----------------------------------------------------------------
 
-HOLD = """
-import sys
-from deltafin.checkpoint.files import writer_lock
-with writer_lock(sys.argv[1], "test"):
-    print("held", flush=True)
-    sys.stdin.read()
-    if len(sys.argv) > 2:  # what the holder made, just before it lets go
-        open(sys.argv[2], "w").write("{}")
-"""
-
-
-@contextlib.contextmanager
-def lock_held_elsewhere(target: Path, *extra: str):
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(target), *extra], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "held"
-        yield p
-    finally:
-        p.stdin.close()
-        p.wait(timeout=60)
-
+# flock locks belong to an open file description, so a lock taken here through its own descriptor
+# excludes the code under test in this same process exactly as another process would.
 
 def test_second_convert_into_one_destination_is_refused(tiny_k3_path, tmp_path, capsys):
+    from deltafin.checkpoint.files import writer_lock
     dst = tmp_path / "dst"
-    with lock_held_elsewhere(dst) as holder:
-        line = assert_cli_error(capsys, ["convert", tiny_k3_path, dst], str(dst), f"pid {holder.pid}")
+    with writer_lock(dst, "a conversion into this folder"):
+        line = assert_cli_error(capsys, ["convert", tiny_k3_path, dst], str(dst), f"pid {os.getpid()}")
         assert "already in progress" in line
         assert not dst.exists()  # nothing was written
     rc, _ = cli(capsys, "convert", tiny_k3_path, dst)  # once the holder is gone, the conversion runs
@@ -602,22 +544,21 @@ def test_second_convert_into_one_destination_is_refused(tiny_k3_path, tmp_path, 
 
 
 def test_default_model_maker_waits_for_the_one_making_it(tmp_path, capsys):
+    from deltafin.checkpoint.files import writer_lock
     from deltafin.cli import DEFAULT_PRESET, default_model_path
     from deltafin.settings import Settings
     settings = Settings.resolve({"cache_dir": str(tmp_path)})
     target = tmp_path / DEFAULT_PRESET
-    target.mkdir()
     got = {}
-    # The holder "finishes" the model (writes config.json) before it lets go; the waiter then uses it.
-    with lock_held_elsewhere(target, str(target / "config.json")) as holder:
+    with writer_lock(target, "making the default model"):
         t = threading.Thread(target=lambda: got.update(path=default_model_path(settings)))
         t.start()
-        while "waiting for" not in capsys.readouterr().err and t.is_alive():
-            pass
-        assert t.is_alive()
-        holder.stdin.close()
-        t.join(timeout=60)
-    assert got["path"] == target
+        while "waiting for pid" not in capsys.readouterr().err:
+            assert t.is_alive()
+        target.mkdir()
+        (target / "config.json").write_text("{}")  # what the holder made, just before it lets go
+    t.join(timeout=60)
+    assert got["path"] == target  # used as made, not made again
 
 
 # -- property-based fuzzing ------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from deltafin.generate import generate
-from deltafin.serve import create_app
+from deltafin.serve import create_app, uvicorn_config
 from deltafin.serve_protocol import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, parse_chat, parse_completion,
                                     resolve_max_tokens)
 
@@ -28,13 +28,16 @@ LONG_PROMPT = "The river ran"  # greedy output of the tiny model runs hundreds o
 
 
 class RunningServer:
-    """uvicorn serving an app on 127.0.0.1, on a port picked by the OS, in a background thread.
-    The socket listens before the thread starts, so requests wait in its backlog, never fail."""
+    """uvicorn serving an app on 127.0.0.1, on a port picked by the OS, in a background thread, as
+    ``deltafin serve`` runs it (``uvicorn_config``: h11 with the header time limit). The socket
+    listens before the thread starts, so requests wait in its backlog, never fail."""
 
     def __init__(self, app):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        config = uvicorn_config(app, app.state.service.settings)
+        config.log_level = "warning"
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "RunningServer":
@@ -50,7 +53,8 @@ class RunningServer:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=120)
 
     def request(self, method: str, path: str, body: bytes | str | dict | None = None, headers: dict | None = None):
-        """(status, decoded JSON body, headers) of one plain HTTP request."""
+        """(status, body, headers) of one plain HTTP request: a JSON body decoded, any other as text;
+        header names in lower case."""
         if isinstance(body, dict):
             body = json.dumps(body)
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
@@ -58,7 +62,12 @@ class RunningServer:
             conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
             resp = conn.getresponse()
             data = resp.read()
-            return resp.status, (json.loads(data) if data else None), dict(resp.getheaders())
+            got = {k.lower(): v for k, v in resp.getheaders()}
+            if not data:
+                return resp.status, None, got
+            if got.get("content-type", "").startswith("application/json"):
+                return resp.status, json.loads(data), got
+            return resp.status, data.decode(), got
         finally:
             conn.close()
 
