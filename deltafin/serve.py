@@ -514,16 +514,19 @@ async def _send_body(send, data: bytes, more: bool = True) -> None:
 
 
 async def _read_json(request: Request, timeout: float) -> dict:
-    """The body as a JSON object; each part of it must arrive within `timeout` seconds."""
+    """The body as a JSON object; all of it must arrive within `timeout` seconds (a client that
+    sends a byte now and then cannot hold the connection for ever)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large(int(declared))
     raw = bytearray()
     parts = request.stream().__aiter__()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     try:
         while True:
             try:
-                chunk = await asyncio.wait_for(parts.__anext__(), timeout)
+                chunk = await asyncio.wait_for(parts.__anext__(), max(deadline - loop.time(), 0.0))
             except StopAsyncIteration:
                 break
             raw += chunk
@@ -532,7 +535,7 @@ async def _read_json(request: Request, timeout: float) -> dict:
     except ClientDisconnect:
         raise bad("the client went away while sending the request body", code="incomplete_body") from None
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body stopped arriving for {timeout:g} s", code="body_timeout") from None
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
     return decode_body(bytes(raw))
 
 

@@ -77,7 +77,7 @@ class Settings:
                                    "(the first is the one it reports); empty = the model folder's name",
                                    group="serve")
     header_timeout: float = _knob(10.0, "seconds a client may take to send a request's headers", group="serve")
-    body_timeout: float = _knob(30.0, "seconds a client may pause while sending a request body", group="serve")
+    body_timeout: float = _knob(30.0, "seconds a client may take to send a request's body", group="serve")
     render_timeout: float = _knob(10.0, "seconds the chat template and tokenizer may take for one request",
                                   group="serve")
     debug: bool = _knob(False, "on an error, print the full traceback instead of one line", group="cli")

@@ -149,7 +149,33 @@ def test_unfinished_headers_and_body_are_cut_off(model):
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")
             reply = _read_all(s)
         assert reply.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in reply
+        # Sending a byte now and then does not stretch either limit: they cover the whole head / body.
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        assert b"header_timeout" in _drip(srv.port, b"", head + b"X-Pad: " + b"a" * 400 + b"\r\n\r\n")
+        body = b'{"prompt": "' + b"a" * 400 + b'"}'
+        reply = _drip(srv.port, head + b"Content-Length: %d\r\n\r\n" % len(body), body)
+        assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout" in reply
         assert srv.request("GET", "/health")[0] == 200
+
+
+def _drip(port: int, start: bytes, rest: bytes) -> bytes:
+    """Send `start`, then `rest` a byte at a time, each after waiting 20 ms for an answer; return
+    the answer (what the server sent before closing), or b"" if all of `rest` went out first."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(start)
+        for i in range(len(rest)):
+            s.settimeout(0.02)
+            try:
+                first = s.recv(65536)
+            except socket.timeout:
+                try:
+                    s.sendall(rest[i:i + 1])
+                except OSError:  # closed by the server just now: its answer is waiting to be read
+                    pass
+                continue
+            s.settimeout(30)
+            return first + _read_all(s)
+    return b""
 
 
 # -- server conventions: API key, served names, max model length, metrics, HEAD, bind errors ------
