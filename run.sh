@@ -9,7 +9,7 @@ VENV="${DELTAFIN_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import deltafin, torch, transformers, fastapi, uvicorn, openai, pytest" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import deltafin, torch, transformers, tiktoken, fastapi, uvicorn, openai, pytest" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first, pinned: on machines that carry a local CPU build of 2.13.0 this takes it instead of
   # pulling a multi-GB CUDA build; elsewhere it falls back to the platform's default build.

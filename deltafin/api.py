@@ -19,36 +19,26 @@ class NoTokenizerError(DeltafinError):
     pass
 
 
-def resolve_path(path: str | Path) -> Path:
-    """A local folder as is; a Hugging Face repo id ("org/name") is downloaded (or found) in the hub cache."""
+def open_source(path: str | Path, spine: str = "auto", settings: Settings | None = None):
+    """A weight source for a converted store, a Hugging Face checkpoint folder, or a hub repository
+    id ("owner/name", when no such local folder exists), which is fetched lazily as it is used."""
     p = Path(path)
-    if p.exists():
-        return p
-    text = str(path)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-        try:
-            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.jinja",
-                                                                "tokenizer*", "*.tiktoken", "*.model"]))
-        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-            raise FileNotFoundError(f"{text}: not a local folder, and fetching it from the Hugging Face hub "
-                                    f"failed ({type(e).__name__}: {e})") from None
-    raise FileNotFoundError(f"{text}: no such checkpoint folder or store")
-
-
-def open_source(path: str | Path, spine: str = "auto"):
-    """A weight source for a converted store or a Hugging Face checkpoint folder."""
-    path = Path(path)
+    if not p.exists():
+        from .io.hub import HubSource, is_repo_id
+        if not is_repo_id(str(path)):
+            raise FileNotFoundError(f"{path}: no such checkpoint folder or store (nor a hub id owner/name)")
+        if spine not in ("auto", "bf16"):
+            raise ValueError(f"{path}: spine {spine!r} needs a converted store; a hub repository is read as published")
+        return HubSource(str(path), settings or Settings.resolve())
     from .checkpoint.source import HFSource
-    if (path / "deltafin-store.json").exists():
+    if (p / "deltafin-store.json").exists():
         from .checkpoint.store import StoreSource
-        return StoreSource(path, spine=spine)
+        return StoreSource(p, spine=spine)
     if spine not in ("auto", "bf16"):
         from .checkpoint.store import convert_command
-        raise ValueError(f"{path}: spine {spine!r} needs a converted store; this is a Hugging Face folder "
-                         f"(make one with: {convert_command(path, 'STORE', spine)})")
-    return HFSource(path)
+        raise ValueError(f"{p}: spine {spine!r} needs a converted store; this is a Hugging Face folder "
+                         f"(make one with: {convert_command(p, 'STORE', spine)})")
+    return HFSource(p)
 
 
 def _with_generation_eos(cfg, path: Path):
@@ -77,6 +67,8 @@ def compute_threads(settings: Settings, streaming: bool) -> int:
 def _want_stream(settings: Settings, source) -> bool:
     if settings.stream != "auto":
         return settings.stream == "on"
+    if source.kind == "hub":  # in RAM would mean fetching every expert up front
+        return True
     import psutil
     from .inspect import model_bytes
     # Keep the model in RAM only when it fits with plenty of room to spare.
@@ -85,11 +77,11 @@ def _want_stream(settings: Settings, source) -> bool:
 
 class Model:
     def __init__(self, path: str | Path, settings: Settings):
-        self.path = resolve_path(path)
         self.settings = settings
-        self.source = open_source(self.path, settings.spine)
+        self.source = open_source(path, settings.spine, settings)
+        self.path = Path(self.source.path)  # for a hub repository: its cached metadata folder
         self.config = _with_generation_eos(self.source.config, self.path)
-        self.name = self.path.name
+        self.name = self.source.repo_id if self.source.kind == "hub" else self.path.name
         self.streaming = _want_stream(settings, self.source)
         if self.streaming:
             from .io.stream import StreamProvider

@@ -33,7 +33,9 @@ class PassStats:
     compute_seconds: float = 0.0
     spine_wait_seconds: float = 0.0
     expert_wait_seconds: float = 0.0
-    bytes_read: int = 0
+    bytes_read: int = 0  # from the model's files on disk
+    bytes_from_cache: int = 0  # from the local cache of a hub repository
+    bytes_from_network: int = 0  # fetched from the hub for this pass
     bytes_from_ram: int = 0
     experts_loaded: int = 0
 

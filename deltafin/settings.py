@@ -58,7 +58,16 @@ class Settings:
     draft_len: int = _knob(4, "maximum drafted tokens verified per pass", group="generate")
     max_new_tokens: int = _knob(128, "default number of tokens to generate", group="generate")
     profile: bool = _knob(False, "print where time and bytes went, per token and in total", group="generate")
-    cache_dir: str = _knob(_default_cache_dir(), "where the built-in default model is made and kept")
+    cache_dir: str = _knob(_default_cache_dir(), "where the built-in default model is made and kept, and where "
+                           "hub repositories (--model owner/name) are cached")
+    revision: str = _knob("main", "branch, tag or commit of a hub repository (--model owner/name); it is "
+                          "resolved to a commit once and that commit is used throughout")
+    hub_connections: int = _knob(8, "parallel HTTP range requests when fetching from the hub")
+    hub_retries: int = _knob(5, "retries of a failed hub request (429, 5xx, broken connection, short body)")
+    hub_backoff: float = _knob(0.5, "seconds before the first retry of a hub request; doubled each time "
+                               "(a Retry-After from the server wins)")
+    hub_cache_gb: float = _knob(0.0, "disk budget in GB for routed experts fetched from the hub (least "
+                                "recently used ones are deleted); 0 = no limit")
     host: str = _knob("127.0.0.1", "address the server listens on", group="serve")
     port: int = _knob(8000, "port the server listens on", group="serve")
     queue_size: int = _knob(8, "requests that may wait for the engine before 429", group="serve")
@@ -108,6 +117,8 @@ class Settings:
 
     def _check(self) -> None:
         parse_device(self.device)  # raises with a message
+        if not self.revision.strip():
+            raise SettingsError("setting 'revision' must not be empty")
         for f in fields(self):
             lo, hi = RANGES.get(f.name, (None, None))
             v = getattr(self, f.name)
@@ -145,6 +156,7 @@ RANGES = {
     "queue_size": (0, None), "queue_timeout": (0, None), "memo_size": (0, None), "max_tokens_cap": (0, None),
     "max_model_len": (0, None), "header_timeout": (0.1, None), "body_timeout": (0.1, None),
     "render_timeout": (0.1, None), "max_batch": (1, 256), "prefill_chunk": (1, None),
+    "hub_connections": (1, 256), "hub_retries": (0, 100), "hub_backoff": (0, 600), "hub_cache_gb": (0, None),
 }
 
 

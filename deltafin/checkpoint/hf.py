@@ -60,23 +60,34 @@ def read_safetensors_header(file: str | Path) -> dict[str, TensorInfo]:
     fd = open_regular(file)
     try:
         size = os.fstat(fd).st_size
-        if size < 8:
-            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
-        (hlen,) = struct.unpack("<Q", pread_exact(fd, 8, 0, file))
-        if hlen > MAX_HEADER or 8 + hlen > size:
-            raise CheckpointError(f"{file}: bad safetensors header (header length {hlen}, file {size} bytes)")
+        hlen = header_length(pread_exact(fd, min(8, size), 0, file), size, file)
         raw = pread_exact(fd, hlen, 8, file)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
     finally:
         os.close(fd)
+    return parse_safetensors_header(bytes(raw), size, file)
+
+
+def header_length(head: bytes, size: int, file: str) -> int:
+    """The JSON header's length from a shard's first 8 bytes (checked against the file size)."""
+    if len(head) < 8:
+        raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+    (hlen,) = struct.unpack("<Q", head[:8])
+    if hlen > MAX_HEADER or 8 + hlen > size:
+        raise CheckpointError(f"{file}: bad safetensors header (header length {hlen}, file {size} bytes)")
+    return hlen
+
+
+def parse_safetensors_header(raw: bytes, size: int, file: str) -> dict[str, TensorInfo]:
+    """TensorInfos from a shard's JSON header `raw` (the file, `size` bytes, is named `file`)."""
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: bad safetensors header (not JSON: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: bad safetensors header (not an object)")
-    base = 8 + hlen
+    base = 8 + len(raw)
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -108,6 +119,42 @@ def read_safetensors_header(file: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
+def weight_map_of(index, where) -> dict[str, str]:
+    """The weight_map (tensor name -> shard file name) of a parsed model.safetensors.index.json."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where}: not a valid safetensors index (no 'weight_map' object)")
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{where}: weight_map['{bad}'] must be a shard file name, "
+                              f"got {str(weight_map[bad])[:80]}")
+    return weight_map
+
+
+def check_index(weight_map: dict, infos: dict[str, TensorInfo], file_of) -> None:
+    """Every tensor the index lists is in the shard it names (`file_of(shard)`: the shard's
+    TensorInfo.file)."""
+    for name, shard in weight_map.items():
+        info = infos.get(name)
+        if info is None or info.file != file_of(shard):
+            raise CheckpointError(f"{file_of(shard)}: the index says tensor '{name}' is in this shard, "
+                                  "but it is not")
+
+
+def validate_infos(cfg: ModelConfig, infos: dict[str, TensorInfo], where) -> None:
+    """Every tensor the config implies exists with the right shape and a plausible dtype."""
+    for name, spec in all_tensors(cfg).items():
+        info = infos.get(name)
+        if info is None:
+            raise CheckpointError(f"{where}: tensor '{name}' is missing (the config implies it)")
+        if not spec.accepts(info.shape):
+            raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
+                                  f"the config implies {list(spec.shape)}")
+        ok = info.dtype in (BYTE_DTYPES if spec.dtype == "U8" else FLOAT_DTYPES)
+        if not ok:
+            raise CheckpointError(f"{info.file}: tensor '{name}' has dtype {info.dtype}, expected {spec.dtype}")
+
+
 def bytes_to_tensor(buf, info: TensorInfo) -> torch.Tensor:
     torch_dtype = DTYPES[info.dtype][0]
     if info.nbytes == 0:
@@ -135,14 +182,7 @@ class HFCheckpoint:
     def _read_index(self) -> dict[str, TensorInfo]:
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            raw = read_json(index, "the safetensors index")
-            weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: not a valid safetensors index (no 'weight_map' object)")
-            bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
-            if bad is not None:
-                raise CheckpointError(f"{index}: weight_map['{bad}'] must be a shard file name, "
-                                      f"got {str(weight_map[bad])[:80]}")
+            weight_map = weight_map_of(read_json(index, "the safetensors index"), index)
             shards = sorted(set(weight_map.values()))
         elif (self.path / "model.safetensors").exists():
             weight_map, shards = None, ["model.safetensors"]
@@ -156,26 +196,11 @@ class HFCheckpoint:
                 raise CheckpointError(f"{index}: lists shard {shard}, which does not exist")
             infos.update(read_safetensors_header(file))
         if weight_map is not None:
-            for name, shard in weight_map.items():
-                info = infos.get(name)
-                if info is None or info.file != str(self.path / shard):
-                    raise CheckpointError(f"{self.path / shard}: the index says tensor '{name}' is in this shard, "
-                                          "but it is not")
+            check_index(weight_map, infos, lambda shard: str(self.path / shard))
         return infos
 
     def validate(self) -> None:
-        """Every tensor the config implies exists with the right shape and a plausible dtype."""
-        cfg = self.config
-        for name, spec in all_tensors(cfg).items():
-            info = self.infos.get(name)
-            if info is None:
-                raise CheckpointError(f"{self.path}: tensor '{name}' is missing (the config implies it)")
-            if not spec.accepts(info.shape):
-                raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
-                                      f"the config implies {list(spec.shape)}")
-            ok = info.dtype in (BYTE_DTYPES if spec.dtype == "U8" else FLOAT_DTYPES)
-            if not ok:
-                raise CheckpointError(f"{info.file}: tensor '{name}' has dtype {info.dtype}, expected {spec.dtype}")
+        validate_infos(self.config, self.infos, self.path)
 
     # -- reading ---------------------------------------------------------------------------
     def _fd(self, file: str) -> int:

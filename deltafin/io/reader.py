@@ -199,6 +199,9 @@ class Files:
         if self.mode == "nocache":
             os.posix_fadvise(fd, run.offset, run.nbytes, os.POSIX_FADV_DONTNEED)
 
+    def prefetch(self, files: list[str]) -> None:
+        """A hint that these files are about to be read (local files need none)."""
+
     def close(self) -> None:
         with self._lock:
             for m in self._maps.values():

@@ -14,8 +14,9 @@ Experts: ``experts(i, chosen)`` queues one read per expert (merged runs) at urge
 returns a Future at once, so the engine computes the shared expert while the reads run. The
 slots are reused at the next layer's ``experts`` call, after layer i finished.
 
-Per pass it accounts bytes read from disk, bytes served from RAM, time blocked on spines and on
-experts, and experts loaded into the engine's ``PassStats``.
+Per pass it accounts bytes by where they come from (the model's files on disk, or for a hub
+source its local cache or the network; RAM for pinned layers and the head), time blocked on
+spines and on experts, and experts loaded into the engine's ``PassStats``.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class _SpineBuffer:
     def __init__(self, nbytes: int):
         self.buf = AlignedBuffer(nbytes)
         self.layer: int | None = None  # layer being read (or read) into it
+        self.origin = "disk"  # where its bytes come from (see _count)
         self.batch: Batch | None = None
         self.held = False  # handed to the engine for the layer computing now
 
@@ -65,7 +67,10 @@ class StreamProvider:
         self.source = source
         cfg = self.config = source.config
         self.settings = settings
-        self.files = Files(settings.read_mode)
+        # A hub source reads through its cache, which fetches what is missing first.
+        make_files = getattr(source, "make_files", None)
+        self.files = make_files(settings.read_mode) if make_files is not None else Files(settings.read_mode)
+        self._origin = getattr(source, "origin", None)
         self.pool = ReadPool(self.files, settings.io_workers)
         # The worker threads stop when the provider is dropped (they do not reference it).
         self._finalizer = weakref.finalize(self, _shutdown, self.pool, self.files)
@@ -131,7 +136,7 @@ class StreamProvider:
         t0 = time.perf_counter()
         b.batch.wait()
         stats.spine_wait_seconds += time.perf_counter() - t0
-        stats.bytes_read += self._spine_layouts[i].nbytes
+        _count(stats, b.origin, self._spine_layouts[i].nbytes)
         return self.source.decode_spine(i, views(b.buf.mem, self._spine_layouts[i]))
 
     def experts(self, i: int, chosen: list[int], stats) -> Future:
@@ -150,7 +155,9 @@ class StreamProvider:
             if self._slots[k].nbytes < lay.size:  # an expert split into more runs than the others
                 self._slots[k] = AlignedBuffer(lay.capacity)
             jobs += [(run, self._slots[k].mem, s) for run, s in zip(lay.runs, lay.starts)]
-        stats.bytes_read += sum(lay.nbytes for lay in layouts)
+        for lay in layouts:
+            _count(stats, self._where(lay), lay.nbytes)
+        self.files.prefetch([lay.runs[0].file for lay in layouts if lay.runs])
         stats.experts_loaded += len(chosen)
         slots = self._slots[:len(layouts)]
         decode = self.source.decode_expert
@@ -217,9 +224,16 @@ class StreamProvider:
             b.settle()
         lay = self._spine_layouts[layer]
         jobs = [(run, b.buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
-        b.layer, b.held = layer, False
+        b.layer, b.held, b.origin = layer, False, self._where(lay)
+        self.files.prefetch(list(dict.fromkeys(run.file for run in lay.runs)))
         b.batch = self.pool.submit(chunked(jobs, SPINE_CHUNK), AHEAD)
         return b
+
+    def _where(self, layout: Layout) -> str:
+        """"disk", or for a hub source "cache" / "network" (decided when the read is asked for)."""
+        if self._origin is None or not layout.runs:
+            return "disk"
+        return self._origin(layout.runs[0].file)
 
     def _expert_layout(self, i: int, e: int) -> Layout:
         lay = self._expert_layouts.get((i, e))
@@ -227,6 +241,15 @@ class StreamProvider:
             lay = self._expert_layouts[(i, e)] = make_layout(self.source.expert_infos(i, e),
                                                              _extent(self.source, "expert_extent", i, e))
         return lay
+
+
+def _count(stats, origin: str, nbytes: int) -> None:
+    if origin == "disk":
+        stats.bytes_read += nbytes
+    elif origin == "cache":
+        stats.bytes_from_cache += nbytes
+    else:
+        stats.bytes_from_network += nbytes
 
 
 def _extent(source, method: str, *args):
