@@ -137,8 +137,11 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     cfg = model.config
     rng = random.Random(seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_tokens)]
-    # In RAM every weight was read at load: there is nothing to evict and no disk to measure.
-    files = checkpoint_files(model.source) if drop_cache and model.streaming else []
+    # In RAM every weight was read at load: there is nothing to evict and no disk to measure. A hub
+    # repository's cache fills as the run goes: nothing to evict beforehand, and probing random
+    # experts would fetch them over the network.
+    probing = model.streaming and model.source.kind != "hub"
+    files = checkpoint_files(model.source) if drop_cache and probing else []
     probe_tokens = min(tokens - 1, 4)
     probes: list[dict] = []
 
@@ -151,7 +154,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     def on_pass(index: int, stats) -> None:
         if index == 0:  # prefill done: probe the disk, then decode is measured from disk, not from cache
             marks["first_token"] = time.perf_counter()
-            if model.streaming:
+            if probing:
                 probe()
             drop_file_cache(files)
             marks["decode_start"] = time.perf_counter()
@@ -163,7 +166,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     if len(rec.passes) < 2:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
-    if model.streaming:
+    if probing:
         probe()
     prefill, decode = rec.passes[0], rec.passes[1:]
     d = summarize(decode)
@@ -194,6 +197,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "bytes_per_token": d["bytes_per_token"],
         "read_bytes_per_token": d["read_bytes_per_token"],
         "ram_bytes_per_token": d["ram_bytes_per_token"],
+        "bytes_by_source_per_token": d["bytes_by_source_per_token"],
+        "prefill_bytes_by_source": summarize([prefill])["bytes_by_source_per_token"] | {"tokens": prefill.tokens},
         "raw_read_gbps": raw["gbps"] if raw else None,
         "achieved_read_gbps": d["read_bytes_per_token"] / s_per_tok / GB,
         # Only what had to come off the disk counts: bytes served from RAM (pinned layers, the head)
@@ -278,8 +283,9 @@ def format_table(r: dict) -> str:
     rows = [
         ("decode", f"{r['decode_tok_s']:.2f} tok/s ({r['decode_tokens']} tokens)"),
         ("prefill", f"{r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens), ttft {r['ttft_s'] * 1e3:.0f} ms"),
-        ("bytes/token", f"{r['bytes_per_token'] / 1e6:.2f} MB (read {r['read_bytes_per_token'] / 1e6:.2f}, "
-                        f"ram {r['ram_bytes_per_token'] / 1e6:.2f}); spine {sp['spine_bytes_per_token'] / 1e6:.2f} MB, "
+        ("bytes/token", f"{r['bytes_per_token'] / 1e6:.2f} MB ("
+                        + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_by_source_per_token"].items())
+                        + f"); spine {sp['spine_bytes_per_token'] / 1e6:.2f} MB, "
                         f"experts {sp['expert_bytes_per_token'] / 1e6:.2f} MB ({sp['experts_per_token']:.0f})"),
         ("time/token", f"compute {sp['compute_s_per_token'] * 1e3:.1f} ms, spine wait "
                        f"{sp['spine_wait_s_per_token'] * 1e3:.1f} ms, "
@@ -288,7 +294,7 @@ def format_table(r: dict) -> str:
         ("disk", _disk_line(r)),
         ("io efficiency", f"{r['io_efficiency']:.2f} ({r['io_efficiency_range'][0]:.2f}-"
                           f"{r['io_efficiency_range'][1]:.2f} against the faster / slower probe)"
-         if r["raw_read"] else "- (in RAM: nothing read per token)"),
+         if r["raw_read"] else "- (raw bandwidth not probed: " + _why_no_probe(r) + ")"),
         ("peak RSS", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"),
     ]
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
@@ -300,10 +306,14 @@ def format_table(r: dict) -> str:
     return head + "\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _why_no_probe(r: dict) -> str:
+    return "in RAM" if not r["streaming"] else "a hub repository, whose cache fills as it runs"
+
+
 def _disk_line(r: dict) -> str:
     raw = r["raw_read"]
     if raw is None:
-        return f"achieved {r['achieved_read_gbps']:.2f} GB/s (in RAM: raw bandwidth not probed)"
+        return f"achieved {r['achieved_read_gbps']:.2f} GB/s (raw bandwidth not probed: {_why_no_probe(r)})"
     before, after = (p["gbps"] for p in raw["probes"])
     return (f"achieved {r['achieved_read_gbps']:.2f} GB/s, raw {raw['gbps']:.2f} GB/s (probes before / after "
             f"decode {before:.2f} / {after:.2f}, spread {raw['spread'] * 100:.0f}%; cache drop: {r['cache_drop']})")

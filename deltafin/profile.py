@@ -40,10 +40,22 @@ class PassRecorder:
         return getattr(self._model, name)
 
 
+SOURCES = (("network", "bytes_from_network"), ("disk_cache", "bytes_from_cache"), ("disk", "bytes_read"),
+           ("ram", "bytes_from_ram"))
+
+
+def _by_source(s: PassStats) -> str:
+    """"net 1.00 cache 2.00 disk 3.00 ram 4.00 MB", leaving out the sources this model does not use."""
+    used = [(name, getattr(s, field)) for name, field in SOURCES
+            if getattr(s, field) or name in ("disk", "ram")]
+    return " ".join(f"{name.replace('disk_cache', 'cache').replace('network', 'net')} {n / MB:.2f}"
+                    for name, n in used) + " MB"
+
+
 def format_pass(index: int, s: PassStats) -> str:
-    """One line: pass number, tokens, time, bytes from disk and RAM, I/O waits, compute."""
-    return (f"pass {index:4d} {s.tokens:4d} tok {s.seconds * 1e3:9.1f} ms | read {s.bytes_read / MB:9.2f} MB "
-            f"ram {s.bytes_from_ram / MB:9.2f} MB | wait spine {s.spine_wait_seconds * 1e3:7.1f} ms "
+    """One line: pass number, tokens, time, bytes by source, I/O waits, compute."""
+    return (f"pass {index:4d} {s.tokens:4d} tok {s.seconds * 1e3:9.1f} ms | {_by_source(s)} "
+            f"| wait spine {s.spine_wait_seconds * 1e3:7.1f} ms "
             f"experts {s.expert_wait_seconds * 1e3:7.1f} ms | compute {s.compute_seconds * 1e3:8.1f} ms | "
             f"experts {s.experts_loaded}")
 
@@ -63,7 +75,10 @@ def summarize(passes: list[PassStats]) -> dict:
         "ms_per_token": total.seconds * 1e3 / n,
         "read_bytes_per_token": total.bytes_read / n,
         "ram_bytes_per_token": total.bytes_from_ram / n,
-        "bytes_per_token": (total.bytes_read + total.bytes_from_ram) / n,
+        "bytes_per_token": sum(getattr(total, field) for _, field in SOURCES) / n,
+        # Where each byte a token used came from: fetched from the hub for it, the hub's local
+        # cache, the model's own files, or memory.
+        "bytes_by_source_per_token": {name: getattr(total, field) / n for name, field in SOURCES},
         "experts_per_token": total.experts_loaded / n,
         "spine_wait_seconds": total.spine_wait_seconds,
         "expert_wait_seconds": total.expert_wait_seconds,
@@ -79,16 +94,15 @@ def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
     if prefill and passes:
         p = passes[0]
         lines.append(f"prefill: {p.tokens} tok in {p.seconds * 1e3:.1f} ms "
-                     f"({p.tokens / p.seconds if p.seconds > 0 else 0:.1f} tok/s), read {p.bytes_read / MB:.1f} MB, "
-                     f"ram {p.bytes_from_ram / MB:.1f} MB")
+                     f"({p.tokens / p.seconds if p.seconds > 0 else 0:.1f} tok/s), {_by_source(p)}")
         passes = passes[1:]
     if passes:
         d = summarize(passes)
         t = max(d["seconds"], 1e-12)
         lines.append(f"decode: {d['tokens']} tok in {d['passes']} passes, {d['tok_s']:.2f} tok/s, "
                      f"{d['ms_per_token']:.1f} ms/tok")
-        lines.append(f"  per token: read {d['read_bytes_per_token'] / MB:.2f} MB, "
-                     f"ram {d['ram_bytes_per_token'] / MB:.2f} MB, {d['experts_per_token']:.1f} experts; "
+        per = PassStats(**{field: round(d["bytes_by_source_per_token"][name]) for name, field in SOURCES})
+        lines.append(f"  per token: {_by_source(per)}, {d['experts_per_token']:.1f} experts; "
                      f"disk {d['read_gbps']:.2f} GB/s")
         lines.append(f"  time: compute {100 * d['compute_seconds'] / t:.0f}%, spine wait "
                      f"{100 * d['spine_wait_seconds'] / t:.0f}%, "

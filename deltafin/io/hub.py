@@ -451,7 +451,7 @@ class HubSource:
             if ref.exists():
                 return ref.read_text().strip()
             raise HubError(f"{root.name.replace('--', '/')} (revision {revision}): offline (HF_HUB_OFFLINE is set) "
-                           f"and never fetched into {root}; run once online first")
+                           f"and never fetched from the Hugging Face hub into {root}; run once online first")
         commit = resolve_commit(root.name.replace("--", "/"), revision, endpoint)
         ref.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(ref, commit.encode())
