@@ -253,7 +253,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="measure decode/prefill speed and I/O efficiency against the "
                                             "disk's raw read bandwidth",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint folder or converted store")
+    p.add_argument("--model", required=True, help="checkpoint folder, converted store, or hub repository owner/name")
     p.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (default 64)")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of a table")

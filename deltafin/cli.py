@@ -35,6 +35,9 @@ def default_model_path(settings: Settings) -> Path:
 
 def spine_message(source, path, chosen: str = "auto") -> str:
     """Which spine this run reads: whether it is exact, and how to get the exact (or a faster) one."""
+    if source.kind == "hub":
+        return (f"bf16 spine (exact); weights fetched from the hub as they are first used ({source.where}), "
+                f"cached in {source.path}")
     if source.kind == "hf":
         return (f"bf16 spine (exact) read from the Hugging Face folder (faster: deltafin convert {path} STORE "
                 "--spine int8, then --model STORE)")
@@ -66,7 +69,7 @@ def threads_message(model) -> str:
 
 def startup_message(model, path) -> str:
     """The start-up line: what runs, from where, with which numerics."""
-    return (f"deltafin: {Path(path).name}: {model.config.architecture}, {model.config.num_layers} layers, "
+    return (f"deltafin: {model.name}: {model.config.architecture}, {model.config.num_layers} layers, "
             f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
             f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}")
 
@@ -77,7 +80,8 @@ def _add_run(sub) -> None:
                        description="Generate text. Without --model, runs the built-in default model.")
     p.add_argument("prompt", nargs="?", default="The quick brown fox",
                    help="prompt text (default: %(default)r)")
-    p.add_argument("--model", help="checkpoint folder or converted store (default: built-in synthetic model)")
+    p.add_argument("--model", help="checkpoint folder, converted store, or hub repository owner/name (fetched "
+                   "lazily) (default: built-in synthetic model)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the checkpoint's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -713,7 +713,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                                           "/v1/completions, /v1/models, /health). Without --model, serves the "
                                           "built-in default model.")
     p.add_argument("--model", metavar="PATH",
-                   help="checkpoint folder or converted store (default: built-in synthetic model)")
+                   help="checkpoint folder, converted store, or hub repository owner/name (fetched lazily) "
+                        "(default: built-in synthetic model)")
     settings_mod.add_arguments(p, groups=("engine", "generate", "serve"))
     p.set_defaults(func=run_cli)
     return p

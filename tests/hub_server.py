@@ -9,7 +9,8 @@ with ``Content-Range``. Every body byte sent is counted.
 Faults are queued with ``fail(kind, match, times)`` and hit the next matching GETs of file data:
 ``429`` / ``503`` (with ``Retry-After: 0``), ``truncate`` (headers promise the full body, half is
 sent, then the connection closes), ``reset`` (the connection closes without an answer), ``slow``
-(the body trickles out in small pieces) and ``long`` (a 206 whose body is longer than the range).
+(the body trickles out in small pieces), ``long`` (a 206 whose body is longer than the range) and
+``stall`` (half the body, then silence until ``release`` is set; ``stalled`` says it began).
 
 Run as a script (``python tests/hub_server.py DIR owner/name``) it serves one folder until killed.
 """
@@ -33,7 +34,8 @@ class HubServer:
         self.repos: dict[str, tuple[Path, str]] = {}  # repo id -> (folder, commit)
         self.sent = 0  # body bytes sent
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, range)
-        self.faults: list[list] = []  # [kind, substring of the path, times left]
+        self.faults: list[list] = []  # [kind, substring of the file name, times left, matches to let pass]
+        self.stalled, self.release = threading.Event(), threading.Event()  # for the "stall" fault
         self.lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"hub": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -46,14 +48,19 @@ class HubServer:
         self.repos[repo_id] = (Path(folder), commit)
         return commit
 
-    def fail(self, kind: str, match: str = "", times: int = 1) -> None:
+    def fail(self, kind: str, match: str = "", times: int = 1, after: int = 0) -> None:
+        """The next `times` GETs of files whose name contains `match` fail with `kind`, once
+        `after` such GETs went through."""
         with self.lock:
-            self.faults.append([kind, match, times])
+            self.faults.append([kind, match, times, after])
 
-    def take_fault(self, path: str) -> str | None:
+    def take_fault(self, name: str) -> str | None:
         with self.lock:
             for f in self.faults:
-                if f[2] > 0 and f[1] in path:
+                if f[2] > 0 and f[1] in name:
+                    if f[3] > 0:
+                        f[3] -= 1
+                        continue
                     f[2] -= 1
                     return f[0]
         return None
@@ -156,9 +163,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not body:
             return
-        if fault == "truncate":
+        if fault in ("truncate", "stall"):
             data = data[:len(data) // 2]
             self.close_connection = True
+        if fault == "stall":  # half the body, then nothing until the test releases it
+            self.wfile.write(data)
+            self.wfile.flush()
+            hub.stalled.set()
+            hub.release.wait()
+            return
         step = 4096 if fault == "slow" else len(data) or 1
         for k in range(0, len(data), step):
             self.wfile.write(data[k:k + step])
