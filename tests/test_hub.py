@@ -206,6 +206,38 @@ def test_bad_input_is_refused(hub, tiny_k3_path, tmp_path):
     index["weight_map"]["lm_head.weight"] = "../../etc/passwd"
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     hub.add("org/bad", bad)
-    with pytest.raises(CheckpointError, match="not a plain file name"):
+    with pytest.raises(CheckpointError, match="not a path inside the repository"):
         HubSource("org/bad", Settings.resolve({"cache_dir": str(tmp_path / "c")}))
     assert not (tmp_path / "etc").exists()
+
+
+def test_a_killed_fetch_resumes_from_its_journal(hub, tiny_k3_path, tmp_path):
+    src = HubSource(REPO, Settings.resolve({"cache_dir": str(tmp_path), "hub_backoff": 0.001}))
+    entry, _ = src._spine_group(1)
+    assert len(entry.pieces) > 1
+    first = entry.pieces[0]
+    part = src.cache.path(entry).with_suffix(".part")
+    with open(tiny_k3_path / first.shard, "rb") as f:
+        f.seek(first.offset)
+        data = f.read(first.nbytes)
+    with open(part, "wb") as f:  # what a killed run had written and journaled
+        f.seek(first.at)
+        f.write(data)
+    part.with_name(part.name + ".log").write_text(f"{first.at} {first.nbytes}\n{first.at} 1")  # torn last line
+    hub.reset_counts()
+    src.cache.ensure([entry])
+    assert hub.sent == sum(p.nbytes for p in entry.pieces) - first.nbytes
+    assert check_entry_file(src.cache.path(entry)) and not part.exists()
+    src.close()
+
+
+def test_bench_splits_bytes_by_source(hub, tmp_path):
+    from deltafin.bench import format_table, run_bench
+    settings = Settings.resolve({"device": "cpu", "cache_dir": str(tmp_path), "hub_backoff": 0.001})
+    first = run_bench(REPO, tokens=2, prompt_tokens=4, settings=settings, drop_cache=False)
+    assert first["prefill_bytes_by_source"]["network"] > 0 and first["raw_read"] is None
+    assert "a hub repository" in format_table(first)
+    again = run_bench(REPO, tokens=2, prompt_tokens=4, settings=settings, drop_cache=False)
+    by = again["bytes_by_source_per_token"]
+    assert by["network"] == 0 and by["disk_cache"] > 0 and by["disk"] == 0
+    assert again["bytes_per_token"] == pytest.approx(sum(by.values()))

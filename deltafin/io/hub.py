@@ -34,7 +34,7 @@ import struct
 import sys
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,16 +237,17 @@ class EntryCache:
         self._make_room(sum(e.size for e in entries if e.evictable))
         parts = [_Part(self.folder, e) for e in entries]
         try:
-            parts = [p for p in parts if p.open()]  # False: another process finished it meanwhile
-            requests = _plan(parts)
-            for fut in [self._pool.submit(self._request, *r) for r in requests]:
+            todo = [p for p in parts if p.open()]  # not open(): another process finished it meanwhile
+            futures = [self._pool.submit(self._request, *r) for r in _plan(todo)]
+            wait(futures)  # all of them, even after an error: none may write into a closed part
+            for fut in futures:
                 fut.result()
-            for p in parts:
+            for p in todo:
                 p.finish()
                 if p.entry.evictable:
                     with self._lock:
                         self._expert_bytes += p.entry.size + TRAILER.size
-            if parts:
+            if todo:
                 fsync_dir(self.folder)
         finally:
             for p in parts:
