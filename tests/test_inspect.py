@@ -13,15 +13,21 @@ from deltafin.config import parse_config
 from deltafin.inspect import inspect_path
 
 
+def k3_dims(t: dict) -> tuple[int, ...]:
+    """The sizes the hand computations use, from a K3 text config."""
+    lac = t["linear_attn_config"]
+    return (t["hidden_size"], lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"],
+            t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"], t["qk_nope_head_dim"],
+            t["qk_rope_head_dim"], t["v_head_dim"], t["num_experts"], t["num_experts_per_token"],
+            t["moe_intermediate_size"], t["routed_expert_hidden_size"])
+
+
 def hand_figures(t: dict, vocab: int) -> dict:
     """Bytes of a K3 checkpoint written out from the tensor list of K3_MODEL.md section 2 (bf16 = 2 bytes)."""
-    H, V = t["hidden_size"], vocab
+    V = vocab
+    H, nh, d, K, mh, ql, kl, nope, rope, vd, E, k, I, L = k3_dims(t)
     lac = t["linear_attn_config"]
-    nh, d, K = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
     D = nh * d
-    mh, ql, kl = t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"]
-    nope, rope, vd = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
-    E, k, I, L = t["num_experts"], t["num_experts_per_token"], t["moe_intermediate_size"], t["routed_expert_hidden_size"]
     Is = I * t["num_shared_experts"]
     n = t["num_hidden_layers"]
     common = 2 * H * 2 + 4 * H * 2  # two layernorms + attn-res norm/proj pairs
@@ -104,13 +110,10 @@ def test_inspect_rejects_a_folder_without_config(tmp_path):
 def hand_params(t: dict) -> tuple[int, int]:
     """(total, active) parameters of a K3 text config, written out from K3_MODEL.md sections 1-2.
     Active: every spine parameter but the input embedding table, plus top-k routed experts."""
-    H, V, n = t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]
+    V, n = t["vocab_size"], t["num_hidden_layers"]
+    H, nh, d, K, mh, ql, kl, nope, rope, vd, E, k, I, L = k3_dims(t)
     lac = t["linear_attn_config"]
-    nh, d, K = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
     D = nh * d
-    mh, ql, kl = t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"]
-    nope, rope, vd = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
-    E, k, I, L = t["num_experts"], t["num_experts_per_token"], t["moe_intermediate_size"], t["routed_expert_hidden_size"]
     head = 2 * V * H + 3 * H  # embed, lm_head, final norm, output attn-res norm + proj
     common = 6 * H  # two layernorms, two attn-res norm + proj pairs
     kda = 5 * D * H + 3 * D * K + 128 + D + d * H + D * d + nh * H + d  # A_log stored padded to 128

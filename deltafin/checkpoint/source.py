@@ -60,7 +60,33 @@ def read_infos(infos: dict[str, TensorInfo], fd_of) -> dict[str, torch.Tensor]:
     return {k: bytes_to_tensor(pread_exact(fd_of(i.file), i.nbytes, i.offset, i.file), i) for k, i in infos.items()}
 
 
-class HFSource:
+class PublishedTensors:
+    """What sources of tensors stored as published (a Hugging Face folder, a hub repository) share:
+    decoding raw tensors into template slots, and whole-group reads through ``self.fd``."""
+
+    config: ModelConfig
+
+    def decode_spine(self, i: int, tensors: dict) -> dict:
+        return decode_spine(self.config, tensors)
+
+    def decode_expert(self, i: int, e: int, tensors: dict) -> tuple:
+        return decode_expert(self.config, e, tensors)
+
+    def decode_globals(self, tensors: dict) -> dict:
+        return decode_globals(tensors)
+
+    # conveniences for the in-RAM provider and tools
+    def read_globals(self) -> dict:
+        return self.decode_globals(read_infos(self.global_infos(), self.fd))
+
+    def read_spine(self, i: int) -> dict:
+        return self.decode_spine(i, read_infos(self.spine_infos(i), self.fd))
+
+    def read_expert(self, i: int, e: int) -> tuple:
+        return self.decode_expert(i, e, read_infos(self.expert_infos(i, e), self.fd))
+
+
+class HFSource(PublishedTensors):
     """Tensors straight from a Hugging Face checkpoint, at their safetensors offsets."""
 
     kind = "hf"
@@ -80,27 +106,8 @@ class HFSource:
     def expert_infos(self, i: int, e: int) -> dict[str, TensorInfo]:
         return {rel: self.ckpt.info(full_name(self.config, rel, i)) for rel in expert_tensors(self.config, i, e)}
 
-    def decode_spine(self, i: int, tensors: dict) -> dict:
-        return decode_spine(self.config, tensors)
-
-    def decode_expert(self, i: int, e: int, tensors: dict) -> tuple:
-        return decode_expert(self.config, e, tensors)
-
-    def decode_globals(self, tensors: dict) -> dict:
-        return decode_globals(tensors)
-
     def fd(self, file: str) -> int:
         return self.ckpt._fd(file)
-
-    # conveniences for the in-RAM provider and tools
-    def read_globals(self) -> dict:
-        return self.decode_globals(read_infos(self.global_infos(), self.fd))
-
-    def read_spine(self, i: int) -> dict:
-        return self.decode_spine(i, read_infos(self.spine_infos(i), self.fd))
-
-    def read_expert(self, i: int, e: int) -> tuple:
-        return self.decode_expert(i, e, read_infos(self.expert_infos(i, e), self.fd))
 
     def close(self) -> None:
         self.ckpt.close()

@@ -140,10 +140,11 @@ def resolve_commit(repo_id: str, revision: str, endpoint: str | None) -> str:
     try:
         meta = get_hf_file_metadata(url, endpoint=endpoint, retry_on_errors=True)
     except HfHubHTTPError as e:
-        raise HubError(f"{repo_id} (revision {revision}): cannot read its config.json from the hub "
+        raise HubError(f"{repo_id} (revision {revision}): cannot read its config.json from the Hugging Face hub "
                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
     except (httpx2.HTTPError, OSError) as e:  # connection refused, DNS, ...
-        raise HubError(f"{repo_id} (revision {revision}): cannot reach the hub ({type(e).__name__}: {e})") from None
+        raise HubError(f"{repo_id} (revision {revision}): cannot reach the Hugging Face hub "
+                       f"({type(e).__name__}: {e})") from None
     if not meta.commit_hash or not re.fullmatch(r"[0-9a-f]{40}", meta.commit_hash):
         raise HubError(f"{repo_id} (revision {revision}): the hub named no commit for it "
                        f"(X-Repo-Commit: {meta.commit_hash!r})")

@@ -42,7 +42,7 @@ from ..checkpoint.files import CheckpointError, FileHandles, fsync_dir
 from ..checkpoint.hf import TensorInfo, check_index, header_length, parse_safetensors_header, validate_infos, \
     weight_map_of
 from ..checkpoint.layout import expert_tensors, full_name, global_tensors, layer_spine_tensors
-from ..checkpoint.source import decode_expert, decode_globals, decode_spine, read_infos
+from ..checkpoint.source import PublishedTensors
 from ..config import ModelConfig, load_config
 from ..settings import Settings
 from .fetch import HubError, NotOnHub, Remote, resolve_commit
@@ -62,8 +62,9 @@ def is_repo_id(text: str) -> bool:
 
 
 def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
     from huggingface_hub import constants
-    return bool(constants.HF_HUB_OFFLINE)
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ class EntryCache:
         self._inflight: dict[str, threading.Event] = {}
         self._ready: set[str] = set()  # present and verified in this process
         self._pool = ThreadPoolExecutor(connections, thread_name_prefix="deltafin-fetch") if remote else None
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="deltafin-prefetch") if remote else None
+        # Two, so that the experts a layer waits for never queue behind the next layer's spine.
+        self._ahead = ThreadPoolExecutor(2, thread_name_prefix="deltafin-prefetch") if remote else None
         self._expert_bytes = sum(e.stat().st_size for e in os.scandir(folder)
                                  if e.name.startswith("expert-") and e.name.endswith(".bin"))
         self._warned_budget = False
@@ -405,7 +407,7 @@ class CachedFiles(Files):
         self.source.prefetch_files(files)
 
 
-class HubSource:
+class HubSource(PublishedTensors):
     """A weight source over a hub repository, fetched lazily into the entry cache."""
 
     kind = "hub"
@@ -556,15 +558,6 @@ class HubSource:
     def _extent(self, entry: Entry):
         return str(self.cache.path(entry)), 0, entry.size
 
-    def decode_spine(self, i: int, tensors: dict) -> dict:
-        return decode_spine(self.config, tensors)
-
-    def decode_expert(self, i: int, e: int, tensors: dict) -> tuple:
-        return decode_expert(self.config, e, tensors)
-
-    def decode_globals(self, tensors: dict) -> dict:
-        return decode_globals(tensors)
-
     def make_files(self, mode: str) -> CachedFiles:
         return CachedFiles(mode, self)
 
@@ -582,16 +575,6 @@ class HubSource:
     def fd(self, file: str) -> int:
         self.ensure_files([file])
         return self._files.get(file)
-
-    # conveniences for the in-RAM provider and tools
-    def read_globals(self) -> dict:
-        return self.decode_globals(read_infos(self.global_infos(), self.fd))
-
-    def read_spine(self, i: int) -> dict:
-        return self.decode_spine(i, read_infos(self.spine_infos(i), self.fd))
-
-    def read_expert(self, i: int, e: int) -> tuple:
-        return self.decode_expert(i, e, read_infos(self.expert_infos(i, e), self.fd))
 
     @property
     def bytes_received(self) -> int:
