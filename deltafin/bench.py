@@ -294,7 +294,8 @@ def format_table(r: dict) -> str:
         ("disk", _disk_line(r)),
         ("io efficiency", f"{r['io_efficiency']:.2f} ({r['io_efficiency_range'][0]:.2f}-"
                           f"{r['io_efficiency_range'][1]:.2f} against the faster / slower probe)"
-         if r["raw_read"] else "- (raw bandwidth not probed: " + _why_no_probe(r) + ")"),
+         if r["raw_read"] else "- (in RAM: nothing read per token)" if not r["streaming"]
+         else f"- ({_why_no_probe(r)}: raw bandwidth not probed)"),
         ("peak RSS", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"),
     ]
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
@@ -313,7 +314,7 @@ def _why_no_probe(r: dict) -> str:
 def _disk_line(r: dict) -> str:
     raw = r["raw_read"]
     if raw is None:
-        return f"achieved {r['achieved_read_gbps']:.2f} GB/s (raw bandwidth not probed: {_why_no_probe(r)})"
+        return f"achieved {r['achieved_read_gbps']:.2f} GB/s ({_why_no_probe(r)}: raw bandwidth not probed)"
     before, after = (p["gbps"] for p in raw["probes"])
     return (f"achieved {r['achieved_read_gbps']:.2f} GB/s, raw {raw['gbps']:.2f} GB/s (probes before / after "
             f"decode {before:.2f} / {after:.2f}, spread {raw['spread'] * 100:.0f}%; cache drop: {r['cache_drop']})")
