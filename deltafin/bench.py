@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .io.reader import SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
-from .profile import PassRecorder, summarize
+from .profile import SOURCES, PassRecorder, summarize
 from .settings import Settings, add_arguments, from_args
 
 GB = 1e9
@@ -198,7 +198,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "read_bytes_per_token": d["read_bytes_per_token"],
         "ram_bytes_per_token": d["ram_bytes_per_token"],
         "bytes_by_source_per_token": d["bytes_by_source_per_token"],
-        "prefill_bytes_by_source": summarize([prefill])["bytes_by_source_per_token"] | {"tokens": prefill.tokens},
+        "prefill_bytes_by_source": {name: getattr(prefill, field) for name, field in SOURCES} | {"tokens": prefill.tokens},
         "raw_read_gbps": raw["gbps"] if raw else None,
         "achieved_read_gbps": d["read_bytes_per_token"] / s_per_tok / GB,
         # Only what had to come off the disk counts: bytes served from RAM (pinned layers, the head)

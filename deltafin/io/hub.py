@@ -141,6 +141,7 @@ class EntryCache:
                                  if e.name.startswith("expert-") and e.name.endswith(".bin"))
         self._warned_budget = False
         self._bar = None
+        self._group: list[Entry] = []  # offline: the entries last asked for together
 
     def path(self, entry: Entry) -> Path:
         return self.folder / (entry.name + ".bin")
@@ -164,10 +165,12 @@ class EntryCache:
     def prefetch(self, entries: list[Entry]) -> None:
         """Start fetching the entries that are missing, without waiting (readers that need one of
         them wait for this fetch instead of starting their own)."""
-        if self._ahead is not None:
-            todo, _ = self._claim(entries)
-            if todo:
-                self._ahead.submit(self._quiet_run, todo)
+        if self._ahead is None:  # offline: remember the group, so that a miss names all of its misses
+            self._group = list(entries)
+            return
+        todo, _ = self._claim(entries)
+        if todo:
+            self._ahead.submit(self._quiet_run, todo)
 
     def _claim(self, entries: list[Entry]) -> tuple[list[Entry], list]:
         """(entries this thread must settle, (entry, event) pairs other threads are settling)."""
@@ -232,6 +235,7 @@ class EntryCache:
     # -- fetch -------------------------------------------------------------------------------
     def _fetch(self, entries: list[Entry]) -> None:
         if self.remote is None:
+            entries = [e for e in dict.fromkeys(entries + self._group) if not self.present(e)]
             total = sum(e.size for e in entries)
             raise HubError(f"{self.where}: offline (HF_HUB_OFFLINE is set) and not in the cache {self.folder}: "
                            + ", ".join(e.label for e in entries) + f" ({total / 1e6:.1f} MB); run once online "
