@@ -122,21 +122,24 @@ def peak_rss_bytes() -> int:
 
 
 def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, settings: Settings | None = None,
-              seed: int = 0, drop_cache: bool = True) -> dict:
-    """Prefill a random prompt, decode `tokens` tokens greedily (no speculation) between two raw
-    read probes when streaming; return one flat record (see the module docstring)."""
+              seed: int = 0, drop_cache: bool = True, batch: int = 1) -> dict:
+    """Prefill `batch` random prompts, decode `tokens` tokens of each greedily (no speculation, one
+    token of every sequence per pass) between two raw read probes when streaming; return one flat
+    record (see the module docstring). Token rates and bytes per token count every sequence's tokens."""
     from .api import load
     if tokens < 2:
         raise ValueError("bench needs at least 2 tokens (the first comes from the prefill)")
     if prompt_tokens < 1:
         raise ValueError("bench needs a prompt of at least 1 token")
+    if batch < 1:
+        raise ValueError("bench needs a batch of at least 1 sequence")
     settings = settings or Settings.resolve({})
     t0 = time.perf_counter()
     model = load(path, settings=settings)
     load_seconds = time.perf_counter() - t0
     cfg = model.config
     rng = random.Random(seed)
-    prompt = [rng.randrange(cfg.vocab_size) for _ in range(prompt_tokens)]
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(prompt_tokens)] for _ in range(batch)]
     # In RAM every weight was read at load: there is nothing to evict and no disk to measure. A hub
     # repository's cache fills as the run goes: nothing to evict beforehand, and probing random
     # experts would fetch them over the network.
@@ -162,7 +165,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     rec = PassRecorder(model, on_pass)
     cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
-    gen_stats = _decode(rec, prompt, tokens)
+    gen_stats = _decode(rec, prompts, tokens)
     if len(rec.passes) < 2:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
@@ -189,6 +192,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "product_dtype": settings.dtype,
         "threads": model.threads,
         "prompt_tokens": prompt_tokens,
+        "batch": batch,
         "decode_tokens": d["tokens"],
         "decode_tok_s": d["tokens"] / decode_seconds,
         "prefill_tok_s": prefill.tokens / prefill.seconds,
@@ -233,19 +237,15 @@ def _expert_bytes(source) -> int:
     return sum(t.nbytes for t in source.expert_infos(moe[0], 0).values()) if moe else 0
 
 
-def _decode(rec: PassRecorder, prompt: list[int], tokens: int) -> dict:
-    """Greedy decoding of `tokens` tokens without speculation and without stopping at EOS."""
-    try:
-        from .generate import generate
-    except ImportError:
-        generate = None
-    if generate is not None:
-        return generate(rec, prompt, tokens, speculate=False, eos_token_ids=[]).stats
-    state = rec.new_state()
-    token = int(rec.forward(prompt, state)[-1].argmax())
-    for _ in range(tokens - 1):
-        token = int(rec.forward([token], state)[-1].argmax())
-    return {"tokens_per_pass": 1.0}
+def _decode(rec: PassRecorder, prompts: list[list[int]], tokens: int) -> dict:
+    """Greedy decoding of `tokens` tokens per prompt, without speculation and without stopping at
+    EOS; the prompts run together, one token of each per pass."""
+    from .generate import Decoding
+    runs = [Decoding(rec, p, tokens, speculate=False, eos_token_ids=[]) for p in prompts]
+    while not runs[0].done:  # all of them end together
+        for d, logits in zip(runs, rec.forward_batch([d.next_pass() for d in runs])):
+            d.take(logits)
+    return runs[0].result().stats
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -256,6 +256,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint folder, converted store, or hub repository owner/name")
     p.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (default 64)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together, sharing every pass; "
+                                                        "rates count all of them (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of a table")
     p.add_argument("--drop-cache", default=True, action=argparse.BooleanOptionalAction,
                    help="when streaming, evict the model's own files (only those, per file) from the page "
@@ -269,7 +271,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 def handle_cli(args: argparse.Namespace) -> int:
     settings = from_args(args)
     r = run_bench(args.model, tokens=args.tokens, prompt_tokens=args.prompt_tokens, settings=settings,
-                  drop_cache=args.drop_cache)
+                  drop_cache=args.drop_cache, batch=args.batch)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -281,7 +283,7 @@ def format_table(r: dict) -> str:
     s, m = r["settings"], r["machine"]
     sp = r["io_split"]
     rows = [
-        ("decode", f"{r['decode_tok_s']:.2f} tok/s ({r['decode_tokens']} tokens)"),
+        ("decode", f"{r['decode_tok_s']:.2f} tok/s ({r['decode_tokens']} tokens, batch {r['batch']})"),
         ("prefill", f"{r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens), ttft {r['ttft_s'] * 1e3:.0f} ms"),
         ("bytes/token", f"{r['bytes_per_token'] / 1e6:.2f} MB ("
                         + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_by_source_per_token"].items())

@@ -1,5 +1,9 @@
 """One forward pass over all layers: get the layer's weights, bind, compute, account.
 
+A pass may carry several sequences (``forward_batch``): their rows are concatenated, so each
+weight is read once for all of them, and each layer runs attention per sequence on that
+sequence's own state; the routed experts read are the union of what the rows chose.
+
 The engine does not know where weights come from. A *provider* hands it each layer's spine (in
 order, so it can read ahead) and the routed experts the router chose; ``io.ram`` keeps a whole
 model in memory, ``io.stream`` reads it from disk per layer. Timing and byte counts are kept in a

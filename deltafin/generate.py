@@ -178,9 +178,10 @@ class Decoding:
     def done(self) -> bool:
         return self.finish is not None
 
-    def next_pass(self) -> Seq:
+    def next_pass(self, max_draft: int | None = None) -> Seq:
         """What the next forward pass feeds this sequence: the next piece of the prompt, or the last
-        produced token followed by a draft (verified in the same pass)."""
+        produced token followed by a draft (verified in the same pass) of at most draft_len tokens,
+        and at most ``max_draft`` when given. Drafts change speed only, never the output."""
         if self.done:
             raise RuntimeError("this generation has ended")
         if not self._times:
@@ -194,6 +195,8 @@ class Decoding:
         if self.spec:
             # No point verifying more tokens than may still be produced (the bonus token is one).
             room = min(self.draft_len, self.max_new - len(self.generated) - 1)
+            if max_draft is not None:
+                room = min(room, max_draft)
             if room > 0:
                 draft = _check_ids(list(self.drafter(self.context, room))[:room], self.vocab, "draft")
         self._pass = (self.state.num_tokens, draft)

@@ -28,6 +28,12 @@ from .generate import Decoding
 
 log = logging.getLogger(__name__)
 
+# Rows a pass of decoding sequences may carry, drafts included. The native CPU products read each
+# weight once for up to this many rows (kernels.cpu_native.GEMV_MAX_ROWS); past it every product
+# pays for the extra rows, so with many sequences in the pass their drafts shrink to fit (a
+# sequence alone keeps the full draft_len).
+PASS_ROWS = 16
+
 
 @dataclass
 class _Request:
@@ -112,8 +118,10 @@ class Scheduler:
         self._retire()
         if not self._active:
             return
+        decoding = sum(r.decoding.fed == len(r.decoding.prompt) for r in self._active)
+        room = max(0, PASS_ROWS // max(decoding, 1) - 1)
         try:
-            seqs = [r.decoding.next_pass() for r in self._active]
+            seqs = [r.decoding.next_pass(room) for r in self._active]
             logits = self.model.forward_batch(seqs)
         except Exception as e:  # a failed pass leaves every state in it unusable
             log.exception("a forward pass over %d request(s) failed", len(self._active))

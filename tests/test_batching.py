@@ -257,3 +257,28 @@ def test_server_answers_equal_each_request_served_alone(model, clients):
         if clients > 1:  # the concurrent requests shared passes
             assert scheduler.passes - alone_passes < alone_passes
         assert srv.request("GET", "/health")[1]["running"] == 0
+
+
+def test_load_tool_reports_a_run(model):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_serve import RunningServer
+    tool = [sys.executable, str(Path(__file__).parent.parent / "tools" / "load.py")]
+    bad = subprocess.run(tool + ["--clients", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--clients must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+    gone = subprocess.run(tool + ["--url", "http://127.0.0.1:9/v1"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "cannot reach" in gone.stderr and "Traceback" not in gone.stderr
+    settings = dataclasses.replace(model.settings, max_batch=4, prefill_chunk=4)
+    with RunningServer(create_app(model, settings=settings)) as srv:
+        url = f"http://127.0.0.1:{srv.port}/v1"
+        run = subprocess.run(tool + ["--url", url, "--clients", "3", "--max-tokens", "4", "--prompt-tokens", "5",
+                                     "--join-prompt-tokens", "20", "--requests", "2"],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert r["clients"] == 3 and r["completion_tokens"] == 3 * 2 * 4 and r["errors"] == []
+    assert r["ttft"]["n"] == 6 and r["itl"]["n"] > 0 and r["itl"]["p95_ms"] >= r["itl"]["p50_ms"]
+    assert r["join"]["prompt_tokens"] == 20 and r["join"]["ttft_s"] > 0

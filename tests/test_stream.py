@@ -248,3 +248,18 @@ def test_drop_file_cache_evicts_only_the_files_given(tmp_path):
     assert drop_file_cache([ours]) == "fadvise"
     assert cached_fraction([ours]) == 0.0
     assert cached_fraction([theirs]) > 0.99  # nobody else's cache was emptied
+
+
+def test_bench_batch_shares_each_pass(tiny_k3_path, capsys):
+    """--batch N decodes N sequences together: N tokens per pass, the spine read once for all."""
+    common = ("--model", tiny_k3_path, "--no-drop-cache", "--stream", "on", "--io-workers", "2")
+    one = _bench_json(capsys, *common, "--batch", "1")
+    three = _bench_json(capsys, *common, "--batch", "3")
+    assert three["batch"] == 3 and three["decode_tokens"] == 3 * one["decode_tokens"] == 6
+    assert three["read_bytes_per_token"] < one["read_bytes_per_token"]
+    from deltafin.bench import add_cli
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--model", str(tiny_k3_path), "--batch", "0"])
+    with pytest.raises(ValueError, match="batch of at least 1"):
+        args.func(args)

@@ -1,0 +1,144 @@
+"""Load a running ``deltafin serve`` with N concurrent streaming clients (the real openai client).
+
+Each client sends its requests one after another: a prompt of ``--prompt-tokens`` token ids (a
+different one per request, so the server's memo never answers) with ``--max-tokens`` and
+``--temperature``. Printed as one JSON record: aggregate completion tok/s over the whole run,
+time to first token and inter-token latency (p50 / p95) over every stream.
+
+``--join-prompt-tokens N`` also measures what admitting a newcomer costs the streams already
+running: once every client is streaming, one more client sends an N-token prompt, and the
+inter-token latency of the running streams is reported separately for the window in which the
+newcomer's prompt is being read (from its send to its first token) and for the time before.
+
+    python tools/load.py --url http://127.0.0.1:8000/v1 --clients 4 --max-tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import openai
+
+
+@dataclass
+class Stream:
+    sent: float
+    arrivals: list[float] = field(default_factory=list)  # one per content chunk
+    completion_tokens: int = 0
+
+
+def _prompt(rng: random.Random, n: int, top: int) -> list[int]:
+    # Clear of the special tokens that vocabularies put first.
+    return [rng.randrange(min(10, top - 1), top) for _ in range(n)]
+
+
+def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int, temperature: float,
+               seed: int) -> Stream:
+    s = Stream(sent=time.perf_counter())
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                         seed=seed, stream=True, stream_options={"include_usage": True})
+    for chunk in response:
+        if chunk.usage is not None:
+            s.completion_tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            s.arrivals.append(time.perf_counter())
+    return s
+
+
+def gaps(streams: list[Stream], start: float = float("-inf"), end: float = float("inf")) -> list[float]:
+    """Inter-token gaps (seconds) of the given streams whose later chunk arrived in [start, end)."""
+    return [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:]) if start <= b < end]
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0, "p50_ms": None, "p95_ms": None}
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3  # noqa: E731
+    return {"n": len(xs), "p50_ms": pick(0.50), "p95_ms": pick(0.95), "mean_ms": statistics.fmean(xs) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 base URL")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    p.add_argument("--requests", type=int, default=1, help="requests per client, one after another (default 1)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length in tokens (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--join-prompt-tokens", type=int, default=0,
+                   help="once all clients stream, one more client sends a prompt this long (0 = none)")
+    p.add_argument("--max-token-id", type=int, default=500,
+                   help="prompt token ids are drawn below this (must be inside the model's vocabulary)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("clients", "requests", "prompt_tokens", "max_tokens", "max_token_id"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+    client = openai.OpenAI(base_url=args.url, api_key="unused", max_retries=0, timeout=3600)
+    try:
+        model = client.models.list().data[0].id
+    except openai.APIConnectionError as e:
+        print(f"load: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    streams: list[list[Stream]] = [[] for _ in range(args.clients)]
+    errors: list[str] = []
+    started = threading.Barrier(args.clients + 1)
+
+    def work(c: int) -> None:
+        rng = random.Random(args.seed * 1_000_003 + c)
+        try:
+            started.wait()
+            for r in range(args.requests):
+                streams[c].append(run_stream(client, model, _prompt(rng, args.prompt_tokens, args.max_token_id), args.max_tokens,
+                                             args.temperature, seed=c * 1000 + r))
+        except Exception as e:  # reported, not raised: the other clients' figures still count
+            errors.append(f"client {c}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(args.clients)]
+    for t in threads:
+        t.start()
+    started.wait()
+    t0 = time.perf_counter()
+    joined = None
+    if args.join_prompt_tokens:
+        # Wait until every client's first stream has produced a few tokens, then join.
+        while any(not s or len(s[0].arrivals) < 3 for s in streams) and not errors:
+            time.sleep(0.01)
+        try:
+            joined = run_stream(client, model, _prompt(random.Random(-1), args.join_prompt_tokens,
+                                                       args.max_token_id), 1, args.temperature, seed=0)
+        except Exception as e:
+            errors.append(f"joining client: {type(e).__name__}: {e}")
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    everything = [s for per in streams for s in per]
+    tokens = sum(s.completion_tokens for s in everything)
+    record = {
+        "url": args.url, "model": model, "clients": args.clients, "requests_per_client": args.requests,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "completion_tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft": percentiles([s.arrivals[0] - s.sent for s in everything if s.arrivals]),
+        "itl": percentiles(gaps(everything)),
+        "errors": errors,
+    }
+    if joined is not None and joined.arrivals:
+        record["join"] = {
+            "prompt_tokens": args.join_prompt_tokens, "ttft_s": joined.arrivals[0] - joined.sent,
+            "itl_before": percentiles(gaps(everything, end=joined.sent)),
+            "itl_while_joining": percentiles(gaps(everything, joined.sent, joined.arrivals[0])),
+        }
+    print(json.dumps(record, indent=2))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
