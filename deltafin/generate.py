@@ -178,16 +178,23 @@ class Decoding:
     def done(self) -> bool:
         return self.finish is not None
 
-    def next_pass(self, max_draft: int | None = None) -> Seq:
-        """What the next forward pass feeds this sequence: the next piece of the prompt, or the last
-        produced token followed by a draft (verified in the same pass) of at most draft_len tokens,
-        and at most ``max_draft`` when given. Drafts change speed only, never the output."""
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    def next_pass(self, max_draft: int | None = None, max_prompt: int | None = None) -> Seq:
+        """What the next forward pass feeds this sequence: the next piece of the prompt (at most
+        ``prefill_chunk`` tokens, and at most ``max_prompt`` when given), or the last produced
+        token followed by a draft (verified in the same pass) of at most draft_len tokens, and at
+        most ``max_draft`` when given. Neither limit changes the output beyond rounding: drafts
+        only change speed, and a prompt read in other pieces gives the same state."""
         if self.done:
             raise RuntimeError("this generation has ended")
         if not self._times:
             self._times.append(time.perf_counter())
-        if self.fed < len(self.prompt):
-            piece = self.prompt[self.fed:self.fed + self.prefill_chunk]
+        if self.prefilling:
+            n = self.prefill_chunk if max_prompt is None else max(1, min(self.prefill_chunk, max_prompt))
+            piece = self.prompt[self.fed:self.fed + n]
             last = self.fed + len(piece) == len(self.prompt)
             self._pass = (self.state.num_tokens, [])
             return Seq(piece, self.state, False, "last" if last else "none")
@@ -208,9 +215,9 @@ class Decoding:
             raise RuntimeError("take() without a pass in flight: call next_pass() first")
         before, draft = self._pass
         self._pass = None
-        if self.fed < len(self.prompt):
+        if self.prefilling:
             self.fed += self.state.num_tokens - before
-            if self.fed < len(self.prompt):
+            if self.prefilling:
                 return
             token = self._pick(logits)[0]
             if self.on_prefill is not None:

@@ -8,10 +8,14 @@ any request is active:
     ask each active ``Decoding`` what to feed  ->  one ``forward_batch``  ->  hand each its logits
     ->  resolve the finished ones, which leave
 
-Requests join and leave between passes. A newcomer's prompt is fed ``prefill_chunk`` tokens per
-pass, so the streams already running keep getting a token every pass while it is read in. How a
-request is fed never depends on the others (its chunks, drafts and sampling generator are its
-own), so its output is the one it gets served alone.
+Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
+rows: a newcomer's prompt goes in pieces that fill what the decoding sequences leave (one
+newcomer at a time, the earliest first), and their drafts shrink to fit, so the streams already
+running keep their pace while it is read in. With nobody decoding, prompts go in pieces of
+``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator; pieces and
+draft lengths change speed only, so its output is the one it gets served alone (up to the
+rounding of products over a different number of rows, which leaves greedy tokens and seeded
+samples unchanged in the tests).
 
 What it holds: the waiting and active requests, each with its own ``DecodeState`` (handed in
 pre-filled, or a fresh one). Nothing else outlives a request.
@@ -28,12 +32,11 @@ from .generate import Decoding
 
 log = logging.getLogger(__name__)
 
-# Rows a pass of decoding sequences may carry, drafts included. The native CPU products read each
-# weight once for up to this many rows (kernels.cpu_native.GEMV_MAX_ROWS); past it every product
-# pays for the extra rows, so with many sequences in the pass their drafts shrink to fit (a
-# sequence alone keeps the full draft_len).
+# Rows a pass carries while sequences are decoding (their tokens and drafts, plus a newcomer's
+# prompt piece). The native CPU products read each weight once for up to this many rows
+# (kernels.cpu_native.GEMV_MAX_ROWS); past it every product pays for the extra rows, and the
+# running streams' inter-token time with it.
 PASS_ROWS = 16
-
 
 @dataclass
 class _Request:
@@ -118,11 +121,9 @@ class Scheduler:
         self._retire()
         if not self._active:
             return
-        decoding = sum(r.decoding.fed == len(r.decoding.prompt) for r in self._active)
-        room = max(0, PASS_ROWS // max(decoding, 1) - 1)
+        batch = self._plan()
         try:
-            seqs = [r.decoding.next_pass(room) for r in self._active]
-            logits = self.model.forward_batch(seqs)
+            logits = self.model.forward_batch([seq for _, seq in batch])
         except Exception as e:  # a failed pass leaves every state in it unusable
             log.exception("a forward pass over %d request(s) failed", len(self._active))
             for r in self._active:
@@ -130,12 +131,27 @@ class Scheduler:
             self._active.clear()
             return
         self.passes += 1
-        for r, out in zip(self._active, logits):
+        for (r, _), out in zip(batch, logits):
             try:
                 r.decoding.take(out)
             except Exception as e:  # this request's own callback or checks: only it fails
                 r.future.set_exception(e)
         self._retire()
+
+    def _plan(self) -> list:
+        """(request, Seq) for each request in this pass (see the module docstring for the rows)."""
+        decoding = [r for r in self._active if not r.decoding.prefilling]
+        prefilling = [r for r in self._active if r.decoding.prefilling]
+        if not decoding:
+            return [(r, r.decoding.next_pass()) for r in prefilling]
+        # The newcomer's piece first: it takes what one token per decoding sequence leaves.
+        batch = []
+        if prefilling:
+            r = prefilling[0]
+            batch.append((r, r.decoding.next_pass(max_prompt=PASS_ROWS - len(decoding))))
+        room = PASS_ROWS - sum(len(seq.ids) for _, seq in batch)
+        draft = max(0, room // len(decoding) - 1)
+        return batch + [(r, r.decoding.next_pass(max_draft=draft)) for r in decoding]
 
     def _retire(self) -> None:
         still = []

@@ -76,8 +76,8 @@ class Settings:
     max_tokens_cap: int = _knob(4096, "server-side cap on max_tokens per request", group="serve")
     max_batch: int = _knob(8, "generations the server runs together, sharing every weight pass (1 = one at a "
                            "time)", group="serve")
-    prefill_chunk: int = _knob(64, "prompt tokens a newcomer feeds per batched pass, so running streams keep "
-                               "their pace while it is read in", group="serve")
+    prefill_chunk: int = _knob(256, "prompt tokens fed per pass while no other request is decoding (while "
+                               "others decode, a newcomer's pieces shrink to keep their pace)", group="serve")
     max_model_len: int = _knob(0, "longest prompt + reply the server accepts, in tokens; 0 = the model's context",
                                group="serve")
     api_key: str = _knob("", "require 'Authorization: Bearer KEY' on every /v1 route; empty = no key",

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     joined = None
     if args.join_prompt_tokens:
         # Wait until every client's first stream has produced a few tokens, then join.
-        while any(not s or len(s[0].arrivals) < 3 for s in streams) and not errors:
+        while any(not s or len(s[0].arrivals) < 6 for s in streams) and not errors:
             time.sleep(0.01)
         try:
             joined = run_stream(client, model, _prompt(random.Random(-1), args.join_prompt_tokens,
