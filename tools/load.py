@@ -1,7 +1,8 @@
 """Load a running ``deltafin serve`` with N concurrent streaming clients (the real openai client).
 
 Each client sends its requests one after another: a prompt of ``--prompt-tokens`` token ids (a
-different one per request, so the server's memo never answers) with ``--max-tokens`` and
+different one per request and per run unless ``--seed`` is given, so the server's memo of
+deterministic answers never answers) with ``--max-tokens`` and
 ``--temperature``. Printed as one JSON record: aggregate completion tok/s over the whole run,
 time to first token and inter-token latency (p50 / p95) over every stream.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -31,6 +33,12 @@ class Stream:
     sent: float
     arrivals: list[float] = field(default_factory=list)  # one per content chunk
     completion_tokens: int = 0
+    ended: float = 0.0
+
+    @property
+    def first(self) -> float:
+        """When the first text came (or the stream ended, for an answer without visible text)."""
+        return self.arrivals[0] if self.arrivals else self.ended
 
 
 def _prompt(rng: random.Random, n: int, top: int) -> list[int]:
@@ -48,6 +56,7 @@ def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens:
             s.completion_tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].text:
             s.arrivals.append(time.perf_counter())
+    s.ended = time.perf_counter()
     return s
 
 
@@ -76,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="once all clients stream, one more client sends a prompt this long (0 = none)")
     p.add_argument("--max-token-id", type=int, default=500,
                    help="prompt token ids are drawn below this (must be inside the model's vocabulary)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="makes the prompts repeatable (a repeated greedy run is then answered from the memo)")
     args = p.parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
     for name in ("clients", "requests", "prompt_tokens", "max_tokens", "max_token_id"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     started = threading.Barrier(args.clients + 1)
 
     def work(c: int) -> None:
-        rng = random.Random(args.seed * 1_000_003 + c)
+        rng = random.Random(seed * 1_000_003 + c)
         try:
             started.wait()
             for r in range(args.requests):
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         while any(not s or len(s[0].arrivals) < 6 for s in streams) and not errors:
             time.sleep(0.01)
         try:
-            joined = run_stream(client, model, _prompt(random.Random(-1), args.join_prompt_tokens,
+            joined = run_stream(client, model, _prompt(random.Random(seed - 1), args.join_prompt_tokens,
                                                        args.max_token_id), 1, args.temperature, seed=0)
         except Exception as e:
             errors.append(f"joining client: {type(e).__name__}: {e}")
@@ -125,16 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "url": args.url, "model": model, "clients": args.clients, "requests_per_client": args.requests,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "seed": seed,
         "completion_tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall if wall > 0 else 0.0,
-        "ttft": percentiles([s.arrivals[0] - s.sent for s in everything if s.arrivals]),
+        "ttft": percentiles([s.first - s.sent for s in everything]),
         "itl": percentiles(gaps(everything)),
         "errors": errors,
     }
-    if joined is not None and joined.arrivals:
+    if joined is not None:
         record["join"] = {
-            "prompt_tokens": args.join_prompt_tokens, "ttft_s": joined.arrivals[0] - joined.sent,
+            "prompt_tokens": args.join_prompt_tokens, "ttft_s": joined.first - joined.sent,
             "itl_before": percentiles(gaps(everything, end=joined.sent)),
-            "itl_while_joining": percentiles(gaps(everything, joined.sent, joined.arrivals[0])),
+            "itl_while_joining": percentiles(gaps(everything, joined.sent, joined.first)),
         }
     print(json.dumps(record, indent=2))
     return 1 if errors else 0
