@@ -9,8 +9,8 @@ any request is active:
     ->  resolve the finished ones, which leave
 
 Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
-rows: a newcomer's prompt goes in pieces that fill what the decoding sequences leave (one
-newcomer at a time, the earliest first), and their drafts shrink to fit, so the streams already
+rows: newcomers' prompts go in pieces that fill what the decoding sequences leave (earliest
+first), and their drafts shrink to fit, so the streams already
 running keep their pace while it is read in. With nobody decoding, prompts go in pieces of
 ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator; pieces and
 draft lengths change speed only, so its output is the one it gets served alone (up to the
@@ -144,11 +144,15 @@ class Scheduler:
         prefilling = [r for r in self._active if r.decoding.prefilling]
         if not decoding:
             return [(r, r.decoding.next_pass()) for r in prefilling]
-        # The newcomer's piece first: it takes what one token per decoding sequence leaves.
+        # Newcomers first, earliest first: their pieces share what one token per decoding sequence
+        # leaves (at least one token per pass for the earliest, so it always advances).
         batch = []
-        if prefilling:
-            r = prefilling[0]
-            batch.append((r, r.decoding.next_pass(max_prompt=PASS_ROWS - len(decoding))))
+        room = PASS_ROWS - len(decoding)
+        for r in prefilling:
+            if batch and room <= 0:
+                break
+            batch.append((r, r.decoding.next_pass(max_prompt=room)))
+            room -= len(batch[-1][1].ids)
         room = PASS_ROWS - sum(len(seq.ids) for _, seq in batch)
         draft = max(0, room // len(decoding) - 1)
         return batch + [(r, r.decoding.next_pass(max_draft=draft)) for r in decoding]
