@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     joined = None
     if args.join_prompt_tokens:
-        # Wait until every client's first stream has produced a few tokens, then join.
-        while any(not s or len(s[0].arrivals) < 6 for s in streams) and not errors:
+        # Join once every client's first stream has shown a few tokens (or the clients are done).
+        need = max(1, min(6, args.max_tokens // 2))
+        while (any(not s or len(s[0].arrivals) < need for s in streams) and not errors
+               and any(t.is_alive() for t in threads)):
             time.sleep(0.01)
         try:
             joined = run_stream(client, model, _prompt(random.Random(seed - 1), args.join_prompt_tokens,
