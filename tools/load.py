@@ -47,8 +47,11 @@ def _prompt(rng: random.Random, n: int, top: int) -> list[int]:
 
 
 def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int, temperature: float,
-               seed: int) -> Stream:
+               seed: int, into: list[Stream] | None = None) -> Stream:
+    """One streamed completion; appended to ``into`` as it starts, so others can watch it grow."""
     s = Stream(sent=time.perf_counter())
+    if into is not None:
+        into.append(s)
     response = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                          seed=seed, stream=True, stream_options={"include_usage": True})
     for chunk in response:
@@ -108,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             started.wait()
             for r in range(args.requests):
-                streams[c].append(run_stream(client, model, _prompt(rng, args.prompt_tokens, args.max_token_id), args.max_tokens,
-                                             args.temperature, seed=c * 1000 + r))
+                run_stream(client, model, _prompt(rng, args.prompt_tokens, args.max_token_id), args.max_tokens,
+                           args.temperature, seed=c * 1000 + r, into=streams[c])
         except Exception as e:  # reported, not raised: the other clients' figures still count
             errors.append(f"client {c}: {type(e).__name__}: {e}")
 
