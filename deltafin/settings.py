@@ -33,10 +33,11 @@ class Settings:
     device: str = _knob("auto", "compute device: auto (cuda, then mps, then cpu) | cpu | cuda[:N] | mps")
     dtype: str = _knob("float32", "dtype of the spine's matrix products (states, norms and the residual stream "
                        "stay float32). float32 is the exact reference. bfloat16 / float16 round each product's "
-                       "input row and result (their distance from float32 is measured in the tests) and run "
-                       "on the 16-bit matrix units of CUDA / MPS devices; on the CPU they run the same native "
-                       "kernels as float32 at the same speed (decoding there is bound by reading the stored "
-                       "weights), so float32 is the choice there",
+                       "input row and result (their distance from float32 is measured in the tests) and are "
+                       "faster on CUDA / MPS (16-bit matrix units) and, for prefill, on CPUs with 16-bit "
+                       "instructions (AVX512-BF16, AMX). On the CPU decoding runs the same native kernels "
+                       "for every dtype, at the same speed (it is bound by reading the stored weights), "
+                       "so there float32 costs nothing when decoding",
                        choices=("float32", "bfloat16", "float16"))
     stream: str = _knob("auto", "stream weights from disk per layer (on), keep them in RAM (off), "
                         "or decide from the model size and free RAM (auto)", choices=("auto", "on", "off"))

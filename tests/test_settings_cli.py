@@ -106,7 +106,7 @@ def test_help_says_what_auto_threads_and_16_bit_products_do(capsys):
         main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "0 = auto: every core when the model is in RAM; when streaming, one fewer than the cores" in out
-    assert "on the CPU they run the same native kernels as float32 at the same speed" in out
+    assert "On the CPU decoding runs the same native kernels for every dtype, at the same speed" in out
 
 
 def test_start_up_line_says_what_auto_threads_chose(tiny_k3_path):

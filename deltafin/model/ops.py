@@ -1,6 +1,7 @@
 """Small numeric building blocks shared by every layer kind (K3_MODEL.md section 3)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,22 +56,39 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
     """x @ W^T with x rounded to w.dtype and the result rounded to it, on the fastest kernel here.
 
-    On the CPU a bf16 weight is not handed to torch's 16-bit matmul: without 16-bit matrix units
-    (AVX2 / AVX-512F-only processors) it widens every element per call and measured slower than
-    the fp32 path (kl_medium on 2 cores, in RAM: 9.3 against 11.9 tok/s). The rounded row goes
-    through the fp32 path instead (the native gemv for decode-sized batches, fp32 GEMM on widened
-    blocks otherwise): bf16 * bf16 products are exact in fp32 and both sum in fp32, so this is the
-    same product up to summation order. For float16 the stored bf16 weight is used as stored
-    (converting it to fp16 changes only weights below fp16's normal range, ~6e-5, or above 65504).
-    On CUDA and MPS torch's 16-bit matmul runs on the device's matrix units and is kept.
+    On the CPU, for a bf16 weight:
+    - decode-sized batches (at most GEMV_MAX_ROWS rows) send the rounded row through the float32
+      path, the native gemv: bf16 * bf16 products are exact in fp32 and both sum in fp32, so it is
+      the same product up to summation order. Torch's 16-bit matmul measured slower there, on an
+      AVX2 EPYC (no 16-bit units) and on an AMX Xeon alike (e.g. [9216, 2304]: 2.96 against 1.81 ms);
+    - larger batches use torch's 16-bit GEMM where oneDNN runs it on the CPU's own 16-bit
+      instructions (AVX512-BF16 / AMX: 64 rows x [9216, 2304] in 6.0 ms against 61 ms), and the
+      float32 path on the rounded rows elsewhere (AVX2 EPYC: 812 ms against 1779 ms).
+    For float16 the stored bf16 weight is used as stored (converting it to fp16 changes only
+    weights below fp16's normal range, ~6e-5, or above 65504). CUDA and MPS use torch's 16-bit
+    matmul on their matrix units.
     """
     if isinstance(w.weight, torch.Tensor):
-        if x.device.type == "cpu" and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16:
+        from ..kernels.cpu_native import GEMV_MAX_ROWS
+        on_cpu = x.device.type == "cpu" and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
+        many_rows = x.numel() // max(1, x.shape[-1]) > GEMV_MAX_ROWS
+        if on_cpu and not (many_rows and cpu_16bit_gemm(w.dtype)):
             rounded = x.to(w.dtype).to(torch.float32)
             return linear(rounded, w.weight).to(w.dtype).to(x.dtype)
         return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
     from ..kernels.linear import qlinear
     return qlinear(x.to(w.dtype), w.weight).to(x.dtype)
+
+
+@functools.cache
+def cpu_16bit_gemm(dtype: torch.dtype) -> bool:
+    """True when torch's oneDNN runs `dtype` GEMMs with this CPU's 16-bit instructions."""
+    name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    check = getattr(torch.ops.mkldnn, name, None) if name else None
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
 
 
 def _native_bf16_gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
