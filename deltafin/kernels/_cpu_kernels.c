@@ -673,23 +673,18 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
 }
 #endif
 
-static int have_avx2(void) {
+/* The widest code this CPU runs: 2 AVX-512, 1 AVX2, 0 portable C only. */
+static int simd_level(void) {
 #ifdef KERNELS_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
+    return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
 #else
     return 0;
 #endif
 }
 
-static int have_avx512(void) {
-#ifdef KERNELS_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-#else
-    return 0;
-#endif
-}
+static int have_avx512(void) { return simd_level() == 2; }
+static int have_avx2(void) { return simd_level() >= 1; }
 
 /* ------------------------------------------------------------------ threads */
 
@@ -751,7 +746,7 @@ int cpu_kernels_abi(void) { return KERNELS_ABI; }
 int cpu_kernels_has_avx512(void) { return have_avx512(); }
 
 /* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8 / bf16; the others portable), 0 portable. */
-int cpu_kernels_simd(void) { return have_avx512() ? 2 : have_avx2() ? 1 : 0; }
+int cpu_kernels_simd(void) { return simd_level(); }
 
 /* MXFP4: y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
    Returns 0, or -1 when scratch memory cannot be allocated. */
