@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import http.client
+import io
 import json
 import os
 import shutil
@@ -569,18 +570,27 @@ def test_second_convert_into_one_destination_is_refused(tiny_k3_path, tmp_path, 
     assert rc == 0 and (dst / "deltafin-store.json").exists()
 
 
-def test_default_model_maker_waits_for_the_one_making_it(tmp_path, capsys):
+def test_default_model_maker_waits_for_the_one_making_it(tmp_path, monkeypatch):
     from deltafin.checkpoint.files import writer_lock
     from deltafin.cli import DEFAULT_PRESET, default_model_path
     from deltafin.settings import Settings
     settings = Settings.resolve({"cache_dir": str(tmp_path)})
     target = tmp_path / DEFAULT_PRESET
     got = {}
+    # A plain buffer, not capsys: capsys's readouterr() can drop a line another thread writes while it
+    # reads, and this loop would then wait for ever.
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
     with writer_lock(target, "making the default model"):
-        t = threading.Thread(target=lambda: got.update(path=default_model_path(settings)))
+        t = threading.Thread(target=lambda: got.update(path=default_model_path(settings)), daemon=True)
         t.start()
-        while "waiting for pid" not in capsys.readouterr().err:
+        for _ in range(6000):  # at most a minute, so a defect fails the test instead of hanging it
+            if "waiting for pid" in err.getvalue():
+                break
             assert t.is_alive()
+            t.join(0.01)  # lets the waiting thread run; returns at once if it ended
+        else:
+            pytest.fail("a second maker of the default model never said it was waiting")
         target.mkdir()
         (target / "config.json").write_text("{}")  # what the holder made, just before it lets go
     t.join(timeout=60)
