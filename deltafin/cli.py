@@ -74,12 +74,39 @@ def startup_message(model, path) -> str:
             f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}")
 
 
+MAX_PROMPT_FILE = 64 * 2 ** 20
+
+
+def read_text_arg(value: str) -> str:
+    """A prompt argument: ``-`` reads standard input, ``@FILE`` reads a UTF-8 file, ``@@text`` is the
+    literal ``@text``, anything else is the text itself."""
+    if value == "-":
+        return sys.stdin.read()
+    if value.startswith("@@"):
+        return value[1:]
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:]).expanduser()
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROMPT_FILE:
+            raise ValueError(f"{path}: {size} bytes; a prompt file may be at most {MAX_PROMPT_FILE} bytes")
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such prompt file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the prompt file ({e.strerror or e})") from None
+
+
 # -- run ---------------------------------------------------------------------------------------
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate text from a prompt",
                        description="Generate text. Without --model, runs the built-in default model.")
     p.add_argument("prompt", nargs="?", default="The quick brown fox",
-                   help="prompt text (default: %(default)r)")
+                   help="prompt text; - reads it from standard input, @FILE from a file (@@ for a literal "
+                        "leading @) (default: %(default)r)")
     p.add_argument("--model", help="checkpoint folder, converted store, or hub repository owner/name (fetched "
                    "lazily) (default: built-in synthetic model)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the checkpoint's chat template")
@@ -100,7 +127,17 @@ def cmd_run(args) -> int:
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
     model = deltafin.load(path, settings=settings)
     print(startup_message(model, path), file=sys.stderr)
-    ids = model.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else model.encode(args.prompt)
+    text = read_text_arg(args.prompt)
+    ids = model.encode_chat([{"role": "user", "content": text}]) if args.chat else model.encode(text)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    state, held = None, []
+    if settings.prompt_cache:
+        # The fixed part: everything but the last token, so that the same prompt (or one that
+        # extends it) starts from the saved state and still feeds one token to get logits.
+        from .saved_state import restore_or_build
+        held = ids[:-1]
+        state = restore_or_build(model, settings.prompt_cache, held, lambda m: print(f"deltafin: {m}", file=sys.stderr))
     runner = model
     if settings.profile:  # every pass prints a line as it ends
         from .profile import PassRecorder, format_pass
@@ -110,8 +147,8 @@ def cmd_run(args) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    g = generate(runner, ids, settings.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                 top_k=args.top_k, seed=args.seed, stop=args.stop, on_token=on_token)
+    g = generate(runner, ids[len(held):], settings.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                 top_k=args.top_k, seed=args.seed, stop=args.stop, on_token=on_token, state=state, held_ids=held)
     sys.stdout.write("\n")
     s = g.stats
     print(f"deltafin: {s['tokens']} tokens in {s['decode_seconds']:.2f} s ({s['decode_tok_s']:.2f} tok/s), "
@@ -175,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_inspect(sub)
     _add_make_checkpoint(sub)
-    for module in ("serve", "bench", "checkpoint.convert"):
+    for module in ("chat", "serve", "bench", "checkpoint.convert"):
         try:
             mod = __import__(f"deltafin.{module}", fromlist=["add_cli"])
         except ImportError:

@@ -76,8 +76,8 @@ class Decoding:
     ``Generation.state``. ``held_ids`` are the token ids that ``state`` already holds (a reused
     prefix): they change nothing in the computation, but give the drafter and the detokenizer the
     same context as a full prefill would, so the output is the same text. ``on_prefill(state)`` is
-    called once, right after the prompt is prefilled (the state then holds ``held_ids +
-    prompt_ids``), e.g. to keep a copy.
+    called after each prefill pass, e.g. to keep a copy: the state then holds ``held_ids`` and the
+    prompt fed so far (all of it, the last time).
 
     Decoding is greedy when ``temperature`` is 0. With ``temperature > 0`` tokens are sampled
     (``top_k`` > 0 keeps the k most likely, ``top_p`` < 1 keeps the smallest set whose probability
@@ -217,11 +217,11 @@ class Decoding:
         self._pass = None
         if self.prefilling:
             self.fed += self.state.num_tokens - before
+            if self.on_prefill is not None:
+                self.on_prefill(self.state)
             if self.prefilling:
                 return
             token = self._pick(logits)[0]
-            if self.on_prefill is not None:
-                self.on_prefill(self.state)
             self._times.append(time.perf_counter())
             self.context.append(token)
             self._end(self._consume(token))

@@ -40,17 +40,18 @@ def model_identity(source, dtype: str) -> dict:
             "weights_sha256": h.hexdigest()[:16], "spine": spine, "dtype": dtype}
 
 
-def save_state(model, path: str | Path, ids: list[int], state: DecodeState) -> None:
-    """Write ``state`` (which holds exactly ``ids``) for this model."""
+def save_state(model, path: str | Path, ids: list[int], state: DecodeState, extra: dict | None = None) -> None:
+    """Write ``state`` (which holds exactly ``ids``) for this model; ``extra`` goes into the header."""
     if state.num_tokens != len(ids):
         raise ValueError(f"the state holds {state.num_tokens} tokens, but {len(ids)} token ids were given")
-    state.save(path, {"model": model.identity, "token_ids": [int(t) for t in ids]})
+    state.save(path, {**(extra or {}), "model": model.identity, "token_ids": [int(t) for t in ids]})
 
 
-def load_state(model, path: str | Path) -> tuple[list[int], DecodeState]:
+def load_state(model, path: str | Path) -> tuple[list[int], DecodeState, dict]:
     """Read a saved state after checking it was made by this model, codec and dtype.
 
-    Returns (the token ids it holds, the state). Raises StateFileError with the first mismatch.
+    Returns (the token ids it holds, the state, the whole header). Raises StateFileError with the
+    first mismatch.
     """
     path = Path(path)
     meta = DecodeState.read_header(path)
@@ -65,7 +66,36 @@ def load_state(model, path: str | Path) -> tuple[list[int], DecodeState]:
     if (not isinstance(ids, list) or len(ids) != meta["num_tokens"]
             or not all(type(t) is int and 0 <= t < model.config.vocab_size for t in ids)):
         raise StateFileError(f"{path}: malformed header (token_ids do not match num_tokens or the vocabulary)")
-    return ids, DecodeState.load(path, like=model.new_state())
+    return ids, DecodeState.load(path, like=model.new_state()), meta
+
+
+def restore_or_build(model, path: str | Path, prefix: list[int], say) -> DecodeState:
+    """The state after ``prefix``: read from ``path`` when it holds exactly ``prefix`` (or a shorter
+    prefix of it, which is extended), else prefilled; written back whenever it changed.
+
+    A file made by another model, codec or dtype is refused (StateFileError), never overwritten.
+    ``say(message)`` reports what happened.
+    """
+    path = Path(path)
+    state, held = None, 0
+    if path.exists():
+        ids, loaded, _ = load_state(model, path)
+        if ids == prefix[:len(ids)]:
+            state, held = loaded, len(ids)
+        else:
+            say(f"prompt cache {path} holds a different prefix ({len(ids)} tokens); prefilling "
+                f"{len(prefix)} tokens and replacing it")
+    if state is not None and held == len(prefix):
+        say(f"prompt cache {path}: restored the state after {held} tokens")
+        return state
+    state = model.new_state() if state is None else state
+    if len(prefix) > held:
+        model.forward(prefix[held:], state, last_only=True)
+    if prefix:
+        save_state(model, path, prefix, state)
+        say(f"prompt cache {path}: " + (f"reused {held} tokens, " if held else "")
+            + f"prefilled {len(prefix) - held} and saved the state after {len(prefix)} tokens")
+    return state
 
 
 _WHAT = {"architecture": "architecture", "config_sha256": "model configuration",

@@ -5,8 +5,10 @@ GET /v1/models, GET /v1/models/{id}, GET|HEAD /health, GET /metrics. The wire fo
 serve_protocol, listening and the header time limit in serve_http; this module owns the engine's
 use: up to ``max_batch`` generations at a time, batched into shared passes by the scheduler
 (``deltafin.scheduler``), a bounded wait queue in front of them (429 beyond ``queue_size`` waiting
-or ``queue_timeout`` seconds), prompt cancellation when a client goes away, and a memo of
-deterministic answers.
+or ``queue_timeout`` seconds), prompt cancellation when a client goes away, a memo of
+deterministic answers, and a prefix cache of decode states (``deltafin.prefix_cache``): a request
+whose prompt starts with the tokens of an earlier request's prompt (or prompt + answer, as chat
+clients resend it) prefills only the rest.
 
 What the server trusts: the model folder (its chat template is rendered in a sandbox, off the
 event loop, within ``render_timeout``), and nothing a client sends. Requests are validated before
@@ -38,6 +40,7 @@ from starlette.requests import ClientDisconnect
 from deltafin import metrics as metrics_mod
 from deltafin import settings as settings_mod
 from deltafin.errors import DeltafinError
+from deltafin.prefix_cache import PrefixCache
 from deltafin.scheduler import Scheduler
 from deltafin.serve_protocol import (
     MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
@@ -136,6 +139,7 @@ class MemoEntry:
     pieces: tuple[str, ...]  # the text as it was streamed
     completion_tokens: int
     finish_reason: str
+    cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -203,6 +207,11 @@ class Service:
         self.started = int(time.time())
         self.gate = EngineGate(settings.queue_size, settings.queue_timeout, settings.max_batch)
         self.memo = ResponseMemo(settings.memo_size)
+        self.prefix_cache = PrefixCache(settings.prefix_cache_mb * 2 ** 20)
+        if settings.prompt_cache:
+            from deltafin.saved_state import load_state
+            ids, state, _ = load_state(model, settings.prompt_cache)
+            self.prefix_cache.put(ids, state, copy=False, pinned=True)
         self.fault: str | None = None  # why the server is degraded (no local paths), once it is
         self._renders: dict[int, float] = {}  # render job id -> when it started
         self._render_ids = iter(range(1 << 62))
@@ -230,6 +239,15 @@ class Service:
         m.gauge("deltafin_queue_depth", "requests waiting for the engine", lambda: self.gate.waiting)
         m.gauge("deltafin_running", "generations running (batched into shared passes)", lambda: self.gate.running)
         m.gauge("deltafin_memo_entries", "answers held by the response memo", lambda: len(self.memo))
+        self.prefix_lookups = m.counter("deltafin_prefix_cache_lookups_total",
+                                        "prompts looked up in the prefix cache (hit: a kept state begins it)",
+                                        ("result",))
+        self.cached_tokens = m.counter("deltafin_prefix_cache_tokens_total",
+                                       "prompt tokens served from the prefix cache instead of prefilled")
+        m.gauge("deltafin_prefix_cache_entries", "decode states held by the prefix cache",
+                lambda: len(self.prefix_cache))
+        m.gauge("deltafin_prefix_cache_bytes", "bytes of the decode states held by the prefix cache",
+                lambda: self.prefix_cache.nbytes)
 
     def _count_pass(self, stats) -> None:
         self.weight_bytes.inc(stats.bytes_read, source="disk")
@@ -251,7 +269,8 @@ class Service:
         reason = self.fault or (f"a prompt has been rendering for {max(stuck):.0f} s (is the chat template "
                                 "looping?)" if stuck else None)
         body = {"status": "degraded" if reason else "ok", "model": self.name, "busy": self.gate.busy,
-                "running": self.gate.running, "waiting": self.gate.waiting, "memo_entries": len(self.memo)}
+                "running": self.gate.running, "waiting": self.gate.waiting, "memo_entries": len(self.memo),
+                "prefix_cache": self.prefix_cache.stats()}
         if reason:
             body["reason"] = reason
         return (503 if reason else 200), body
@@ -321,15 +340,41 @@ class Service:
         """Run ``job`` on the engine thread, batched with the others (the caller holds a gate slot;
         it is released when the job is done). ``emit(text)`` is called from the engine thread for
         each new piece of text and ``emit(None)`` once at the end; setting ``cancel`` stops the
-        generation."""
+        generation.
+
+        The generation starts from the longest cached prefix of the prompt and leaves states for
+        later requests: the one at the end (prompt + answer as fed), the one right after the prompt,
+        and, while a long prompt is read in, one each time another ``prefix_cache_block`` tokens
+        are in. A chat client's next turn starts with the first when the template renders the
+        answer as it was generated, with the second otherwise; prompts that share only a beginning
+        (a long system prompt) with the third. ``stats["cached_tokens"]`` of the result counts the
+        prompt tokens that were not prefilled."""
         loop = asyncio.get_running_loop()
+        ids, cache, block = list(job.prompt_ids), self.prefix_cache, self.settings.prefix_cache_block
+        cached, state = cache.lookup(ids) if cache.enabled else (0, None)
+        if cache.enabled:
+            self.prefix_lookups.inc(result="hit" if cached else "miss")
+            self.cached_tokens.inc(cached)
+        keep = cache.budget_bytes > 0
+        kept_at = [cached]
+
+        def on_prefill(st) -> None:
+            n = st.num_tokens
+            if n == len(ids) or (block and n // block > kept_at[0] // block):
+                cache.put(ids[:n], st)
+                kept_at[0] = n
 
         def on_token(token_id: int, text: str) -> bool:
             if text:
                 emit(text)
             return not cancel.is_set()
 
-        def engine_done(_):
+        def engine_done(future):
+            if not future.cancelled() and future.exception() is None:
+                gen = future.result()
+                gen.stats["cached_tokens"] = cached
+                if keep and gen.generated:  # the state holds the prompt and every produced token but the last
+                    cache.put(ids + gen.generated[:-1], gen.state, copy=False)
             # The slot is handed back before the end is announced, so a client that has its
             # answer never finds the server still counting its request.
             try:
@@ -339,9 +384,11 @@ class Service:
             emit(None)
 
         try:
-            future = self.scheduler.submit(list(job.prompt_ids), job.max_tokens, temperature=job.temperature,
+            future = self.scheduler.submit(ids[cached:], job.max_tokens, temperature=job.temperature,
                                            top_p=job.top_p, top_k=job.top_k, seed=job.seed,
-                                           stop=list(job.stop) or None, on_token=on_token, cancel=cancel)
+                                           stop=list(job.stop) or None, on_token=on_token, cancel=cancel,
+                                           state=state, held_ids=ids[:cached] if cached else None,
+                                           on_prefill=on_prefill if keep else None)
         except BaseException:
             self.gate.release()
             raise
@@ -374,14 +421,16 @@ def model_name(model) -> str:
 
 
 def memo_response(shaper: Shaper, stream: bool, entry: MemoEntry, prompt_tokens: int) -> Response:
-    """A remembered answer, shaped like a fresh one (streamed the same way when asked to stream)."""
+    """A remembered answer, shaped like a fresh one (streamed the same way when asked to stream),
+    usage included."""
     if not stream:
-        return JSONResponse(shaper.response(entry.text, entry.finish_reason, prompt_tokens, entry.completion_tokens))
+        return JSONResponse(shaper.response(entry.text, entry.finish_reason, prompt_tokens, entry.completion_tokens,
+                                            entry.cached_tokens))
     events = [] if (opening := shaper.opening_chunk()) is None else [sse(opening)]
     events += [sse(shaper.text_chunk(p)) for p in entry.pieces]
     events.append(sse(shaper.final_chunk(entry.finish_reason)))
     if shaper.include_usage:
-        events.append(sse(shaper.usage_chunk(prompt_tokens, entry.completion_tokens)))
+        events.append(sse(shaper.usage_chunk(prompt_tokens, entry.completion_tokens, entry.cached_tokens)))
     events.append(SSE_DONE)
     return Response(b"".join(events), headers={k.decode(): v.decode() for k, v in _SSE_HEADERS})
 
@@ -489,23 +538,24 @@ class _GenerationResponse(Response):
             return
 
         prompt_n, completion_n = len(job.prompt_ids), len(gen.tokens)
+        cached_n = gen.stats.get("cached_tokens", 0)
         service.prompt_tokens.inc(prompt_n)
         service.completion_tokens.inc(completion_n)
         elapsed = time.perf_counter() - t0
         if gen.finish_reason == "cancelled":
             log.info("%s: generation cancelled (client disconnected) after %d tokens", shaper.id, completion_n)
             return
-        log.info("%s: %d prompt + %d completion tokens, finish_reason=%s, %.2f s (%.1f tok/s)", shaper.id,
-                 prompt_n, completion_n, gen.finish_reason, elapsed, completion_n / elapsed if elapsed > 0 else 0.0)
+        log.info("%s: %d prompt (%d cached) + %d completion tokens, finish_reason=%s, %.2f s (%.1f tok/s)",
+                 shaper.id, prompt_n, cached_n, completion_n, gen.finish_reason, elapsed, completion_n / elapsed if elapsed > 0 else 0.0)
         text = "".join(pieces)  # equals gen.text: on_token is handed every piece of it
         if self.memo_key is not None:
-            service.memo.put(self.memo_key, MemoEntry(tuple(pieces), completion_n, gen.finish_reason))
+            service.memo.put(self.memo_key, MemoEntry(tuple(pieces), completion_n, gen.finish_reason, cached_n))
         if not req.stream:
-            await _send_json(send, 200, shaper.response(text, gen.finish_reason, prompt_n, completion_n))
+            await _send_json(send, 200, shaper.response(text, gen.finish_reason, prompt_n, completion_n, cached_n))
             return
         tail = sse(shaper.final_chunk(gen.finish_reason))
         if shaper.include_usage:
-            tail += sse(shaper.usage_chunk(prompt_n, completion_n))
+            tail += sse(shaper.usage_chunk(prompt_n, completion_n, cached_n))
         await _send_body(send, tail + SSE_DONE, more=False)
 
 

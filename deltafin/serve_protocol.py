@@ -309,9 +309,11 @@ def _reject_unsupported(body: dict, table) -> None:
 
 # -- response shaping ---------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    # cached_tokens: prompt tokens not recomputed (a reused decode state), as OpenAI reports them
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Shaper:
@@ -327,7 +329,8 @@ class Shaper:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int = 0) -> dict:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
@@ -335,7 +338,8 @@ class Shaper:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._head(obj), "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def _chunk(self, delta_or_text, finish_reason: str | None) -> dict:
         if self.kind == "chat":
@@ -359,9 +363,9 @@ class Shaper:
         """The last chunk with a choice: no new text, the finish reason."""
         return self._chunk({} if self.kind == "chat" else "", finish_reason)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._head(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def sse(obj: dict) -> bytes:

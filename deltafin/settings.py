@@ -59,6 +59,9 @@ class Settings:
     draft_len: int = _knob(4, "maximum drafted tokens verified per pass", group="generate")
     max_new_tokens: int = _knob(128, "default number of tokens to generate", group="generate")
     profile: bool = _knob(False, "print where time and bytes went, per token and in total", group="generate")
+    prompt_cache: str = _knob("", "file holding the decode state after a fixed prompt prefix (run, chat: restored "
+                              "when it matches this model and prefix, else made; serve: restored into the prefix "
+                              "cache); empty = none", group="generate")
     cache_dir: str = _knob(_default_cache_dir(), "where the built-in default model is made and kept, and where "
                            "hub repositories (--model owner/name) are cached")
     revision: str = _knob("main", "branch, tag or commit of a hub repository (--model owner/name); it is "
@@ -79,6 +82,12 @@ class Settings:
                            "time)", group="serve")
     prefill_chunk: int = _knob(256, "prompt tokens fed per pass while no other request is decoding (while "
                                "others decode, a newcomer's pieces shrink to keep their pace)", group="serve")
+    prefix_cache_mb: int = _knob(2048, "memory budget in MiB for decode states kept between requests, reused "
+                                 "when a new prompt starts with the same tokens (0 disables)", group="serve")
+    prefix_cache_block: int = _knob(1024, "while a long prompt is read in, also keep its state each time another "
+                                    "this many tokens are in (at the end of that prefill piece), so prompts that "
+                                    "share only a beginning reuse it; 0 = only at the end of the prompt",
+                                    group="serve")
     max_model_len: int = _knob(0, "longest prompt + reply the server accepts, in tokens; 0 = the model's context",
                                group="serve")
     api_key: str = _knob("", "require 'Authorization: Bearer KEY' on every /v1 route; empty = no key",
@@ -158,6 +167,7 @@ RANGES = {
     "max_model_len": (0, None), "header_timeout": (0.1, None), "body_timeout": (0.1, None),
     "render_timeout": (0.1, None), "max_batch": (1, 256), "prefill_chunk": (1, None),
     "hub_connections": (1, 256), "hub_retries": (0, 100), "hub_backoff": (0, 600), "hub_cache_gb": (0, None),
+    "prefix_cache_mb": (0, None), "prefix_cache_block": (0, None),
 }
 
 

@@ -426,3 +426,81 @@ def test_model_without_tokenizer_explains_itself(model):
     with RunningServer(create_app(bare)) as srv:
         status, got, _ = srv.request("POST", CHAT, {"messages": MSG})
         assert status == 500 and got["error"]["code"] == "no_tokenizer" and "tokenizer" in got["error"]["message"]
+
+
+# -- the prefix cache -----------------------------------------------------------------------------
+
+def _conversation(srv: RunningServer, model, turns: int, stream: bool = False) -> tuple[list[str], list]:
+    """A chat resent in full every turn, as OpenAI clients do: (answers, usages)."""
+    client, messages, answers, usages = srv.client(), [{"role": "system", "content": "Answer briefly."}], [], []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"Question {i}: what comes next?"})
+        if stream:
+            chunks = list(client.chat.completions.create(model=model.name, messages=messages, max_tokens=6,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}))
+            text, usage = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+        else:
+            r = client.chat.completions.create(model=model.name, messages=messages, max_tokens=6, temperature=0)
+            text, usage = r.choices[0].message.content, r.usage
+        messages.append({"role": "assistant", "content": text})
+        answers.append(text)
+        usages.append(usage)
+    return answers, usages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefix_cache_reuses_the_conversation_and_changes_no_text(model, stream):
+    plain = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=0)
+    with RunningServer(create_app(model, plain)) as srv:
+        want, usages = _conversation(srv, model, 5, stream)
+    assert all(u.prompt_tokens_details.cached_tokens == 0 for u in usages)
+    cached = dataclasses.replace(plain, prefix_cache_mb=64)
+    app = create_app(model, cached)
+    with RunningServer(app) as srv:
+        got, usages = _conversation(srv, model, 5, stream)
+        health = srv.request("GET", "/health")[1]["prefix_cache"]
+    assert got == want
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    for before, u in zip(usages, usages[1:]):
+        # at least the whole previous prompt was reused, never the whole new one
+        assert before.prompt_tokens <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
+    assert health["hits"] == 4 and health["misses"] == 1 and health["entries"] >= 2
+    assert health["cached_tokens"] == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+
+
+def test_prefix_cache_stays_within_its_budget(model):
+    settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=1)
+    with RunningServer(create_app(model, settings)) as srv:
+        want, _ = _conversation(srv, model, 4)
+    app = create_app(model, settings)
+    state = model.new_state()
+    model.forward([5] * 60, state)
+    cache = app.state.service.prefix_cache
+    cache.budget_bytes = 3 * state.nbytes()  # the tiny model's states are far below a MiB: room for ~3
+    with RunningServer(app) as srv:
+        got, usages = _conversation(srv, model, 4)
+        stats = srv.request("GET", "/health")[1]["prefix_cache"]
+    assert got == want
+    assert stats["evictions"] > 0 and stats["bytes"] <= cache.budget_bytes
+    assert usages[-1].prompt_tokens_details.cached_tokens > 0  # the latest states survived
+
+
+def test_server_prompt_cache_is_restored_or_refused(model, tiny_kl_path, tmp_path):
+    import deltafin
+    from deltafin.chat import fixed_prefix
+    from deltafin.model.state import StateFileError
+    from deltafin.saved_state import restore_or_build
+    system = [{"role": "system", "content": "Answer briefly."}]
+    prefix = fixed_prefix(model, system)
+    path = tmp_path / "sys.state"
+    restore_or_build(model, path, prefix, lambda m: None)
+    settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=0, prompt_cache=str(path))
+    with RunningServer(create_app(model, settings)) as srv:
+        _, usages = _conversation(srv, model, 2)
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [len(prefix), len(prefix)]
+    other = deltafin.load(tiny_kl_path, device="cpu", stream="off", threads=1)
+    with pytest.raises(StateFileError, match="cannot be reused here"):
+        create_app(other, dataclasses.replace(other.settings, prompt_cache=str(path)))
+    with pytest.raises(StateFileError, match="no such state file"):
+        create_app(model, dataclasses.replace(settings, prompt_cache=str(tmp_path / "missing")))

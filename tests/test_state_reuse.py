@@ -57,7 +57,7 @@ def test_reused_prefix_gives_full_prefill_logits(models, name, tmp_path):
         fresh.restore(kept)
         assert torch.equal(_continue(model, fresh, ids[cut:]), split), cut
         save_state(model, tmp_path / "s.state", ids[:cut], kept)
-        held, loaded = load_state(model, tmp_path / "s.state")
+        held, loaded, _ = load_state(model, tmp_path / "s.state")
         assert held == ids[:cut] and loaded.num_tokens == cut
         assert torch.equal(_continue(model, loaded, ids[cut:]), split), cut
 

@@ -1,0 +1,278 @@
+"""``deltafin chat``: a multi-turn conversation in the terminal that never re-reads its history.
+
+``Conversation`` keeps the decode state of the conversation so far. Each turn renders the whole
+conversation with the checkpoint's chat template and prefills only the tokens the state does not
+hold yet. The REPL around it streams answers, turns Ctrl-C into "stop this answer" (the state then
+holds exactly the tokens that were fed), and offers /reset, /stats, /save, /load, /help, /quit.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from .generate import Generation, generate
+from .model.state import DecodeState, StateFileError
+
+HELP = """commands:
+  /reset       forget the conversation (keeps the system prompt)
+  /stats       tokens held, what the last turn reused and prefilled, speeds
+  /save FILE   write the conversation and its decode state to FILE
+  /load FILE   continue a conversation saved with /save (same model, codec and dtype)
+  /help        this list
+  /quit        leave (Ctrl-D too); Ctrl-C stops the answer being written"""
+
+
+def fixed_prefix(model, messages: list[dict]) -> list[int]:
+    """The ids every next turn starts with: what the template renders before a new user message.
+
+    Found as the common prefix of two renderings that differ only in that message's text, which
+    holds for any template without knowing its markup."""
+    a = model.encode_chat(messages + [{"role": "user", "content": "x"}])
+    b = model.encode_chat(messages + [{"role": "user", "content": "y"}])
+    return a[:common_prefix(a, b)]
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """A conversation and the decode state that holds it.
+
+    ``held`` is what the live state holds: the last prompt followed by the answer's tokens as they
+    were fed. A new turn whose rendering starts with ``held`` prefills only the rest. A template
+    may render a past answer differently from how it was generated (whitespace trimmed, a thinking
+    part dropped); then the copy kept right after the last prompt (``anchor``) is the longest
+    usable prefix, and failing that the ``base`` state (the fixed prefix from a prompt cache) or
+    nothing. KDA states cannot be cut back, so these kept copies are the only ways back.
+    """
+
+    def __init__(self, model, system: str | None = None, base: tuple[list[int], DecodeState] | None = None):
+        self.model = model
+        self.system = system
+        self.base = base
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        if self.base is not None:
+            self.held, self.state = list(self.base[0]), self.base[1].snapshot()
+        else:
+            self.held, self.state = [], self.model.new_state()
+        self.anchor: tuple[list[int], DecodeState] | None = None
+        self.last: dict = {}
+
+    def _start(self, ids: list[int]) -> tuple[int, DecodeState, str | None]:
+        """(tokens reused, the state to continue, a note when the live state could not be used)."""
+        if len(self.held) < len(ids) and ids[:len(self.held)] == self.held:
+            return len(self.held), self.state, None
+        shared = common_prefix(self.held, ids)
+        for name, kept in (("the state kept after the last prompt", self.anchor), ("the prompt cache", self.base)):
+            if kept is not None and len(kept[0]) < len(ids) and ids[:len(kept[0])] == kept[0]:
+                note = (f"the chat template renders the conversation differently from what was fed (they share "
+                        f"{shared} of {len(self.held)} tokens); continuing from {name}, {len(kept[0])} tokens")
+                return len(kept[0]), kept[1].snapshot(), note
+        note = (f"the chat template renders the conversation differently from what was fed (they share {shared} "
+                f"of {len(self.held)} tokens) and no kept state is a prefix; prefilling all {len(ids)} tokens")
+        return 0, self.model.new_state(), note if self.held else None
+
+    def ask(self, text: str, max_new_tokens: int | None = None, on_note=None, **kw) -> Generation:
+        """One turn: the user's ``text`` in, the answer out (``kw`` goes to ``generate``)."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids = self.model.encode_chat(messages)
+        n, state, note = self._start(ids)
+        if note and on_note:
+            on_note(note)
+        def keep(st: DecodeState) -> None:
+            self.anchor = (list(ids), st.snapshot())
+
+        limit = self.model.config.max_position_embeddings
+        budget = self.model.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if len(ids) + budget > limit:  # refused before the state is touched
+            raise ValueError(f"the conversation is {len(ids)} tokens; with {budget} new tokens it exceeds the "
+                             f"model's context of {limit} (/reset starts over)")
+        try:
+            g = generate(self.model, ids[n:], max_new_tokens, state=state, held_ids=ids[:n], on_prefill=keep, **kw)
+        except BaseException:
+            # The state may be half-updated: forget it rather than continue from something unknown.
+            self.held, self.state = [], self.model.new_state()
+            raise
+        self.state, self.held = g.state, ids + g.generated[:-1]
+        self.messages = messages + [{"role": "assistant", "content": g.text or ""}]
+        self.last = {"reused_tokens": n, "prefilled_tokens": len(ids) - n, **g.stats,
+                     "finish_reason": g.finish_reason}
+        return g
+
+    def save(self, path) -> None:
+        from .saved_state import save_state
+        save_state(self.model, path, self.held, self.state, extra={"messages": self.messages})
+
+    def load(self, path) -> None:
+        from .saved_state import load_state
+        ids, state, meta = load_state(self.model, path)
+        messages = meta.get("messages")
+        if (not isinstance(messages, list)
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in messages)):
+            raise StateFileError(f"{path}: a decode state, but not a saved conversation (no messages)")
+        self.messages, self.held, self.state, self.anchor, self.last = messages, ids, state, None, {}
+
+    def stats_line(self) -> str:
+        mb = self.state.nbytes() / 2 ** 20
+        head = f"{len(self.messages)} messages, state holds {len(self.held)} tokens ({mb:.1f} MiB)"
+        s = self.last
+        if not s:
+            return head
+        # The first token comes out of the prefill pass: prefill time is the time to the first token.
+        return (f"{head}; last turn: reused {s['reused_tokens']} tokens, prefilled {s['prefilled_tokens']} "
+                f"(first token after {s['prefill_seconds']:.2f} s), {s['tokens']} tokens at "
+                f"{s['decode_tok_s']:.2f} tok/s ({s['tokens_per_pass']:.2f} tokens/pass), finish: {s['finish_reason']}")
+
+
+class _StopOnInterrupt:
+    """While generating, Ctrl-C asks the answer to stop (at the next token) instead of raising."""
+
+    def __init__(self):
+        self.hit = False
+
+    def __enter__(self):
+        self.hit = False
+        self._before = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._before)
+        return False
+
+
+def repl(conv: Conversation, args, inp=None, out=None, err=None) -> int:
+    inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    interactive = inp.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    print("deltafin chat: type a message; /help lists commands; Ctrl-C stops an answer, Ctrl-D leaves",
+          file=err, flush=True)
+    while True:
+        try:
+            line = input("> ") if interactive else inp.readline()
+        except EOFError:
+            line = ""
+        except KeyboardInterrupt:  # at the prompt: drop the line, like a shell
+            print(file=out)
+            continue
+        if not line:
+            if interactive:
+                print(file=out)
+            return 0
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if command(conv, line, out, err):
+                return 0
+            continue
+        stop = _StopOnInterrupt()
+
+        def on_token(token: int, piece: str):
+            out.write(piece)
+            out.flush()
+            return not stop.hit
+
+        try:
+            with stop:
+                g = conv.ask(line, args.max_new_tokens, on_note=lambda m: print(f"[{m}]", file=err, flush=True),
+                             on_token=on_token, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             seed=args.seed, stop=args.stop)
+        except ValueError as e:  # the template refusing the messages, the context overflowing
+            print(f"[{e}]", file=err, flush=True)
+            continue
+        print(file=out, flush=True)
+        if g.finish_reason == "cancelled":
+            print("[answer stopped]", file=err, flush=True)
+
+
+def command(conv: Conversation, line: str, out, err) -> bool:
+    """Run one /command; True means leave."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit"):
+        return True
+    if name == "/help":
+        print(HELP, file=out)
+    elif name == "/reset":
+        conv.reset()
+        print("[conversation reset]", file=err)
+    elif name == "/stats":
+        print(conv.stats_line(), file=out)
+    elif name in ("/save", "/load"):
+        if not arg:
+            print(f"[{name} needs a file name]", file=err)
+            return False
+        try:
+            (conv.save if name == "/save" else conv.load)(Path(arg).expanduser())
+        except (StateFileError, OSError, ValueError) as e:
+            print(f"[{name} failed: {e}]", file=err)
+            return False
+        print(f"[{'saved' if name == '/save' else 'loaded'} {len(conv.held)} tokens, {len(conv.messages)} "
+              f"messages {'to' if name == '/save' else 'from'} {arg}]", file=err)
+    else:
+        print(f"[unknown command {name}; /help lists them]", file=err)
+    out.flush()
+    err.flush()
+    return False
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    from . import settings as settings_mod
+    p = subparsers.add_parser("chat", help="talk with a model in the terminal (multi-turn, streamed)",
+                              description="An interactive conversation on the checkpoint's chat template. Each "
+                                          "turn prefills only the new tokens. Without --model, uses the built-in "
+                                          "default model.")
+    p.add_argument("--model", metavar="PATH", help="checkpoint folder or converted store")
+    p.add_argument("--system", help="system prompt; @FILE reads it from a file")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    settings_mod.add_arguments(p)
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    import deltafin
+    from .cli import default_model_path, read_text_arg
+    from .saved_state import restore_or_build
+    from .settings import from_args
+
+    settings = from_args(args)
+    path = args.model or default_model_path(settings)
+    print(f"deltafin: {settings.summary()}", file=sys.stderr)
+    model = deltafin.load(path, settings=settings)
+    tok = model.require_tokenizer()
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{path}: this checkpoint has no chat template; use deltafin run instead")
+    args.max_new_tokens = settings.max_new_tokens
+    system = read_text_arg(args.system) if args.system is not None else None
+    conv = Conversation(model, system)
+    if settings.prompt_cache:
+        prefix = fixed_prefix(model, conv.messages)
+        state = restore_or_build(model, settings.prompt_cache, prefix,
+                                 lambda m: print(f"deltafin: {m}", file=sys.stderr))
+        conv.base = (prefix, state)
+        conv.reset()
+    return repl(conv, args)
