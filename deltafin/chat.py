@@ -255,7 +255,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     import deltafin
-    from .cli import default_model_path, read_text_arg
+    from .cli import default_model_path, read_text_arg, startup_message
     from .saved_state import restore_or_build
     from .settings import from_args
 
@@ -263,6 +263,7 @@ def run_cli(args: argparse.Namespace) -> int:
     path = args.model or default_model_path(settings)
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
     model = deltafin.load(path, settings=settings)
+    print(startup_message(model, path), file=sys.stderr)
     tok = model.require_tokenizer()
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{path}: this checkpoint has no chat template; use deltafin run instead")
