@@ -504,3 +504,36 @@ def test_server_prompt_cache_is_restored_or_refused(model, tiny_kl_path, tmp_pat
         create_app(other, dataclasses.replace(other.settings, prompt_cache=str(path)))
     with pytest.raises(StateFileError, match="no such state file"):
         create_app(model, dataclasses.replace(settings, prompt_cache=str(tmp_path / "missing")))
+
+
+def test_long_prompts_leave_block_states_for_prompts_that_share_a_beginning(model):
+    settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=64, prefill_chunk=8,
+                                   prefix_cache_block=16)
+    base = [7 + (i * 13) % 200 for i in range(40)]
+    with RunningServer(create_app(model, settings)) as srv:
+        client = srv.client()
+
+        def complete(prompt):
+            return client.completions.create(model=model.name, prompt=prompt, max_tokens=3, temperature=0)
+
+        first = complete(base + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # 50 tokens, fed 8 at a time
+        # kept: after 16, 32 and 48 tokens (the pieces crossing each block) and after all 50
+        second = complete(base + [11, 12])
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.choices[0].text == generate(model, base + [11, 12], 3).text
+    for line in ('deltafin_prefix_cache_lookups_total{result="hit"} 1',
+                 'deltafin_prefix_cache_lookups_total{result="miss"} 1', "deltafin_prefix_cache_tokens_total 32",
+                 "deltafin_prefix_cache_entries 7"):  # 16, 32, 48, 50, 52 (its end); 42, 44
+        assert line in metrics
+
+
+def test_prefix_cache_settings_are_range_checked():
+    from deltafin.settings import Settings, SettingsError
+    for name in ("prefix_cache_mb", "prefix_cache_block"):
+        with pytest.raises(SettingsError, match=name):
+            Settings.resolve({name: -1})
