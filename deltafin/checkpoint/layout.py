@@ -166,6 +166,12 @@ def nbytes(spec: TensorSpec) -> int:
     return n
 
 
+def _least_nbytes(spec: TensorSpec) -> int:
+    """The fewest bytes a checkpoint may store the tensor in: small fp32 tensors (gates' biases,
+    A_log, norms) are also published in bf16, and the loader takes either."""
+    return nbytes(spec) // 2 if spec.dtype == F32 else nbytes(spec)
+
+
 def implied_totals(cfg: ModelConfig) -> tuple[int, int]:
     """(tensor count, bytes) every checkpoint of `cfg` must hold, computed without listing the
     experts one by one (a config may claim any number of them; the files decide)."""
@@ -173,12 +179,12 @@ def implied_totals(cfg: ModelConfig) -> tuple[int, int]:
     specs = [global_tensors(cfg)] + [layer_spine_tensors(cfg, i) for i in range(cfg.num_layers)]
     for group in specs:
         count += len(group)
-        size += sum(nbytes(s) for s in group.values())
+        size += sum(_least_nbytes(s) for s in group.values())
     moe = sum(1 for i in range(cfg.num_layers) if cfg.is_moe(i))
     if moe and cfg.num_experts:
         one = expert_tensors(cfg, cfg.first_k_dense, 0)
         count += moe * cfg.num_experts * len(one)
-        size += moe * cfg.num_experts * sum(nbytes(s) for s in one.values())
+        size += moe * cfg.num_experts * sum(_least_nbytes(s) for s in one.values())
     return count, size
 
 
