@@ -228,7 +228,72 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     resident = getattr(model.engine.provider, "resident_bytes", None)
     if resident is not None:
         out["provider_resident_bytes"] = resident()["total"]
+    if model.engine.device.type == "cuda":
+        out.update(device_figures(model, d, s_per_tok, raw))
     return out
+
+
+def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
+    """On CUDA: the device's copy bandwidth and pinned host->device bandwidth (measured now), how
+    much of the first the decode used, and the tok/s the slowest tier allows for the bytes it
+    delivered per token (device memory, host->device copies, and the disk when streaming)."""
+    import torch
+    device = model.engine.device
+    dev_gbps = measure_device_copy(device)
+    h2d_gbps = measure_pinned_copy(device)
+    dev_bytes, h2d_bytes = d["device_bytes_per_token"], d["h2d_bytes_per_token"]
+    tier_seconds = {"device": dev_bytes / (dev_gbps * GB), "host_to_device": h2d_bytes / (h2d_gbps * GB)}
+    if raw:
+        tier_seconds["disk"] = d["read_bytes_per_token"] / (raw["gbps"] * GB)
+    slowest = max(tier_seconds, key=tier_seconds.get)
+    residency = getattr(model.engine.provider, "residency", None)
+    return {
+        "device_name": torch.cuda.get_device_name(device),
+        "device_bandwidth_gbps": dev_gbps,
+        "pinned_h2d_gbps": h2d_gbps,
+        "device_bytes_per_token": dev_bytes,
+        "hbm_efficiency": dev_bytes / s_per_tok / (dev_gbps * GB),
+        "h2d_bytes_per_token": h2d_bytes,
+        "h2d_gbps": h2d_bytes / s_per_tok / GB,
+        "limit_tok_s": 1 / tier_seconds[slowest] if tier_seconds[slowest] > 0 else None,
+        "limit_tier": slowest,
+        "residency": residency() if residency is not None else None,
+    }
+
+
+def _time_cuda(fn, repeat: int = 10) -> float:
+    """Median seconds of fn() on the current stream, timed with events after a warm-up."""
+    import torch
+    fn()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_device_copy(device, nbytes: int = 1 << 30) -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    try:
+        return 2 * nbytes / _time_cuda(lambda: dst.copy_(src)) / GB
+    finally:
+        del src, dst
+        torch.cuda.empty_cache()
+
+
+def measure_pinned_copy(device, nbytes: int = 256 << 20) -> float:
+    """GB/s of a host->device copy from pinned memory (what streamed weights cross PCIe at)."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _time_cuda(lambda: dst.copy_(src, non_blocking=True)) / GB
 
 
 def _expert_bytes(source) -> int:
@@ -300,6 +365,18 @@ def format_table(r: dict) -> str:
          else f"- ({_why_no_probe(r)}: raw bandwidth not probed)"),
         ("peak RSS", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"),
     ]
+    if "device_bandwidth_gbps" in r:
+        res = r["residency"] or {}
+        rows += [
+            ("device", f"{r['device_bytes_per_token'] / 1e6:.1f} MB/token from device memory, hbm efficiency "
+                       f"{r['hbm_efficiency']:.2f} of {r['device_bandwidth_gbps']:.0f} GB/s"),
+            ("host->device", f"{r['h2d_bytes_per_token'] / 1e6:.1f} MB/token, {r['h2d_gbps']:.2f} GB/s "
+                             f"(pinned copies {r['pinned_h2d_gbps']:.1f} GB/s)"),
+            ("residency", f"spines {res.get('spine_layers')}/{res.get('layers')} layers, experts "
+                          f"{res.get('experts_per_layer')}/{res.get('experts_in_layer')} per MoE layer "
+                          f"({res.get('experts_held')} held now)"),
+            ("limit", f"{r['limit_tok_s']:.1f} tok/s set by {r['limit_tier']}" if r["limit_tok_s"] else "-"),
+        ]
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
             f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "

@@ -71,7 +71,8 @@ def startup_message(model, path) -> str:
     """The start-up line: what runs, from where, with which numerics."""
     return (f"deltafin: {model.name}: {model.config.architecture}, {model.config.num_layers} layers, "
             f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
-            f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}")
+            f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}"
+            + (f"\ndeltafin: device holds {model.residency}" if model.residency else ""))
 
 
 MAX_PROMPT_FILE = 64 * 2 ** 20
@@ -158,6 +159,9 @@ def cmd_run(args) -> int:
     if settings.profile:
         from .profile import format_summary
         print(format_summary(runner.passes), file=sys.stderr)
+        residency = getattr(model.engine.provider, "residency", None)
+        if residency is not None:
+            print(f"  device residency now: {residency()}", file=sys.stderr)
     return 0
 
 

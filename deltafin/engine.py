@@ -5,8 +5,9 @@ weight is read once for all of them, and each layer runs attention per sequence 
 sequence's own state; the routed experts read are the union of what the rows chose.
 
 The engine does not know where weights come from. A *provider* hands it each layer's spine (in
-order, so it can read ahead) and the routed experts the router chose; ``io.ram`` keeps a whole
-model in memory, ``io.stream`` reads it from disk per layer. Timing and byte counts are kept in a
+order, so it can read ahead) and the routed experts the router chose, already on the compute
+device; ``io.ram`` keeps a whole model in memory, ``io.stream`` reads it from disk per layer,
+``io.device`` keeps what its budget holds in a GPU's memory and streams the rest. Timing and byte counts are kept in a
 ``PassStats`` the engine owns and returns.
 """
 from __future__ import annotations
@@ -41,30 +42,13 @@ class PassStats:
     bytes_from_cache: int = 0  # from the local cache of a hub repository
     bytes_from_network: int = 0  # fetched from the hub for this pass
     bytes_from_ram: int = 0
+    bytes_on_device: int = 0  # read from weights resident on the compute device
+    bytes_to_device: int = 0  # copied host -> device
     experts_loaded: int = 0
 
     def add(self, other: "PassStats") -> None:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
-def to_device(w, device):
-    if isinstance(w, HalfMatmul):
-        return HalfMatmul(to_device(w.weight, device), w.dtype)
-    return w.to(device, non_blocking=True) if isinstance(w, torch.Tensor) else w.to(device)
-
-
-class _OnDevice:
-    """An expert read whose result is moved to the compute device when the layer asks for it."""
-
-    def __init__(self, pending, engine: "Engine"):
-        self.pending, self.device = pending, engine.device
-
-    def result(self) -> dict:
-        got = self.pending.result()
-        if self.device.type == "cpu":
-            return got
-        return {e: tuple(to_device(w, self.device) for w in ws) for e, ws in got.items()}
 
 
 class Engine:
@@ -81,7 +65,6 @@ class Engine:
         self._product_slots = {name for t in self.templates.values() for name, shape in slot_names(t).items()
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
-        self._head = None  # (provider globals, the same moved to the device)
 
     def new_state(self) -> DecodeState:
         layers = []
@@ -89,19 +72,6 @@ class Engine:
             attn = self.templates[layer_kind(self.cfg, i)].self_attn
             layers.append(attn.new_state(self.dtype, self.device))
         return DecodeState(layers=layers)
-
-    def _on_device(self, weights: dict) -> dict:
-        if self.device.type == "cpu":
-            return weights
-        return {k: to_device(w, self.device) for k, w in weights.items()}
-
-    def _head_on_device(self, g: dict) -> dict:
-        """The head's weights, moved to the compute device once (the embedding table stays put)."""
-        if self.device.type == "cpu":
-            return g
-        if self._head is None or self._head[0] is not g:
-            self._head = (g, {k: w if k == "embed" else to_device(w, self.device) for k, w in g.items()})
-        return self._head[1]
 
     def _for_products(self, weights: dict) -> dict:
         """Mark the plain projection weights for 16-bit products when that path was chosen."""
@@ -131,7 +101,6 @@ class Engine:
             s.state.begin_pass(s.keep_states)
         g = self.provider.globals()
         h = g["embed"][ids_t].to(self.device, self.dtype)
-        g = self._head_on_device(g)
         blocks: list[torch.Tensor] = []
         chunk = self.settings.kda_chunk
         self.provider.start_pass(stats)
@@ -139,11 +108,11 @@ class Engine:
             for i in range(cfg.num_layers):
                 weights = self.provider.spine(i, stats)
                 tmpl = self.templates[layer_kind(cfg, i)]
-                bind(tmpl, self._for_products(self._on_device(weights)))
+                bind(tmpl, self._for_products(weights))
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
                 parts = [Rows(s.state.layers[i], len(s.ids), s.keep_states) for s in seqs]
                 h = tmpl(i, h, blocks, parts, chunk,
-                         lambda chosen, i=i: _OnDevice(self.provider.experts(i, chosen, stats), self))
+                         lambda ids, i=i: self.provider.experts(i, ids, stats))
                 # Waiting for routed experts happens inside the layer; it is I/O, not compute.
                 stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
                 unbind(tmpl)

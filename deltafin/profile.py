@@ -41,7 +41,7 @@ class PassRecorder:
 
 
 SOURCES = (("network", "bytes_from_network"), ("disk_cache", "bytes_from_cache"), ("disk", "bytes_read"),
-           ("ram", "bytes_from_ram"))
+           ("ram", "bytes_from_ram"), ("device", "bytes_on_device"))
 
 
 def _by_source(s: PassStats) -> str:
@@ -57,7 +57,8 @@ def format_pass(index: int, s: PassStats) -> str:
     return (f"pass {index:4d} {s.tokens:4d} tok {s.seconds * 1e3:9.1f} ms | {_by_source(s)} "
             f"| wait spine {s.spine_wait_seconds * 1e3:7.1f} ms "
             f"experts {s.expert_wait_seconds * 1e3:7.1f} ms | compute {s.compute_seconds * 1e3:8.1f} ms | "
-            f"experts {s.experts_loaded}")
+            f"experts {s.experts_loaded}"
+            + (f" | host->device {s.bytes_to_device / MB:.2f} MB" if s.bytes_to_device else ""))
 
 
 def summarize(passes: list[PassStats]) -> dict:
@@ -77,8 +78,10 @@ def summarize(passes: list[PassStats]) -> dict:
         "ram_bytes_per_token": total.bytes_from_ram / n,
         "bytes_per_token": sum(getattr(total, field) for _, field in SOURCES) / n,
         # Where each byte a token used came from: fetched from the hub for it, the hub's local
-        # cache, the model's own files, or memory.
+        # cache, the model's own files, memory, or the compute device's memory.
         "bytes_by_source_per_token": {name: getattr(total, field) / n for name, field in SOURCES},
+        "device_bytes_per_token": total.bytes_on_device / n,
+        "h2d_bytes_per_token": total.bytes_to_device / n,  # of the bytes above, those copied to the device
         "experts_per_token": total.experts_loaded / n,
         "spine_wait_seconds": total.spine_wait_seconds,
         "expert_wait_seconds": total.expert_wait_seconds,
@@ -103,7 +106,8 @@ def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
                      f"{d['ms_per_token']:.1f} ms/tok")
         per = PassStats(**{field: round(d["bytes_by_source_per_token"][name]) for name, field in SOURCES})
         lines.append(f"  per token: {_by_source(per)}, {d['experts_per_token']:.1f} experts; "
-                     f"disk {d['read_gbps']:.2f} GB/s")
+                     f"disk {d['read_gbps']:.2f} GB/s"
+                     + (f"; host->device {d['h2d_bytes_per_token'] / MB:.2f} MB" if d["h2d_bytes_per_token"] else ""))
         lines.append(f"  time: compute {100 * d['compute_seconds'] / t:.0f}%, spine wait "
                      f"{100 * d['spine_wait_seconds'] / t:.0f}%, "
                      f"expert wait {100 * d['expert_wait_seconds'] / t:.0f}%, "

@@ -44,6 +44,11 @@ class Settings:
     spine: str = _knob("auto", "which spine of a converted store to use: auto (int8 if present, else bf16) "
                        "| bf16 (exact) | int8 | mixed (int8 and mixed are lossy: smaller and faster to read, "
                        "logits measurably off the bf16 reference)", choices=("auto", "bf16", "int8", "mixed"))
+    gpu_budget: str = _knob("auto", "device memory (GB) the weights may take on a CUDA / MPS device: the globals, "
+                            "then the spines of a fixed set of layers, then in every MoE layer the experts "
+                            "routed most often; the rest streams. auto = the device's free memory minus "
+                            "headroom for states and activations (printed at start). With --stream off the "
+                            "whole model must fit in it")
     pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming")
     io_workers: int = _knob(8, "parallel pread workers for routed experts")
     read_mode: str = _knob("nocache", "how expert and spine bytes are read: nocache (O_DIRECT, else drop pages "
@@ -127,6 +132,7 @@ class Settings:
 
     def _check(self) -> None:
         parse_device(self.device)  # raises with a message
+        parse_gpu_budget(self.gpu_budget)
         if not self.revision.strip():
             raise SettingsError("setting 'revision' must not be empty")
         for f in fields(self):
@@ -138,6 +144,10 @@ class Settings:
                 raise SettingsError(f"setting '{f.name}' must be >= {lo}, got {v}")
             if hi is not None and v > hi:
                 raise SettingsError(f"setting '{f.name}' must be <= {hi}, got {v}")
+
+    def gpu_budget_bytes(self) -> int | None:
+        """The budget in bytes, or None for auto."""
+        return parse_gpu_budget(self.gpu_budget)
 
     def torch_device(self):
         import torch
@@ -202,6 +212,21 @@ def parse_device(spec: str) -> str:
         return spec
     raise SettingsError(f"setting 'device' (DELTAFIN_DEVICE): invalid value {spec!r} "
                         "(allowed: auto, cpu, cuda, cuda:N, mps)")
+
+
+def parse_gpu_budget(spec: str) -> int | None:
+    """'auto' -> None; a number of GB (> 0) -> bytes."""
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = float("nan")
+    if not gb > 0 or gb == float("inf"):
+        raise SettingsError(f"setting 'gpu_budget' (DELTAFIN_GPU_BUDGET): invalid value {spec!r} "
+                            "(allowed: auto, or a number of GB above 0)")
+    return int(gb * 1e9)
 
 
 def resolve_device(spec: str) -> str:

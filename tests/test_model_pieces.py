@@ -12,7 +12,8 @@ from deltafin.model.kda import KDAttention, kda_chunked, kda_recurrent
 from deltafin.model.layers import attn_res
 from deltafin.model.mla import MLAttention
 from deltafin.model.state import Rows
-from deltafin.model.moe import MoE
+from deltafin.kernels.grouped import ExpertStack
+from deltafin.model.moe import MoE, chosen_experts
 from deltafin.model.ops import situ_glu
 
 
@@ -173,14 +174,26 @@ def test_latent_moe_matches_loop():
                    torch.randn(L, I, generator=gen) / I ** .5) for e in range(cfg.num_experts)}
 
     class Ready:
-        def __init__(self, chosen):
-            self.chosen = chosen
+        def __init__(self, ids):
+            self.chosen = chosen_experts(ids)
 
         def result(self):
             return {e: experts[e] for e in self.chosen}
 
     x = torch.randn(4, cfg.hidden_size, generator=gen)
     got = moe(x, Ready)
+    # Every expert held as one stack (a device provider's resident layer): the grouped path, on the
+    # CPU its torch reference, computes the same function.
+    stack = ExpertStack.from_experts([experts[e] for e in range(cfg.num_experts)])
+    class Held:
+        def __init__(self, ids):
+            pass
+
+        def result(self):
+            return stack
+
+    stacked = moe(x, Held)
+    assert (stacked - got).abs().max() < 1e-5
 
     def situ_vec(g, u):
         return [(4 * math.tanh(a / 4) * sigmoid(a)) * (25 * math.tanh(b / 25)) for a, b in zip(g, u)]

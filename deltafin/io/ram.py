@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+from ..model.moe import chosen_experts
+
 
 def _done(value) -> Future:
     f: Future = Future()
@@ -43,9 +45,9 @@ class RAMProvider:
         stats.bytes_from_ram += self._spine_bytes[i]
         return self._spines[i]
 
-    def experts(self, i: int, chosen: list[int], stats) -> Future:
+    def experts(self, i: int, ids, stats) -> Future:
         t0 = time.perf_counter()
-        got = {e: self._experts[i][e] for e in chosen}
+        got = {e: self._experts[i][e] for e in chosen_experts(ids)}
         stats.bytes_from_ram += sum(_nbytes(w) for w in got.values())
         stats.experts_loaded += len(got)
         stats.expert_wait_seconds += time.perf_counter() - t0

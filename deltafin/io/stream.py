@@ -24,6 +24,7 @@ import time
 import weakref
 from concurrent.futures import Future
 
+from ..model.moe import chosen_experts
 from ..settings import Settings
 from .reader import AHEAD, SPINE_CHUNK, URGENT, AlignedBuffer, Batch, Files, Layout, ReadPool, chunked, \
     make_layout, views
@@ -63,7 +64,8 @@ class _SpineBuffer:
 
 
 class StreamProvider:
-    def __init__(self, source, settings: Settings):
+    def __init__(self, source, settings: Settings, held: frozenset[int] = frozenset()):
+        """``held``: layers whose spine a device provider keeps; they are never read here."""
         self.source = source
         cfg = self.config = source.config
         self.settings = settings
@@ -97,7 +99,7 @@ class StreamProvider:
             self._read_now(self._spine_layouts[i], buf)
             self._pinned_bufs.append(buf)
             self._pinned.append(source.decode_spine(i, views(buf.mem, self._spine_layouts[i])))
-        self._streamed = list(range(self.pin_layers, L))
+        self._streamed = [i for i in range(self.pin_layers, L) if i not in held]
         size = max((self._spine_layouts[i].capacity for i in self._streamed), default=0)
         self._spine_bufs = [_SpineBuffer(size), _SpineBuffer(size)] if self._streamed else []
 
@@ -125,11 +127,12 @@ class StreamProvider:
         for b in self._spine_bufs:
             if b.held:  # layer i-1 is done with it
                 b.settle()
-        if i < self.pin_layers:
-            stats.bytes_from_ram += self._spine_layouts[i].nbytes
+        if i not in self._streamed:
+            if i < self.pin_layers:
+                stats.bytes_from_ram += self._spine_layouts[i].nbytes
             if self._streamed:
                 self._request(self._next_streamed(i))
-            return self._pinned[i]
+            return self._pinned[i] if i < self.pin_layers else {}
         b = self._request(i)
         b.held = True
         self._request(self._next_streamed(i))
@@ -139,9 +142,10 @@ class StreamProvider:
         _count(stats, b.origin, self._spine_layouts[i].nbytes)
         return self.source.decode_spine(i, views(b.buf.mem, self._spine_layouts[i]))
 
-    def experts(self, i: int, chosen: list[int], stats) -> Future:
+    def experts(self, i: int, ids, stats) -> Future:
+        """Read the experts routed to (``ids``: the router's tensor, or a list of expert ids)."""
         fut = _TimedFuture(stats)
-        chosen = list(chosen)
+        chosen = chosen_experts(ids)
         if self._expert_batch is not None:  # normally long done; after an error it may not be
             try:
                 self._expert_batch.wait()

@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels.grouped import Stacked, grouped_mlp
 from .binding import Bindable
 from .ops import linear, rms_norm, silu_glu, situ_glu
 
@@ -50,9 +51,15 @@ def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tup
     return ids, w * cfg.routed_scaling_factor
 
 
-# fetch(expert_ids) -> a handle whose .result() is {expert_id: (w1, w3, w2)}; the handle lets the
-# caller compute the shared expert while the routed experts are being read.
-ExpertFetch = Callable[[list[int]], "object"]
+# fetch(ids [T, k]) -> a handle whose .result() is {expert_id: (w1, w3, w2)} for the chosen experts,
+# or an ExpertStack of all of them (every expert resident on the device); the handle lets the caller
+# compute the shared expert while the routed experts are being read.
+ExpertFetch = Callable[[torch.Tensor], "object"]
+
+
+def chosen_experts(ids) -> list[int]:
+    """The distinct expert ids of a routing result (a tensor, read back to the host) or a list, sorted."""
+    return sorted(set(ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids))
 
 
 class MoE(Bindable):
@@ -73,22 +80,29 @@ class MoE(Bindable):
     def forward(self, x: torch.Tensor, fetch: ExpertFetch) -> torch.Tensor:
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
-        chosen = sorted(set(ids.flatten().tolist()))
-        pending = fetch(chosen)  # reads start now ...
+        pending = fetch(ids)  # reads start now ...
         shared = (mlp(c, x, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
                   if c.num_shared_experts else 0.0)  # ... while the shared expert computes
         z = linear(x, self.routed_expert_down_proj) if c.latent_size else x
         experts = pending.result()
-        y = torch.zeros(x.shape[0], z.shape[1], dtype=torch.float32, device=x.device)
-        for e in chosen:
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            w1, w3, w2 = experts[e]
-            out = mlp(c, z[rows], w1, w3, w2)
-            # each token picks an expert at most once, so `rows` has no repeats
-            y[rows] += out.float() * weights[rows, slot].unsqueeze(-1)
+        if isinstance(experts, Stacked) and experts.applies(ids.numel()):
+            y = grouped_mlp(c, z, ids, weights, experts)
+        else:
+            y = self._per_expert(z, ids, weights, experts)
         y = y.to(x.dtype)
         if c.latent_size:
             if c.latent_norm:
                 y = rms_norm(y, self.routed_expert_norm, c.rms_norm_eps)
             y = linear(y, self.routed_expert_up_proj)
         return y + shared
+
+    def _per_expert(self, z, ids, weights, experts) -> torch.Tensor:
+        c = self.cfg
+        y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
+        for e in chosen_experts(ids) if isinstance(experts, Stacked) else sorted(experts):
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            w1, w3, w2 = experts[e]
+            out = mlp(c, z[rows], w1, w3, w2)
+            # each token picks an expert at most once, so `rows` has no repeats
+            y[rows] += out.float() * weights[rows, slot].unsqueeze(-1)
+        return y

@@ -1,0 +1,142 @@
+"""Which weights one memory tier holds for good, given its byte budget.
+
+One plan for every tier (device memory now; host RAM can take the same plan with its own budget):
+
+1. the globals (final norm, lm_head, output attn-res; the embedding table stays in host memory,
+   one row per token is all a pass needs of it) must fit, or nothing can run from this tier;
+2. then whole spines, a fixed set of layers from the first on: a pass walks the layers in order,
+   so a least-recently-used cache smaller than the spines would evict each layer just before it
+   is needed again, and a fixed set keeps every hit;
+3. then routed experts: what is left of the budget, as the same number of expert slots in every
+   MoE layer (capped at the layer's experts). Which experts occupy the slots is decided while
+   decoding from observed routing counts (``ExpertSlots``), since routing is skewed per layer.
+
+What is not held streams through the tier below.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Bytes of each part of a model as stored (from the source's tensor index, nothing read)."""
+    globals_bytes: int  # without the embedding table
+    spine_bytes: tuple[int, ...]  # per layer
+    expert_bytes: tuple[int, ...]  # one routed expert of each layer (0 for dense layers)
+    num_experts: int
+
+    @classmethod
+    def of(cls, source) -> "ModelSizes":
+        cfg = source.config
+        g = sum(t.nbytes for k, t in source.global_infos().items() if "embed_tokens" not in k)
+        spines = tuple(sum(t.nbytes for t in source.spine_infos(i).values()) for i in range(cfg.num_layers))
+        experts = tuple(sum(t.nbytes for t in source.expert_infos(i, 0).values()) if cfg.is_moe(i) else 0
+                        for i in range(cfg.num_layers))
+        return cls(g, spines, experts, cfg.num_experts if any(experts) else 0)
+
+    @property
+    def total(self) -> int:
+        return self.globals_bytes + sum(self.spine_bytes) + self.num_experts * sum(self.expert_bytes)
+
+
+@dataclass(frozen=True)
+class Placement:
+    tier: str
+    budget: int
+    sizes: ModelSizes
+    spine_layers: frozenset[int]
+    expert_slots: int  # per MoE layer
+
+    @property
+    def held_bytes(self) -> int:
+        s = self.sizes
+        return (s.globals_bytes + sum(s.spine_bytes[i] for i in self.spine_layers)
+                + self.expert_slots * sum(s.expert_bytes))
+
+    @property
+    def everything(self) -> bool:
+        return len(self.spine_layers) == len(self.sizes.spine_bytes) and self.expert_slots >= self.sizes.num_experts
+
+    def summary(self) -> dict:
+        moe = sum(1 for b in self.sizes.expert_bytes if b)
+        return {"tier": self.tier, "budget_bytes": self.budget, "held_bytes": self.held_bytes,
+                "model_bytes": self.sizes.total, "spine_layers": len(self.spine_layers),
+                "layers": len(self.sizes.spine_bytes), "experts_per_layer": self.expert_slots,
+                "experts_in_layer": self.sizes.num_experts, "moe_layers": moe}
+
+    def describe(self) -> str:
+        s = self.summary()
+        return (f"{self.tier}: holds {s['held_bytes'] / GiB:.2f} of {s['model_bytes'] / GiB:.2f} GiB "
+                f"(budget {self.budget / GiB:.2f} GiB): spines of {s['spine_layers']}/{s['layers']} layers, "
+                f"{s['experts_per_layer']}/{s['experts_in_layer']} experts in each of {s['moe_layers']} MoE layers")
+
+
+class PlacementError(ValueError):
+    pass
+
+
+def plan(sizes: ModelSizes, budget: int, tier: str) -> Placement:
+    left = budget - sizes.globals_bytes
+    if left < 0:
+        raise PlacementError(f"the model does not fit in {tier}: its globals alone need "
+                             f"{sizes.globals_bytes / GiB:.4f} GiB, more than the budget of {budget / GiB:.4f} GiB")
+    spines = []
+    for i, b in enumerate(sizes.spine_bytes):
+        if b > left:
+            break
+        spines.append(i)
+        left -= b
+    per_slot = sum(sizes.expert_bytes)  # one expert in every MoE layer
+    slots = 0
+    if len(spines) == len(sizes.spine_bytes) and per_slot:
+        slots = min(sizes.num_experts, left // per_slot)
+    return Placement(tier, budget, sizes, frozenset(spines), int(slots))
+
+
+def require_everything(p: Placement, how: str) -> None:
+    """Refuse, with the sizes, when the tier cannot hold the whole model."""
+    if p.everything:
+        return
+    s = p.sizes
+    raise PlacementError(
+        f"the model does not fit in {p.tier}: it needs {s.total / GiB:.2f} GiB (globals {s.globals_bytes / GiB:.2f}, "
+        f"spines {sum(s.spine_bytes) / GiB:.2f}, experts {s.num_experts * sum(s.expert_bytes) / GiB:.2f}) and the "
+        f"budget is {p.budget / GiB:.2f} GiB ({how}); stream the rest with --stream on")
+
+
+@dataclass
+class ExpertSlots:
+    """Which experts of each MoE layer stay held: up to ``slots`` per layer, the most often routed.
+
+    ``offer`` is called with each expert that had to be fetched: it is kept while the layer has a
+    free slot, and replaces the least-routed held expert once it has been routed more often. The
+    counts are of passes in which the expert was chosen."""
+    slots: int
+    counts: dict[int, Counter] = field(default_factory=dict)
+    held: dict[int, dict] = field(default_factory=dict)  # layer -> {expert: weights}
+
+    def routed(self, i: int, chosen: list[int]) -> None:
+        self.counts.setdefault(i, Counter()).update(chosen)
+
+    def get(self, i: int, e: int):
+        return self.held.get(i, {}).get(e)
+
+    def offer(self, i: int, e: int, weights) -> None:
+        if self.slots <= 0:
+            return
+        layer = self.held.setdefault(i, {})
+        if len(layer) < self.slots:
+            layer[e] = weights
+            return
+        counts = self.counts.get(i, Counter())
+        coldest = min(layer, key=lambda x: counts[x])
+        if counts[e] > counts[coldest]:
+            del layer[coldest]
+            layer[e] = weights
+
+    def held_count(self) -> int:
+        return sum(len(v) for v in self.held.values())

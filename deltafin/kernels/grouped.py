@@ -1,0 +1,148 @@
+"""All of a layer's routed experts in one place, and their MLPs for every chosen expert at once.
+
+``ExpertStack`` holds a MoE layer's plain (bf16 / fp32) routed experts stacked: ``w13`` [E, 2I, H]
+(gate rows, then up rows) and ``w2`` [E, H, I]; ``MXFP4Stack`` the same for MXFP4 experts (codes
+and scales stacked alike). One is what a provider hands the MoE layer when every expert of that
+layer is resident on one device. ``stack[e]`` gives expert e's (w1, w3, w2) as views, so the
+per-expert path still works on it.
+
+``grouped_mlp`` computes, for decode-sized inputs, every (token, chosen expert) pair's
+``w2 @ glu(w1 @ x, w3 @ x)`` and the routing-weighted sum over each token's experts without
+reading the expert ids back to the host: on CUDA two Triton launches (gate and up fused with the
+activation, then down) over the flattened expert index list, whatever the number of experts
+chosen; elsewhere a torch reference that gathers the chosen experts' weights. Products are fp32
+sums of fp32 inputs times the stored weights, as in the per-expert path (the results differ from
+it only in summation order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# (token, expert) pairs up to which the grouped path is used; a long prefill chooses most experts
+# for many tokens, where the per-expert path reads each weight once for all of its tokens.
+GROUPED_MAX_PAIRS = 256
+
+
+class Stacked:
+    """All of a layer's experts in stacked tensors (see the subclasses)."""
+
+    def applies(self, pairs: int) -> bool:
+        return pairs <= GROUPED_MAX_PAIRS
+
+
+@dataclass(frozen=True)
+class ExpertStack(Stacked):
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+
+    @classmethod
+    def from_experts(cls, experts: list[tuple]) -> "ExpertStack":
+        """Stack [(w1, w3, w2), ...] (plain tensors of one dtype and device, expert order)."""
+        w13 = torch.stack([torch.cat([w1, w3]) for w1, w3, _ in experts])
+        return cls(w13, torch.stack([w2 for _, _, w2 in experts]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
+    def __len__(self) -> int:
+        return self.w13.shape[0]
+
+    def __getitem__(self, e: int) -> tuple:
+        inter = self.w2.shape[2]
+        return self.w13[e, :inter], self.w13[e, inter:], self.w2[e]
+
+
+
+@dataclass(frozen=True)
+class MXFP4Stack(Stacked):
+    """MXFP4 experts stacked: codes uint8 [E, 2I, H/2] / [E, H, I/2], E8M0 scales [E, 2I, H/32] / [E, H, I/32]."""
+    w13_packed: torch.Tensor
+    w13_scale: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
+
+    @classmethod
+    def from_experts(cls, experts: list[tuple]) -> "MXFP4Stack":
+        """Stack [(w1, w3, w2), ...] of MXFP4 QWeights (one device, expert order)."""
+        def cat(name, a, b):
+            return torch.cat([a.tensors[name], b.tensors[name]])
+        return cls(torch.stack([cat("weight_packed", w1, w3) for w1, w3, _ in experts]),
+                   torch.stack([cat("weight_scale", w1, w3) for w1, w3, _ in experts]),
+                   torch.stack([w2.tensors["weight_packed"] for _, _, w2 in experts]),
+                   torch.stack([w2.tensors["weight_scale"] for _, _, w2 in experts]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13_packed, self.w13_scale, self.w2_packed,
+                                                          self.w2_scale))
+
+    def __len__(self) -> int:
+        return self.w13_packed.shape[0]
+
+    def __getitem__(self, e: int) -> tuple:
+        from .linear import QWeight
+        inter = self.w13_packed.shape[1] // 2
+
+        def q(packed, scale):
+            return QWeight("mxfp4", (packed.shape[0], 2 * packed.shape[1]), 32,
+                           {"weight_packed": packed, "weight_scale": scale})
+        return (q(self.w13_packed[e, :inter], self.w13_scale[e, :inter]),
+                q(self.w13_packed[e, inter:], self.w13_scale[e, inter:]),
+                q(self.w2_packed[e], self.w2_scale[e]))
+
+
+def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack: Stacked) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) for rows z [T, H] -> fp32 [T, H]."""
+    T, k = ids.shape
+    flat = ids.reshape(-1).to(torch.int32)
+    x = z.float().contiguous()
+    if isinstance(stack, MXFP4Stack):
+        out = _grouped_mxfp4(cfg, x, flat, k, stack)
+    elif z.device.type == "cuda" and _triton_ok():
+        from . import grouped_triton
+        out = grouped_triton.grouped_down(grouped_triton.grouped_gate_up(x, flat, k, stack.w13, cfg),
+                                          flat, stack.w2)
+    else:
+        out = _grouped_reference(cfg, x, flat, k, stack)
+    return (out.view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+
+
+def _grouped_reference(cfg, x, flat, k, stack):
+    from ..model.moe import glu
+    inter = stack.w2.shape[2]
+    rows = x.repeat_interleave(k, dim=0)  # [T*k, H]: pair j is token j // k
+    w13 = stack.w13[flat.long()].float()  # [T*k, 2I, H]
+    gu = torch.bmm(w13, rows.unsqueeze(-1)).squeeze(-1)
+    act = glu(cfg, gu[:, :inter], gu[:, inter:])
+    return torch.bmm(stack.w2[flat.long()].float(), act.unsqueeze(-1)).squeeze(-1)
+
+
+def _grouped_mxfp4(cfg, x, flat, k, stack: MXFP4Stack):
+    """The chosen experts' codes gathered and decoded (the torch reference's dequantization, exact)
+    and multiplied in fp32: a dozen launches per layer whatever k, at the cost of writing the decoded
+    weights once (a fused grouped MXFP4 kernel would not)."""
+    from ..model.moe import glu
+    from .mxfp4 import mxfp4_dequantize
+    idx = flat.long()
+    inter = stack.w13_packed.shape[1] // 2
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)
+    gu = torch.bmm(_decode(stack.w13_packed[idx], stack.w13_scale[idx], mxfp4_dequantize), rows).squeeze(-1)
+    act = glu(cfg, gu[:, :inter], gu[:, inter:])
+    return torch.bmm(_decode(stack.w2_packed[idx], stack.w2_scale[idx], mxfp4_dequantize),
+                     act.unsqueeze(-1)).squeeze(-1)
+
+
+def _decode(packed, scale, dequantize):
+    P, N, half = packed.shape
+    return dequantize(packed.reshape(P * N, half), scale.reshape(P * N, -1)).view(P, N, 2 * half)
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,152 @@
+"""Device residency: the placement plan, the expert slots, the gpu_budget setting, and the device
+provider's answers at every residency split (on the CPU here: the same provider code with plain
+copies; on a CUDA device also with the copy stream and the grouped Triton kernels)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deltafin
+from deltafin.api import open_source
+from deltafin.engine import Engine
+from deltafin.io.device import DeviceProvider
+from deltafin.io.placement import ExpertSlots, ModelSizes, PlacementError, plan, require_everything
+from deltafin.io.ram import RAMProvider
+from deltafin.settings import Settings, SettingsError
+
+SIZES = ModelSizes(globals_bytes=100, spine_bytes=(50, 50, 50), expert_bytes=(0, 10, 10), num_experts=8)
+
+
+def test_plan_holds_globals_then_spines_in_order_then_experts_evenly():
+    assert SIZES.total == 100 + 150 + 8 * 20
+    p = plan(SIZES, 180, "dev")
+    assert p.spine_layers == {0} and p.expert_slots == 0 and not p.everything  # 100 + 50; not 3 spines
+    p = plan(SIZES, 250 + 3 * 20 + 5, "dev")
+    assert p.spine_layers == {0, 1, 2} and p.expert_slots == 3 and p.held_bytes == 310
+    assert plan(SIZES, 10**6, "dev").everything
+    assert plan(SIZES, 10**6, "dev").expert_slots == 8  # capped at the layer's experts
+    with pytest.raises(PlacementError, match="globals alone need"):
+        plan(SIZES, 99, "dev")
+
+
+def test_refusal_names_the_sizes():
+    with pytest.raises(PlacementError) as e:
+        require_everything(plan(SIZES, 200, "cuda:0"), "gpu_budget=0.0000002 GB")
+    msg = str(e.value)
+    assert "does not fit in cuda:0" in msg and "globals" in msg and "experts" in msg and "--stream on" in msg
+
+
+def test_expert_slots_keep_the_most_routed():
+    s = ExpertSlots(slots=2)
+    for chosen in ([1, 2], [1, 3], [3, 4], [3, 1]):
+        s.routed(0, chosen)
+        for e in chosen:
+            if s.get(0, e) is None:
+                s.offer(0, e, f"w{e}")
+    assert set(s.held[0]) == {1, 3}  # routed 3 times each; 2 and 4 once
+    assert s.get(0, 3) == "w3" and s.get(0, 2) is None
+    empty = ExpertSlots(slots=0)
+    empty.offer(0, 1, "w")
+    assert empty.held_count() == 0
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "inf", "nan", ""])
+def test_gpu_budget_rejects_bad_values(value):
+    with pytest.raises(SettingsError, match="gpu_budget"):
+        Settings.resolve({"gpu_budget": value})
+    with pytest.raises(SettingsError, match="DELTAFIN_GPU_BUDGET"):
+        Settings.resolve({}, env={"DELTAFIN_GPU_BUDGET": value})
+
+
+def test_gpu_budget_values():
+    assert Settings.resolve({}).gpu_budget_bytes() is None
+    assert Settings.resolve({"gpu_budget": "1.5"}).gpu_budget_bytes() == 1_500_000_000
+    assert Settings.resolve({}, env={"DELTAFIN_GPU_BUDGET": "2"}).gpu_budget_bytes() == 2_000_000_000
+
+
+def _logits(source, provider, settings, ids):
+    eng = Engine(source.config, provider, settings)
+    state = eng.new_state()
+    out = [eng.forward(ids[:6], state)]
+    stats = []
+    for t in ids[6:]:  # decode token by token: the slots fill from observed routing
+        out.append(eng.forward([t], state))
+        stats.append(eng.last_pass)
+    return torch.cat(out), stats
+
+
+def _splits(sizes: ModelSizes) -> dict[str, int]:
+    """Budgets for: everything held; every spine and two experts per layer; the first spines only."""
+    return {"all": sizes.total + 1,
+            "experts_partial": sizes.globals_bytes + sum(sizes.spine_bytes) + 2 * sum(sizes.expert_bytes),
+            "spines_partial": sizes.globals_bytes + sizes.spine_bytes[0] + sizes.spine_bytes[1]}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_device_provider_matches_ram_at_every_split(request, fixture):
+    """Held, streamed and partly held weights give the RAM provider's logits; bytes add up."""
+    source = open_source(request.getfixturevalue(fixture))
+    ids = torch.randint(5, 500, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    settings = Settings.resolve({"device": "cpu"})
+    want, _ = _logits(source, RAMProvider(source), settings, ids)
+    sizes = ModelSizes.of(source)
+    for name, budget in _splits(sizes).items():
+        p = plan(sizes, budget, "cpu")
+        provider = DeviceProvider(source, settings, p)
+        try:
+            got, stats = _logits(source, provider, settings, ids)
+            assert (got - want).abs().max().item() < 1e-4, name
+            assert provider.streaming == (name != "all")
+            res = provider.residency()
+            if name == "all":
+                assert res["grouped_expert_layers"] == res["moe_layers"]  # bf16 and MXFP4 experts stack
+            if name == "experts_partial":
+                assert res["experts_per_layer"] == 2 and 0 < res["experts_held"] <= 2 * res["moe_layers"]
+            # One decode token: every spine and every chosen expert came from the device or crossed to it.
+            last = stats[-1]
+            streamed = sum(b for i, b in enumerate(sizes.spine_bytes) if i not in p.spine_layers)
+            assert last.bytes_to_device >= streamed
+            assert (last.bytes_on_device + last.bytes_to_device
+                    == sum(sizes.spine_bytes) + last.experts_loaded * max(sizes.expert_bytes))
+        finally:
+            provider.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_residency_splits_match_cpu(request, fixture):
+    path = request.getfixturevalue(fixture)
+    ids = torch.randint(5, 500, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    cpu = deltafin.load(path, device="cpu", stream="off").logits(ids)
+    sizes = ModelSizes.of(open_source(path))
+    for name, budget in _splits(sizes).items():
+        m = deltafin.load(path, device="cuda", stream="auto", gpu_budget=str(budget / 1e9))
+        assert m.streaming == (name != "all")
+        assert (m.logits(ids) - cpu).abs().max().item() <= 1e-3, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_stream_off_refuses_what_does_not_fit(tiny_k3_path):
+    with pytest.raises(PlacementError, match="does not fit"):
+        deltafin.load(tiny_k3_path, device="cuda", stream="off", gpu_budget="0.0001")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_grouped_kernels_match_reference():
+    from deltafin.kernels import grouped
+    gen = torch.Generator().manual_seed(3)
+    E, I, H, T, k = 6, 96, 200, 3, 4
+    experts = [(torch.randn(I, H, generator=gen), torch.randn(I, H, generator=gen), torch.randn(H, I, generator=gen))
+               for _ in range(E)]
+    stack = grouped.ExpertStack.from_experts(experts)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    z = torch.randn(T, H, generator=gen)
+    for act in ("silu", "situ"):
+        cfg = type("C", (), {"hidden_act": act, "situ_beta": 4.0, "situ_linear_beta": 25.0})()
+        want = grouped.grouped_mlp(cfg, z, ids, w, stack)
+        dev = grouped.ExpertStack(stack.w13.cuda().bfloat16().float(), stack.w2.cuda().bfloat16().float())
+        got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev).cpu()
+        ref = grouped.grouped_mlp(cfg, z, ids, w, grouped.ExpertStack(dev.w13.cpu(), dev.w2.cpu()))
+        assert want.shape == got.shape
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, act
