@@ -14,7 +14,7 @@ from deltafin.checkpoint.synthetic import make_checkpoint
 from deltafin.kernels.linear import QWeight, dequantize
 from deltafin.model.binding import bind, unbind
 from deltafin.model.layers import attn_res, layer_kind
-from deltafin.model.moe import MoE
+from deltafin.model.moe import MoE, chosen_experts
 from deltafin.model.ops import linear, rms_norm
 from deltafin.model.state import Rows
 
@@ -67,8 +67,8 @@ def _loop_forward(m, ids):
             experts = prov._experts[i]
 
             class Ready:
-                def __init__(self, chosen):
-                    self.chosen = chosen
+                def __init__(self, ids):
+                    self.chosen = chosen_experts(ids)
 
                 def result(self):
                     return {e: experts[e] for e in self.chosen}
