@@ -36,12 +36,7 @@ from ..kernels.grouped import ExpertStack, MXFP4Stack, Stacked
 from ..kernels.linear import QWeight
 from ..model.moe import chosen_experts
 from .placement import GiB, ExpertSlots, ModelSizes, Placement, plan, require_everything
-
-
-def _done(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+from .ram import done
 
 
 def _tensors(w):
@@ -159,7 +154,7 @@ def _wait(event) -> None:
 
 
 class DeviceProvider:
-    def __init__(self, source, settings, placement: Placement, progress=None):
+    def __init__(self, source, settings, placement: Placement):
         self.config = cfg = source.config
         self.placement = placement
         self.device = settings.torch_device()
@@ -171,8 +166,7 @@ class DeviceProvider:
         self._stacks: dict[int, Stacked] = {}  # layers whose experts are all held, stacked
         self._all: dict[int, dict] = {}  # layers whose experts are all held, per expert (other codecs)
         self._slots = ExpertSlots(placement.expert_slots if placement.expert_slots < sizes.num_experts else 0)
-        layers = range(cfg.num_layers)
-        for i in (progress(layers) if progress else layers):
+        for i in range(cfg.num_layers):
             if i in placement.spine_layers:
                 self._spines[i] = {k: _move(w, self.device) for k, w in source.read_spine(i).items()}
             if cfg.is_moe(i) and placement.expert_slots >= sizes.num_experts:
@@ -246,20 +240,20 @@ class DeviceProvider:
             n = ids.numel() if isinstance(ids, torch.Tensor) else len(ids)
             stats.bytes_on_device += n * self._expert_bytes[i]
             stats.experts_loaded += n
-            return _done(stack)
+            return done(stack)
         chosen = chosen_experts(ids)
         held = self._all.get(i)
         if held is not None:
             stats.experts_loaded += len(chosen)
             stats.bytes_on_device += len(chosen) * self._expert_bytes[i]
-            return _done({e: held[e] for e in chosen})
+            return done({e: held[e] for e in chosen})
         self._slots.routed(i, chosen)
         got = {e: w for e in chosen if (w := self._slots.get(i, e)) is not None}
         missing = [e for e in chosen if e not in got]
         stats.bytes_on_device += len(got) * self._expert_bytes[i]
         stats.experts_loaded += len(got)  # the streamer counts the ones it reads
         if not missing:
-            return _done(got)
+            return done(got)
         _wait(self._expert_copy)  # the streamer reuses its expert slots in this call
         pending = self._host.experts(i, missing, stats)
         for s in self._host._slots:

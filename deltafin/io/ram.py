@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from ..model.moe import chosen_experts
 
 
-def _done(value) -> Future:
+def done(value) -> Future:
     f: Future = Future()
     f.set_result(value)
     return f
@@ -51,4 +51,4 @@ class RAMProvider:
         stats.bytes_from_ram += sum(_nbytes(w) for w in got.values())
         stats.experts_loaded += len(got)
         stats.expert_wait_seconds += time.perf_counter() - t0
-        return _done(got)
+        return done(got)
