@@ -18,6 +18,7 @@ from deltafin.checkpoint.files import CheckpointError
 from deltafin.checkpoint.source import HFSource
 from deltafin.io.fetch import HubError
 from deltafin.io.hub import HubSource, check_entry_file
+from deltafin.model.moe import chosen_experts
 from deltafin.settings import Settings, SettingsError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,9 +55,9 @@ def test_first_answer_fetches_what_it_touches_and_a_second_run_nothing(hub, tiny
     touched = set()
     inner = ref.engine.provider.experts
 
-    def experts(i, chosen, stats):  # the routed experts the local run reads, layer by layer
-        touched.update((i, e) for e in chosen)
-        return inner(i, chosen, stats)
+    def experts(i, ids, stats):  # the routed experts the local run reads, layer by layer
+        touched.update((i, e) for e in chosen_experts(ids))
+        return inner(i, ids, stats)
 
     ref.engine.provider.experts = experts
     ids = ref.encode(PROMPT)
