@@ -7,8 +7,8 @@ sequence's own state; the routed experts read are the union of what the rows cho
 The engine does not know where weights come from. A *provider* hands it each layer's spine (in
 order, so it can read ahead) and the routed experts the router chose, already on the compute
 device; ``io.ram`` keeps a whole model in memory, ``io.stream`` reads it from disk per layer,
-``io.device`` keeps what its budget holds in a GPU's memory and streams the rest. Timing and byte counts are kept in a
-``PassStats`` the engine owns and returns.
+``io.device`` keeps what its budget holds in a GPU's memory and streams the rest. Timing and
+byte counts are kept in a ``PassStats`` the engine owns and returns.
 """
 from __future__ import annotations
 
