@@ -275,10 +275,11 @@ def test_load_tool_reports_a_run(model):
     with RunningServer(create_app(model, settings=settings)) as srv:
         url = f"http://127.0.0.1:{srv.port}/v1"
         run = subprocess.run(tool + ["--url", url, "--clients", "3", "--max-tokens", "4", "--prompt-tokens", "5",
-                                     "--join-prompt-tokens", "20", "--requests", "2"],
+                                     "--join-prompt-tokens", "20", "--requests", "2", "--seed", "1"],
                              capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout)
-    assert r["clients"] == 3 and r["completion_tokens"] == 3 * 2 * 4 and r["errors"] == []
+    # A random prompt may draw EOS before max_tokens, so an answer can be shorter than 4 tokens.
+    assert r["clients"] == 3 and 0 < r["completion_tokens"] <= 3 * 2 * 4 and r["errors"] == []
     assert r["ttft"]["n"] == 6 and r["itl"]["n"] > 0 and r["itl"]["p95_ms"] >= r["itl"]["p50_ms"]
     assert r["join"]["prompt_tokens"] == 20 and r["join"]["ttft_s"] > 0
