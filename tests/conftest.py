@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,12 @@ import torch
 # applies the setting, so set it there too).
 os.environ.setdefault("DELTAFIN_THREADS", "1")
 torch.set_num_threads(1)
+
+# A small Kimi Linear trained on Python source (what random weights cannot show: prefix-consistent chat
+# renders, real tokenizer.json files). It lives beside the repository, not in it; tests that need it
+# skip where it is absent. DELTAFIN_KL_CODE_TINY points elsewhere.
+KL_CODE_TINY = Path(os.environ.get("DELTAFIN_KL_CODE_TINY",
+                                   Path(__file__).resolve().parents[2] / "shared" / "data" / "kl-code-tiny"))
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +19,8 @@ import deltafin
 from deltafin.chat import Conversation, fixed_prefix, repl
 from deltafin.cli import main
 from deltafin.generate import generate
+from conftest import KL_CODE_TINY as CODE_TINY
 
-CODE_TINY = Path("/work/shared/data/kl-code-tiny")
 STATE_TOL = 1e-4
 
 

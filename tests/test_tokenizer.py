@@ -11,8 +11,7 @@ import pytest
 from deltafin.checkpoint import synthetic
 from deltafin.checkpoint.synthetic import config_dict, special_token_ids, tiktoken_model, tokenizer_config
 from deltafin.tokenizer import ByteStreamDecoder, KimiTokenizer, TokenizerError, load_tokenizer, stream_decoder
-
-KL_CODE_TINY = Path("/work/shared/data/kl-code-tiny")
+from conftest import KL_CODE_TINY
 
 # A hand-made vocabulary: the 256 bytes, then these merges (rank = position).
 MERGES = [b"he", b"ll", b"hell", b"hello", b" w", b"34"]  # ranks 256..261
