@@ -35,6 +35,9 @@ class PrefixCache:
         self.budget_bytes = int(budget_bytes)
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()  # the server's engine thread writes, /health and /metrics read
+        # Running totals, kept under the lock, so readers never walk the entries while a put changes them.
+        self._bytes = 0  # of the entries that count against the budget (not pinned)
+        self._pinned = 0
         self.hits = 0
         self.misses = 0
         self.cached_tokens = 0  # prompt tokens served from the cache, summed over lookups
@@ -42,11 +45,11 @@ class PrefixCache:
 
     @property
     def enabled(self) -> bool:
-        return self.budget_bytes > 0 or any(e.pinned for e in self._entries.values())
+        return self.budget_bytes > 0 or self._pinned > 0
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values() if not e.pinned)
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -65,7 +68,9 @@ class PrefixCache:
             self._entries.move_to_end(best)
             self.hits += 1
             self.cached_tokens += len(best)
-            return len(best), self._entries[best].state.snapshot()
+            kept = self._entries[best].state
+        # Copied outside the lock (a kept state is never changed), so a large copy does not hold up puts.
+        return len(best), kept.snapshot()
 
     def put(self, ids: Sequence[int], state: DecodeState, *, copy: bool = True, pinned: bool = False) -> bool:
         """Keep ``state`` (which holds exactly ``ids``); a copy unless ``copy=False`` hands it over.
@@ -80,27 +85,30 @@ class PrefixCache:
             return False
         kept = state.snapshot() if copy else state
         with self._lock:
-            old = self._entries.get(ids)
-            self._entries[ids] = _Entry(kept, size, pinned or (old is not None and old.pinned))
-            self._entries.move_to_end(ids)
+            old = self._entries.pop(ids, None)
+            if old is not None:
+                self._count(old, -1)
+            self._entries[ids] = entry = _Entry(kept, size, pinned or (old is not None and old.pinned))
+            self._count(entry, +1)
             self._evict()
         return True
 
+    def _count(self, entry: _Entry, sign: int) -> None:
+        if entry.pinned:
+            self._pinned += sign
+        else:
+            self._bytes += sign * entry.nbytes
+
     def _evict(self) -> None:
-        total = self.nbytes
         for key in list(self._entries):
-            if total <= self.budget_bytes:
+            if self._bytes <= self.budget_bytes:
                 break
             entry = self._entries[key]
             if entry.pinned:
                 continue
             del self._entries[key]
-            total -= entry.nbytes
+            self._count(entry, -1)
             self.evictions += 1
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
     def stats(self) -> dict:
         with self._lock:
