@@ -47,10 +47,6 @@ def _tensors(w):
     return [w] if isinstance(w, torch.Tensor) else []
 
 
-def _nbytes(w) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(w))
-
-
 def _move(w, device, non_blocking: bool = False):
     """A copy of `w` on `device` (a copy also where it is there already: the streamer's buffers are
     reused, what is held must not be)."""

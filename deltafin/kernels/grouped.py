@@ -16,7 +16,9 @@ it only in summation order).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -101,10 +103,8 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     x = z.float().contiguous()
     if isinstance(stack, MXFP4Stack):
         out = _grouped_mxfp4(cfg, x, flat, k, stack)
-    elif z.device.type == "cuda" and _triton_ok():
-        from . import grouped_triton
-        out = grouped_triton.grouped_down(grouped_triton.grouped_gate_up(x, flat, k, stack.w13, cfg),
-                                          flat, stack.w2)
+    elif z.device.type == "cuda" and (kernels := _triton_kernels()) is not None:
+        out = kernels.grouped_down(kernels.grouped_gate_up(x, flat, k, stack.w13, cfg), flat, stack.w2)
     else:
         out = _grouped_reference(cfg, x, flat, k, stack)
     return (out.view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
@@ -140,9 +140,11 @@ def _decode(packed, scale, dequantize):
     return dequantize(packed.reshape(P * N, half), scale.reshape(P * N, -1)).view(P, N, 2 * half)
 
 
-def _triton_ok() -> bool:
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """The grouped Triton kernels, or None without Triton (imported once: this runs per MoE layer)."""
     try:
-        import triton  # noqa: F401
+        from . import grouped_triton
     except ImportError:
-        return False
-    return True
+        return None
+    return grouped_triton
