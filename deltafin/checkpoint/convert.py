@@ -32,7 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels.linear import quantize
-from .files import CheckpointError, fsync_dir, pread_exact, writer_lock
+from .files import CheckpointError, confine, fsync_dir, pread_exact, writer_lock
 from .hf import DTYPES, TensorInfo
 from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles
 from .policy import is_spine_projection  # noqa: F401  (its home was here; callers import it from here)
@@ -423,9 +423,17 @@ def inspect_destination(dst: Path, hf_config: dict, spine: str,
                          f"first, or remove {dst}")
     # Keep only files that are there in full (a file is renamed into place before it is journaled).
     kept = {rel: e for rel, e in entries.items()
-            if not os.path.isabs(rel) and ".." not in Path(rel).parts
-            and (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
+            if _inside(dst, rel) and (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
     return existing, kept
+
+
+def _inside(dst: Path, rel) -> bool:
+    """Whether a journaled file name stays inside DST (the one confinement rule; others are ignored)."""
+    try:
+        confine(dst, rel, str(dst / JOURNAL))
+    except CheckpointError:
+        return False
+    return True
 
 
 def check_free_space(dst: Path, need: int) -> None:
