@@ -121,7 +121,8 @@ class Engine:
             self.provider.end_pass(stats)
         c0 = time.perf_counter()
         rows = _logit_rows(seqs)
-        h, blocks = h[rows], [b[rows] for b in blocks]
+        if len(rows) != h.shape[0]:  # every row wanted (a full-logits pass): no copy
+            h, blocks = h[rows], [b[rows] for b in blocks]
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
         head = self._for_products({"lm_head": g["lm_head"]})["lm_head"]
