@@ -147,6 +147,8 @@ class EntryCache:
         return self.folder / (entry.name + ".bin")
 
     def present(self, entry: Entry) -> bool:
+        if entry.name in self._ready:  # checked in this process, and what it uses is never evicted
+            return True
         try:
             return os.stat(self.path(entry)).st_size == entry.size + TRAILER.size
         except FileNotFoundError:
