@@ -82,17 +82,19 @@ class Model:
         self.path = Path(self.source.path)  # for a hub repository: its cached metadata folder
         self.config = _with_generation_eos(self.source.config, self.path)
         self.name = self.source.repo_id if self.source.kind == "hub" else self.path.name
-        self.residency = ""  # on a device: what it holds, and its budget (a start-up line)
+        self.residency = ""  # what a device or host RAM holds, and its budget (a start-up line)
         device = settings.torch_device()
         if device.type != "cpu":
             from .io.device import DeviceProvider, device_placement
-            placement, self.residency = device_placement(self.source, settings, device, settings.stream)
+            placement, held = device_placement(self.source, settings, device, settings.stream)
+            self.residency = f"device holds {held}"
             provider = DeviceProvider(self.source, settings, placement)
             self.streaming = provider.streaming
         elif _want_stream(settings, self.source):
             self.streaming = True
             from .io.stream import StreamProvider
             provider = StreamProvider(self.source, settings)
+            self.residency = provider.budget_line
         else:
             self.streaming = False
             from .io.ram import RAMProvider

@@ -72,7 +72,7 @@ def startup_message(model, path) -> str:
     return (f"deltafin: {model.name}: {model.config.architecture}, {model.config.num_layers} layers, "
             f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
             f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}"
-            + (f"\ndeltafin: device holds {model.residency}" if model.residency else ""))
+            + (f"\ndeltafin: {model.residency}" if model.residency else ""))
 
 
 MAX_PROMPT_FILE = 64 * 2 ** 20
@@ -161,7 +161,7 @@ def cmd_run(args) -> int:
         print(format_summary(runner.passes), file=sys.stderr)
         residency = getattr(model.engine.provider, "residency", None)
         if residency is not None:
-            print(f"  device residency now: {residency()}", file=sys.stderr)
+            print(f"  residency now: {residency()}", file=sys.stderr)
     return 0
 
 

@@ -45,6 +45,8 @@ class PassStats:
     bytes_on_device: int = 0  # read from weights resident on the compute device
     bytes_to_device: int = 0  # copied host -> device
     experts_loaded: int = 0
+    spines_cached: int = 0  # layers whose spine came from host RAM (pinned or cached), not the disk
+    experts_cached: int = 0  # of experts_loaded, those a host-RAM cache served
 
     def add(self, other: "PassStats") -> None:
         for k in self.__dataclass_fields__:

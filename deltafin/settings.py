@@ -49,7 +49,15 @@ class Settings:
                             "routed most often; the rest streams. auto = the device's free memory minus "
                             "headroom for states and activations (printed at start). With --stream off the "
                             "whole model must fit in it")
-    pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming")
+    pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming, whatever the "
+                            "RAM budget")
+    ram_budget: str = _knob("auto", "host memory (GB) a streamed model may hold: its streaming buffers, then the "
+                            "spines of a fixed set of layers, then in every MoE layer the experts routed most "
+                            "often lately; the rest is read from disk per token. auto = grow only into genuinely "
+                            "free memory (page cache is not counted; a cgroup's limit is respected), keep "
+                            "headroom, and give memory back as soon as free memory falls or memory pressure "
+                            "appears (a set budget does the same below its ceiling). 0 = no cache. Printed at "
+                            "start")
     io_workers: int = _knob(8, "parallel pread workers for routed experts")
     read_mode: str = _knob("nocache", "how expert and spine bytes are read: nocache (O_DIRECT, else drop pages "
                            "after use; fastest when streaming), buffered (page cache), mmap",
@@ -133,6 +141,7 @@ class Settings:
     def _check(self) -> None:
         parse_device(self.device)  # raises with a message
         parse_gpu_budget(self.gpu_budget)
+        parse_ram_budget(self.ram_budget)
         if not self.revision.strip():
             raise SettingsError("setting 'revision' must not be empty")
         for f in fields(self):
@@ -148,6 +157,10 @@ class Settings:
     def gpu_budget_bytes(self) -> int | None:
         """The budget in bytes, or None for auto."""
         return parse_gpu_budget(self.gpu_budget)
+
+    def ram_budget_bytes(self) -> int | None:
+        """The RAM budget in bytes, or None for auto."""
+        return parse_ram_budget(self.ram_budget)
 
     def torch_device(self):
         import torch
@@ -226,6 +239,21 @@ def parse_gpu_budget(spec: str) -> int | None:
     if not gb > 0 or gb == float("inf"):
         raise SettingsError(f"setting 'gpu_budget' (DELTAFIN_GPU_BUDGET): invalid value {spec!r} "
                             "(allowed: auto, or a number of GB above 0)")
+    return int(gb * 1e9)
+
+
+def parse_ram_budget(spec: str) -> int | None:
+    """'auto' -> None; a number of GB (>= 0; 0 = no cache) -> bytes."""
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = float("nan")
+    if not 0 <= gb < float("inf"):
+        raise SettingsError(f"setting 'ram_budget' (DELTAFIN_RAM_BUDGET): invalid value {spec!r} "
+                            "(allowed: auto, 0 = no cache, or a number of GB above 0)")
     return int(gb * 1e9)
 
 

@@ -11,6 +11,9 @@ import torch
 # applies the setting, so set it there too).
 os.environ.setdefault("DELTAFIN_THREADS", "1")
 torch.set_num_threads(1)
+# Streamed models keep no host-RAM cache unless a test asks for one (with a memory tree it writes):
+# what an automatic cache holds follows the machine's free memory, which byte counts cannot.
+os.environ.setdefault("DELTAFIN_RAM_BUDGET", "0")
 
 # A small Kimi Linear trained on Python source (what random weights cannot show: prefix-consistent chat
 # renders, real tokenizer.json files). It lives beside the repository, not in it; tests that need it

@@ -172,7 +172,9 @@ class DeviceProvider:
         self._host = None
         if not placement.everything:
             from .stream import StreamProvider
-            self._host = StreamProvider(source, settings, held=placement.spine_layers)
+            # No host-RAM cache under it yet: the copier registers the streamer's buffers as pinned
+            # memory once, which a cache that resizes them would invalidate.
+            self._host = StreamProvider(source, settings, held=placement.spine_layers, cache=False)
             for b in self._host._spine_bufs:
                 self._copier.pin(b.buf)
         self._spine_copy = None  # event of the last copy out of a streamer spine buffer

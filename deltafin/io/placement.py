@@ -15,8 +15,7 @@ What is not held streams through the tier below.
 """
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GiB = 2**30
 
@@ -108,35 +107,77 @@ def require_everything(p: Placement, how: str) -> None:
         f"budget is {p.budget / GiB:.2f} GiB ({how}); stream the rest with --stream on")
 
 
-@dataclass
 class ExpertSlots:
-    """Which experts of each MoE layer stay held: up to ``slots`` per layer, the most often routed.
+    """Which experts of each MoE layer stay held: up to ``slots`` per layer, the most often routed lately.
 
-    ``offer`` is called with each expert that had to be fetched: it is kept while the layer has a
-    free slot, and replaces the least-routed held expert once it has been routed more often. The
-    counts are of passes in which the expert was chosen."""
-    slots: int
-    counts: dict[int, Counter] = field(default_factory=dict)
-    held: dict[int, dict] = field(default_factory=dict)  # layer -> {expert: weights}
+    Each pass in which an expert is chosen adds 1 to its score in that layer, and scores halve every
+    ``half_life`` passes of the layer, so an expert that was popular long ago gives way to one that
+    is popular now (plain counts never forget; least-recently-used forgets after one pass and, with
+    top-k routing, evicts hot experts for one-off ones: tools/expert_cache_policy.py measures both).
+    The decay is applied lazily, by growing the increment instead of shrinking every score: a pass
+    costs O(chosen), whatever the number of experts.
 
-    def routed(self, i: int, chosen: list[int]) -> None:
-        self.counts.setdefault(i, Counter()).update(chosen)
+    ``admit`` is asked for an expert that has to be fetched anyway: it says yes while the layer has
+    a free slot, and when the expert now scores above the layer's coldest held one (which it evicts);
+    ``put`` then stores the fetched weights (an opaque value). ``resize`` changes the slots per layer
+    and returns what it evicted. Not thread-safe: a caller shared between threads locks around it."""
+
+    def __init__(self, slots: int, half_life: float = 32.0):
+        self.slots = slots
+        self.half_life = half_life
+        self.scores: dict[int, dict[int, float]] = {}
+        self._step: dict[int, int] = {}
+        self.held: dict[int, dict] = {}  # layer -> {expert: weights}
+
+    def routed(self, i: int, chosen) -> None:
+        scores = self.scores.setdefault(i, {})
+        step = self._step[i] = self._step.get(i, 0) + 1
+        if step > 500 * self.half_life:  # keep the growing increment far from overflow
+            for e in scores:
+                scores[e] *= 2.0 ** (-step / self.half_life)
+            step = self._step[i] = 0
+        inc = 2.0 ** (step / self.half_life)
+        for e in chosen:
+            scores[e] = scores.get(e, 0.0) + inc
+
+    def score(self, i: int, e: int) -> float:
+        return self.scores.get(i, {}).get(e, 0.0)
 
     def get(self, i: int, e: int):
         return self.held.get(i, {}).get(e)
 
-    def offer(self, i: int, e: int, weights) -> None:
+    def admit(self, i: int, e: int) -> bool:
+        """Whether `e` (not held) should take a slot of layer i; evicts the coldest to make room."""
         if self.slots <= 0:
-            return
+            return False
         layer = self.held.setdefault(i, {})
         if len(layer) < self.slots:
-            layer[e] = weights
-            return
-        counts = self.counts.get(i, Counter())
-        coldest = min(layer, key=lambda x: counts[x])
-        if counts[e] > counts[coldest]:
+            return True
+        coldest = min(layer, key=lambda x: self.score(i, x))
+        if self.score(i, e) > self.score(i, coldest):
             del layer[coldest]
+            return True
+        return False
+
+    def put(self, i: int, e: int, weights) -> None:
+        layer = self.held.setdefault(i, {})
+        if e in layer or len(layer) < self.slots:
             layer[e] = weights
+
+    def offer(self, i: int, e: int, weights) -> None:
+        """Keep fetched weights if `e` earns a slot."""
+        if self.admit(i, e):
+            self.put(i, e, weights)
+
+    def resize(self, slots: int) -> list:
+        """Set the slots per layer; returns the weights evicted (the coldest of each layer)."""
+        self.slots = max(0, slots)
+        out = []
+        for i, layer in self.held.items():
+            while len(layer) > self.slots:
+                coldest = min(layer, key=lambda x: self.score(i, x))
+                out.append(layer.pop(coldest))
+        return out
 
     def held_count(self) -> int:
         return sum(len(v) for v in self.held.values())

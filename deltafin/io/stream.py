@@ -1,9 +1,15 @@
 """The streaming provider: a model larger than RAM, read from disk layer by layer at disk speed.
 
 What stays in memory: the globals (embeddings, final norm, lm_head, output attn-res), the first
-``pin_layers`` spines, two spine buffers of the largest layer's size, and one buffer ("slot")
-per expert read in one layer. None of it depends on the number of layers, and after the first
-passes nothing is allocated per token.
+``pin_layers`` spines, two spine buffers of the largest streamed layer's size, and one buffer
+("slot") per expert read in one layer. None of it depends on the number of layers. Beyond that,
+a host-RAM cache (``io.ram_cache``, sized by the ``ram_budget`` setting through ``io.memory``)
+keeps the spines of a fixed set of layers and the experts routed most often lately, as long as
+memory is free; what it holds is not read again, and it gives memory back under pressure. With
+``ram_budget 0`` there is no cache, and after the first passes nothing is allocated per token.
+With a cache, the spine buffers follow the layers still streamed (none once every spine is
+held), and expert slots beyond what the last pass needed are given back after it (a prefill
+may need one per expert of a layer).
 
 Spine read-ahead: spine buffers A and B alternate. ``spine(i)`` is called only after layer i-1
 finished computing and dropped its weights, so the buffer that held layer i-1 is free; the read
@@ -15,8 +21,9 @@ returns a Future at once, so the engine computes the shared expert while the rea
 slots are reused at the next layer's ``experts`` call, after layer i finished.
 
 Per pass it accounts bytes by where they come from (the model's files on disk, or for a hub
-source its local cache or the network; RAM for pinned layers and the head), time blocked on
-spines and on experts, and experts loaded into the engine's ``PassStats``.
+source its local cache or the network; RAM for pinned and cached layers and experts, and the
+head), time blocked on spines and on experts, and experts loaded (and of them, served by the
+cache) into the engine's ``PassStats``.
 """
 from __future__ import annotations
 
@@ -26,8 +33,11 @@ from concurrent.futures import Future
 
 from ..model.moe import chosen_experts
 from ..settings import Settings
+from .memory import WATCH_INTERVAL_S, MemoryBudget, Watcher
+from .ram import done
+from .ram_cache import RamCache
 from .reader import AHEAD, SPINE_CHUNK, URGENT, AlignedBuffer, Batch, Files, Layout, ReadPool, chunked, \
-    make_layout, views
+    make_layout, views, align_up
 
 
 class _TimedFuture(Future):
@@ -47,7 +57,7 @@ class _TimedFuture(Future):
 
 class _SpineBuffer:
     def __init__(self, nbytes: int):
-        self.buf = AlignedBuffer(nbytes)
+        self.buf: AlignedBuffer | None = AlignedBuffer(nbytes)
         self.layer: int | None = None  # layer being read (or read) into it
         self.origin = "disk"  # where its bytes come from (see _count)
         self.batch: Batch | None = None
@@ -64,8 +74,12 @@ class _SpineBuffer:
 
 
 class StreamProvider:
-    def __init__(self, source, settings: Settings, held: frozenset[int] = frozenset()):
-        """``held``: layers whose spine a device provider keeps; they are never read here."""
+    def __init__(self, source, settings: Settings, held: frozenset[int] = frozenset(), cache: bool = True,
+                 memory_root: str = "/", watch: bool = True):
+        """``held``: layers whose spine a device provider keeps; they are never read here.
+        ``cache``: whether a host-RAM cache may be kept (as ``settings.ram_budget`` says);
+        ``memory_root``: the file tree memory is read from (``/``; tests give a tree they write);
+        ``watch``: check memory from a thread a few times a second (else only ``watcher.check()``)."""
         self.source = source
         cfg = self.config = source.config
         self.settings = settings
@@ -99,12 +113,33 @@ class StreamProvider:
             self._read_now(self._spine_layouts[i], buf)
             self._pinned_bufs.append(buf)
             self._pinned.append(source.decode_spine(i, views(buf.mem, self._spine_layouts[i])))
-        self._streamed = [i for i in range(self.pin_layers, L) if i not in held]
-        size = max((self._spine_layouts[i].capacity for i in self._streamed), default=0)
-        self._spine_bufs = [_SpineBuffer(size), _SpineBuffer(size)] if self._streamed else []
+        self._streamable = [i for i in range(self.pin_layers, L) if i not in held]
+        self._streamed = self._streamable  # of them, those not cached now (see _plan_reads)
+        self._ring_size = max((self._spine_layouts[i].capacity for i in self._streamed), default=0)
+        self._spine_bufs = [_SpineBuffer(self._ring_size), _SpineBuffer(self._ring_size)] if self._streamed else []
 
         self._slots: list[AlignedBuffer] = []
+        self._slots_used = 0  # the most slots one layer of this pass needed
         self._expert_batch: Batch | None = None
+
+        self.cache: RamCache | None = None
+        self.watcher: Watcher | None = None
+        ceiling = settings.ram_budget_bytes()
+        if cache and ceiling != 0 and self._streamable:
+            moe = [i for i in range(L) if cfg.is_moe(i)]
+            self.cache = RamCache([align_up(self._spine_layouts[i].capacity) if i in self._streamable
+                                   else 0 for i in range(L)],
+                                  [align_up(self._expert_layout(i, 0).capacity) if i in moe else 0
+                                   for i in range(L)], cfg.num_experts)
+            self.cache.fixed_bytes = self.resident_bytes()["total"]
+            self._budget = MemoryBudget(ceiling, memory_root)
+            self.budget_line = self._budget.describe(self.cache.fixed_bytes)
+            self.watcher = Watcher(self._budget, self.cache, WATCH_INTERVAL_S if watch else None)
+            self.watcher.check()
+        else:
+            self.budget_line = ("ram budget 0: no cache (every streamed byte is read per token)" if ceiling == 0
+                                else "")
+        self._cache_version = -1
 
     # -- the provider protocol ---------------------------------------------------------------
     def globals(self) -> dict:
@@ -115,55 +150,97 @@ class StreamProvider:
         for b in self._spine_bufs:
             if b.held:  # the previous pass is over
                 b.settle()
+        self._plan_reads()
         if self._streamed:
             first = self._streamed[0]
             self._request(first)
             self._request(self._next_streamed(first), keep=first)
 
     def end_pass(self, stats) -> None:
-        pass
+        if self.cache is not None:
+            # Slots a larger pass (a prefill) needed go back to the budget; a decode pass keeps its own.
+            del self._slots[max(self._slots_used, self.config.experts_per_token):]
+            self._slots_used = 0
+            self.cache.fixed_bytes = self.resident_bytes()["total"]
 
     def spine(self, i: int, stats) -> dict:
         for b in self._spine_bufs:
             if b.held:  # layer i-1 is done with it
                 b.settle()
-        if i not in self._streamed:
-            if i < self.pin_layers:
+        self._plan_reads()
+        cached = self._pinned[i] if i < self.pin_layers else self.cache.spine(i) if self.cache else None
+        if cached is not None or i not in self._streamable:
+            if cached is not None:
                 stats.bytes_from_ram += self._spine_layouts[i].nbytes
+                stats.spines_cached += 1
             if self._streamed:
                 self._request(self._next_streamed(i))
-            return self._pinned[i] if i < self.pin_layers else {}
+            return cached if cached is not None else {}
         b = self._request(i)
         b.held = True
-        self._request(self._next_streamed(i))
+        if self._streamed:
+            self._request(self._next_streamed(i))
         t0 = time.perf_counter()
         b.batch.wait()
         stats.spine_wait_seconds += time.perf_counter() - t0
-        _count(stats, b.origin, self._spine_layouts[i].nbytes)
-        return self.source.decode_spine(i, views(b.buf.mem, self._spine_layouts[i]))
+        lay = self._spine_layouts[i]
+        _count(stats, b.origin, lay.nbytes)
+        if self.cache is not None and self.cache.wants_spine(i):
+            # Kept from now on: one copy out of the read-ahead buffer, the only one this layer costs.
+            keep = AlignedBuffer(lay.capacity)
+            keep.mem[:lay.size] = b.buf.mem[:lay.size]
+            weights = self.source.decode_spine(i, views(keep.mem, lay))
+            self.cache.put_spine(i, keep, weights)
+            return weights
+        return self.source.decode_spine(i, views(b.buf.mem, lay))
 
     def experts(self, i: int, ids, stats) -> Future:
         """Read the experts routed to (``ids``: the router's tensor, or a list of expert ids)."""
         fut = _TimedFuture(stats)
         chosen = chosen_experts(ids)
+        stats.experts_loaded += len(chosen)
+        cache = self.cache
+        got = {}
+        if cache is not None:
+            cache.routed(i, chosen)
+            for e in chosen:
+                w = cache.expert(i, e)
+                if w is not None:
+                    got[e] = w
+            stats.experts_cached += len(got)
+            stats.bytes_from_ram += sum(self._expert_layout(i, e).nbytes for e in got)
+        missing = [e for e in chosen if e not in got]
+        if not missing:
+            return done(got)
         if self._expert_batch is not None:  # normally long done; after an error it may not be
             try:
                 self._expert_batch.wait()
             except Exception:
                 pass
-        layouts = [self._expert_layout(i, e) for e in chosen]
-        while len(self._slots) < len(layouts):  # more distinct experts than ever before (a prefill)
-            self._slots.append(AlignedBuffer(layouts[len(self._slots)].capacity))
-        jobs = []
-        for k, lay in enumerate(layouts):
-            if self._slots[k].nbytes < lay.size:  # an expert split into more runs than the others
-                self._slots[k] = AlignedBuffer(lay.capacity)
-            jobs += [(run, self._slots[k].mem, s) for run, s in zip(lay.runs, lay.starts)]
+        layouts = [self._expert_layout(i, e) for e in missing]
+        # An expert the cache admits is read into a buffer of its own, which the cache keeps; the
+        # others go through the reused slots.
+        own = [AlignedBuffer(lay.capacity) if cache is not None and cache.admit_expert(i, e, align_up(lay.capacity))
+               else None for e, lay in zip(missing, layouts)]
+        need = sum(1 for b in own if b is None)
+        if need > len(self._slots) and cache is not None:  # counted against the budget first
+            extra = sum(lay.capacity for lay, b in zip(layouts, own) if b is None) - \
+                sum(s.nbytes for s in self._slots)
+            cache.make_room(extra, f"room for {need - len(self._slots)} more expert read buffers")
+        bufs, k = [], 0
+        for lay, b in zip(layouts, own):
+            if b is None:
+                if k == len(self._slots):  # more distinct experts than ever before (a prefill)
+                    self._slots.append(AlignedBuffer(lay.capacity))
+                elif self._slots[k].nbytes < lay.size:  # an expert split into more runs than the others
+                    self._slots[k] = AlignedBuffer(lay.capacity)
+                b, k = self._slots[k], k + 1
+            bufs.append(b)
+        self._slots_used = max(self._slots_used, k)
+        jobs = [(run, b.mem, s) for lay, b in zip(layouts, bufs) for run, s in zip(lay.runs, lay.starts)]
         for lay in layouts:
             _count(stats, self._where(lay), lay.nbytes)
         self.files.prefetch([lay.runs[0].file for lay in layouts if lay.runs])
-        stats.experts_loaded += len(chosen)
-        slots = self._slots[:len(layouts)]
         decode = self.source.decode_expert
 
         def finish(error):
@@ -171,7 +248,12 @@ class StreamProvider:
                 fut.set_exception(error)
                 return
             try:
-                fut.set_result({e: decode(i, e, views(s.mem, lay)) for e, s, lay in zip(chosen, slots, layouts)})
+                out = dict(got)
+                for e, b, lay, mine in zip(missing, bufs, layouts, own):
+                    out[e] = decode(i, e, views(b.mem, lay))
+                    if mine is not None:
+                        cache.put_expert(i, e, mine, out[e])
+                fut.set_result(out)
             except Exception as e:
                 fut.set_exception(e)
 
@@ -184,13 +266,21 @@ class StreamProvider:
         out = {
             "globals": self._global_buf.nbytes,
             "pinned": sum(b.nbytes for b in self._pinned_bufs),
-            "spine_buffers": sum(b.buf.nbytes for b in self._spine_bufs),
+            "spine_buffers": sum(b.buf.nbytes for b in self._spine_bufs if b.buf is not None),
             "expert_slots": sum(s.nbytes for s in self._slots),
         }
         out["total"] = sum(out.values())
+        if self.cache is not None:  # not in the total: the fixed part
+            out["cache"] = self.cache.held_bytes()
         return out
 
+    def residency(self) -> dict:
+        """What the host-RAM cache holds now and may hold (empty without one)."""
+        return self.cache.residency() if self.cache is not None else {}
+
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
         for b in self._spine_bufs:
             b.settle()
         if self._expert_batch is not None:
@@ -204,6 +294,20 @@ class StreamProvider:
     def _read_now(self, layout: Layout, buf: AlignedBuffer) -> None:
         jobs = [(run, buf.mem, s) for run, s in zip(layout.runs, layout.starts)]
         self.pool.submit(chunked(jobs, SPINE_CHUNK), URGENT).wait()
+
+    def _plan_reads(self) -> None:
+        """Follow the cache: the layers it holds are not read, and the spine buffers shrink to the
+        largest layer still read (given back when none is)."""
+        if self.cache is None or self.cache.version == self._cache_version:
+            return
+        self._cache_version = self.cache.version
+        self._streamed = [i for i in self._streamable if not self.cache.holds_spine(i)]
+        self._ring_size = max((self._spine_layouts[i].capacity for i in self._streamed), default=0)
+        if not self._streamed:
+            for b in self._spine_bufs:
+                if not b.held:
+                    b.settle()
+                    b.buf = None
 
     def _next_streamed(self, i: int) -> int:
         """The streamed layer read after layer i: the next one, or the first of the next pass."""
@@ -227,6 +331,9 @@ class StreamProvider:
             b = next(b for b in self._spine_bufs if not b.held and b.layer != keep)
             b.settle()
         lay = self._spine_layouts[layer]
+        if b.buf is None or b.buf.nbytes < lay.capacity or b.buf.nbytes > max(self._ring_size, lay.capacity):
+            b.buf = None  # the old one goes first: the two never coexist
+            b.buf = AlignedBuffer(max(self._ring_size, lay.capacity))
         jobs = [(run, b.buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
         b.layer, b.held, b.origin = layer, False, self._where(lay)
         self.files.prefetch(list(dict.fromkeys(run.file for run in lay.runs)))

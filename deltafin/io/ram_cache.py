@@ -1,0 +1,165 @@
+"""The host-RAM cache of a streamed model: what it holds, how it is sized, what makes it give memory back.
+
+What it holds, beyond the streamer's fixed buffers (globals, pinned layers, the spine read-ahead
+buffers, the expert slots):
+
+- spines of a fixed set of layers, from the first streamed layer on (``placement.plan`` decides,
+  as for device memory): a pass walks the layers in order, so a recency-based cache would evict
+  each layer just before it is needed again. A layer enters when it was read for a pass anyway
+  (one copy out of the read-ahead buffer, once); the layers outside the set keep being read
+  with nocache reads, so they never evict it;
+- routed experts, once every spine is held: the same number of slots in every MoE layer, filled
+  by ``placement.ExpertSlots`` (scores of how often each expert was routed lately). An admitted
+  expert is read straight into its own buffer: no copy.
+
+Everything held is page-aligned memory whose tensors (views, decoded once) are handed to the
+engine as they are: no copy per use.
+
+Sizing: ``target`` is the bytes the cache may hold; ``set_target`` (from ``memory.Watcher``, a few
+times a second) moves it. Shrinking happens at once, experts first (the coldest of each layer,
+one slot of every layer at a time), then spines from the last held layer back: dropping an entry
+drops the cache's reference, and the memory goes back as soon as no layer computing now still uses
+it (at most one layer later). Growing is lazy: entries are admitted as the pass reads them. A
+line goes to stderr (``log``) whenever the set of layers / experts per layer the target allows
+changes, with why.
+
+Thread-safety: every method takes the cache's lock; the decode thread (and the read workers
+that complete expert reads) admit and look up, the watcher shrinks.
+
+For a caller that wants to read experts ahead (prefetch): ``expert(i, e)`` looks one up,
+``admit_expert(i, e)`` asks for a slot (and makes room), ``put_expert(i, e, buf, weights)`` stores
+what was read into ``buf``; ``routed(i, chosen)`` is called once per layer per pass by the
+streamer with what the router chose (the scores the slots follow).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+from .placement import GiB, ExpertSlots, ModelSizes, Placement, plan
+
+
+class RamCache:
+    def __init__(self, spine_bytes: list[int], expert_bytes: list[int], num_experts: int, log=None):
+        """`spine_bytes[i]`: buffer bytes layer i's spine takes here (0 for a layer that is never
+        streamed: pinned, or held by a device); `expert_bytes[i]`: one expert of layer i (0: dense)."""
+        self._sizes = ModelSizes(0, tuple(spine_bytes), tuple(expert_bytes), num_experts if any(expert_bytes) else 0)
+        self._cacheable = [i for i, b in enumerate(spine_bytes) if b]
+        self._lock = threading.Lock()
+        self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
+        self.target = 0
+        self.fixed_bytes = 0  # the streamer's own buffers (set by it), counted against a set budget
+        self._plan = plan(self._sizes, 0, "ram")
+        self._spines: dict[int, tuple[object, dict]] = {}  # layer -> (buffer, decoded weights)
+        self._spine_held = 0
+        self._experts = ExpertSlots(0)  # weights: (buffer, decoded weights)
+        self._expert_held = 0
+        self.version = 0  # bumped when the set of held spines changes (the streamer re-plans its reads)
+
+    # -- sizing ------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._spine_held + self._expert_held
+
+    def set_target(self, target: int, why: str = "") -> None:
+        with self._lock:
+            old = self._plan
+            self.target = max(0, int(target))
+            self._plan = plan(self._sizes, self.target, "ram")
+            self._shrink_to(self._plan)
+            if (old.spine_layers, old.expert_slots) != (self._plan.spine_layers, self._plan.expert_slots):
+                verb = "grows" if self._plan.held_bytes > old.held_bytes else "shrinks"
+                self._log(f"deltafin: ram cache {verb} to {self.target / GiB:.2f} GiB ({why}): "
+                          f"{self._describe(self._plan)}")
+
+    def make_room(self, nbytes: int, why: str) -> None:
+        """Lower the target so that `nbytes` more of the streamer's own buffers fit."""
+        self.set_target(min(self.target, self.held_bytes() - nbytes), why)
+
+    def _set_slots(self, slots: int) -> None:
+        for buf, _ in self._experts.resize(slots):
+            self._expert_held -= buf.nbytes
+
+    def _shrink_to(self, p: Placement) -> None:
+        self._set_slots(p.expert_slots)
+        for i in sorted(self._spines, reverse=True):
+            if i not in p.spine_layers or self._spine_held + self._expert_held > self.target:
+                self._spine_held -= self._spines.pop(i)[0].nbytes
+                self.version += 1
+
+    def _describe(self, p: Placement) -> str:
+        s = self._sizes
+        text = f"spines of {len(p.spine_layers)}/{len(self._cacheable)} streamed layers"
+        if s.num_experts:
+            text += f", {p.expert_slots}/{s.num_experts} experts in each MoE layer"
+        return text
+
+    # -- spines ------------------------------------------------------------------------------
+    def spine(self, i: int) -> dict | None:
+        with self._lock:
+            got = self._spines.get(i)
+            return got[1] if got is not None else None
+
+    def holds_spine(self, i: int) -> bool:
+        with self._lock:
+            return i in self._spines
+
+    def wants_spine(self, i: int) -> bool:
+        with self._lock:
+            return i in self._plan.spine_layers and i not in self._spines and self._sizes.spine_bytes[i] > 0
+
+    def put_spine(self, i: int, buf, weights: dict) -> None:
+        with self._lock:
+            if i not in self._plan.spine_layers or i in self._spines:
+                return
+            if self._spine_held + buf.nbytes > self.target:
+                return
+            # Spines come before experts: make room among the experts if they took it meanwhile.
+            while self._spine_held + self._expert_held + buf.nbytes > self.target and self._experts.slots:
+                self._set_slots(self._experts.slots - 1)
+            self._spines[i] = (buf, weights)
+            self._spine_held += buf.nbytes
+            self.version += 1
+
+    # -- experts -----------------------------------------------------------------------------
+    def routed(self, i: int, chosen) -> None:
+        with self._lock:
+            self._experts.routed(i, chosen)
+
+    def expert(self, i: int, e: int):
+        with self._lock:
+            got = self._experts.get(i, e)
+            return got[1] if got is not None else None
+
+    def admit_expert(self, i: int, e: int, nbytes: int) -> bool:
+        """Whether to read expert e of layer i into a buffer of its own and keep it (if so, the
+        layer's coldest expert may have been evicted to make room)."""
+        with self._lock:
+            layer = self._experts.held.get(i, {})
+            full = len(layer) >= self._experts.slots
+            if not full and self._spine_held + self._expert_held + nbytes > self.target:
+                return False  # a slot is free but the bytes are not (buffers round up): only swaps
+            victim = min(layer, key=lambda x: self._experts.score(i, x)) if full and layer else None
+            victim_bytes = layer[victim][0].nbytes if victim is not None else 0
+            if not self._experts.admit(i, e):
+                return False
+            if victim is not None and victim not in layer:
+                self._expert_held -= victim_bytes
+            return True
+
+    def put_expert(self, i: int, e: int, buf, weights) -> None:
+        with self._lock:
+            if self._spine_held + self._expert_held + buf.nbytes > self.target:
+                return
+            before = len(self._experts.held.get(i, {}))
+            self._experts.put(i, e, (buf, weights))
+            if len(self._experts.held.get(i, {})) > before:
+                self._expert_held += buf.nbytes
+
+    # -- introspection -----------------------------------------------------------------------
+    def residency(self) -> dict:
+        with self._lock:
+            return {"target_bytes": self.target, "held_bytes": self._spine_held + self._expert_held,
+                    "spine_layers_held": len(self._spines), "streamed_layers": len(self._cacheable),
+                    "experts_held": self._experts.held_count(), "expert_slots_per_layer": self._experts.slots,
+                    "experts_in_layer": self._sizes.num_experts}

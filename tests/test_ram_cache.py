@@ -1,0 +1,287 @@
+"""The host-RAM tier: memory readers on file trees the tests write (cgroup v1, v2, none, garbage),
+the budget's decisions, the ram_budget setting, and the cached streamer against the plain one
+(identical logits, also while the cache shrinks and grows mid-generation)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltafin.api import open_source
+from deltafin.engine import Engine
+from deltafin.io.memory import GiB, MemoryBudget, cgroup_levels, read_memory, read_meminfo, read_stall_us
+from deltafin.io.placement import ExpertSlots
+from deltafin.io.ram_cache import RamCache
+from deltafin.io.stream import StreamProvider
+from deltafin.settings import Settings, SettingsError
+
+KB = 1024
+
+
+def write(root: Path, rel: str, text: str) -> None:
+    f = root / rel.lstrip("/")
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(text)
+
+
+def host(root: Path, free: int, total: int = 16 * GiB, full_us: int = 0, cached: int = 8 * GiB) -> None:
+    write(root, "/proc/meminfo", f"MemTotal: {total // KB} kB\nMemFree: {free // KB} kB\n"
+                                 f"MemAvailable: {(free + cached) // KB} kB\nCached: {cached // KB} kB\n")
+    write(root, "/proc/pressure/memory", f"some avg10=0.00 avg60=0.00 avg300=0.00 total={2 * full_us}\n"
+                                         f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full_us}\n")
+
+
+def cgroup_v1(root: Path, limit: int, usage: int, parent_limit: int = 9223372036854771712) -> None:
+    write(root, "/proc/self/cgroup", "9:pids:/\n4:memory:/box/job\n1:cpu,cpuacct:/\n")
+    base = "/sys/fs/cgroup/memory"
+    for rel, lim, use in ((base, 9223372036854771712, 20 * GiB), (base + "/box", parent_limit, usage),
+                          (base + "/box/job", limit, usage)):
+        write(root, rel + "/memory.limit_in_bytes", f"{lim}\n")
+        write(root, rel + "/memory.usage_in_bytes", f"{use}\n")
+
+
+def cgroup_v2(root: Path, limit: str, usage: int, some_us: int = 0) -> None:
+    write(root, "/proc/self/cgroup", "0::/user.slice/job\n")
+    write(root, "/sys/fs/cgroup/cgroup.controllers", "cpu memory\n")
+    write(root, "/sys/fs/cgroup/user.slice/job/memory.max", limit + "\n")
+    write(root, "/sys/fs/cgroup/user.slice/job/memory.current", f"{usage}\n")
+    write(root, "/sys/fs/cgroup/user.slice/job/memory.pressure",
+          f"some avg10=1.00 avg60=0.00 avg300=0.00 total={some_us}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+
+
+# -- readers -----------------------------------------------------------------------------------
+def test_host_free_is_memfree_not_page_cache(tmp_path):
+    host(tmp_path, free=2 * GiB, cached=10 * GiB, full_us=1234)
+    r = read_memory(str(tmp_path))
+    assert r.free == 2 * GiB and r.limit == 16 * GiB and r.where == "host" and r.stall_us == 1234
+    assert read_meminfo(str(tmp_path))["Cached"] == 10 * GiB
+
+
+def test_cgroup_v1_limit_and_usage_bind(tmp_path):
+    host(tmp_path, free=10 * GiB)
+    cgroup_v1(tmp_path, limit=3 * GiB, usage=2 * GiB)
+    levels = cgroup_levels(str(tmp_path))
+    assert [lv.path for lv in levels] == ["/sys/fs/cgroup/memory/box/job", "/sys/fs/cgroup/memory/box",
+                                          "/sys/fs/cgroup/memory"]
+    assert levels[0].limit == 3 * GiB and levels[1].limit is None  # "no limit" is a huge number in v1
+    r = read_memory(str(tmp_path))
+    assert r.free == 1 * GiB and r.limit == 3 * GiB and "cgroup v1" in r.where
+    # A tighter ancestor wins.
+    cgroup_v1(tmp_path, limit=3 * GiB, usage=2 * GiB, parent_limit=2 * GiB + 100)
+    assert read_memory(str(tmp_path)).free == 100
+
+
+def test_cgroup_v2_limit_usage_and_own_pressure(tmp_path):
+    host(tmp_path, free=10 * GiB, full_us=999)
+    cgroup_v2(tmp_path, "max", 1 * GiB, some_us=555)
+    r = read_memory(str(tmp_path))
+    assert r.free == 10 * GiB and r.limit == 16 * GiB and r.stall_us == 555  # the group's own pressure
+    cgroup_v2(tmp_path, str(4 * GiB), 3 * GiB)
+    write(tmp_path, "/sys/fs/cgroup/user.slice/job/memory.high", f"{int(3.5 * GiB)}\n")
+    r = read_memory(str(tmp_path))
+    assert r.free == GiB // 2 and r.limit == int(3.5 * GiB) and "cgroup v2" in r.where
+
+
+def test_container_path_not_mounted_reads_the_mount_root(tmp_path):
+    host(tmp_path, free=10 * GiB)
+    write(tmp_path, "/proc/self/cgroup", "0::/kubepods/pod1/abc\n")
+    write(tmp_path, "/sys/fs/cgroup/cgroup.controllers", "memory\n")
+    write(tmp_path, "/sys/fs/cgroup/memory.max", f"{2 * GiB}\n")
+    write(tmp_path, "/sys/fs/cgroup/memory.current", f"{GiB}\n")
+    assert read_memory(str(tmp_path)).free == GiB
+
+
+@pytest.mark.parametrize("garbage", ["", "\x00\xff\xfe", "MemFree: lots kB\n", "max\n", "-5\n", "1 2 3",
+                                     "some total=abc\n", "4:memory\n", "0::../../etc\n"])
+def test_garbage_reads_as_unknown(tmp_path, garbage):
+    for rel in ("/proc/meminfo", "/proc/self/cgroup", "/proc/pressure/memory",
+                "/sys/fs/cgroup/memory/memory.usage_in_bytes", "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                "/sys/fs/cgroup/cgroup.controllers", "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"):
+        write(tmp_path, rel, garbage)
+    r = read_memory(str(tmp_path))
+    assert r.free is None or r.free >= 0
+    budget = MemoryBudget(None, str(tmp_path))
+    target, why = budget.check(held=123, fixed=0, target=123)
+    assert target >= 0 and isinstance(why, str)
+    assert "ram budget" in budget.describe(0)
+
+
+def test_nothing_there_reads_as_unknown(tmp_path):
+    r = read_memory(str(tmp_path / "missing"))
+    assert r == type(r)(None, None, "host", None)
+    assert cgroup_levels(str(tmp_path / "missing")) == []
+    assert read_stall_us(str(tmp_path), "/proc/pressure/memory", "full") is None
+    # Unknown memory: a set budget is trusted, auto keeps what it holds.
+    assert MemoryBudget(2 * 10**9, str(tmp_path)).check(0, 10**9, 0)[0] == 10**9
+    assert MemoryBudget(None, str(tmp_path)).check(5, 0, 0)[0] == 5
+
+
+# -- the budget's decisions ----------------------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_budget_grows_into_free_memory_and_shrinks_by_the_shortfall(tmp_path):
+    clock = Clock()
+    b = MemoryBudget(None, str(tmp_path), clock=clock)
+    host(tmp_path, free=4 * GiB)
+    headroom = b.headroom(read_memory(str(tmp_path)))
+    target, _ = b.check(held=0, fixed=0, target=0)
+    assert 0 < target <= 4 * GiB - headroom
+    free = (headroom - GiB // 2) // KB * KB
+    host(tmp_path, free=free)  # someone took memory: give back the shortfall at once
+    assert b.check(held=3 * GiB, fixed=0, target=target)[0] == 3 * GiB - (headroom - free)
+    # A set budget is a ceiling that includes the streamer's own buffers.
+    host(tmp_path, free=12 * GiB)
+    assert MemoryBudget(2 * GiB, str(tmp_path)).check(0, GiB // 4, 0)[0] == 2 * GiB - GiB // 4
+
+
+def test_pressure_shrinks_and_pauses_growth(tmp_path):
+    clock = Clock()
+    b = MemoryBudget(None, str(tmp_path), clock=clock)
+    host(tmp_path, free=8 * GiB, full_us=0)
+    t0, _ = b.check(held=GiB, fixed=0, target=GiB)
+    clock.t += 1.0
+    host(tmp_path, free=8 * GiB, full_us=200_000)  # 20% of the last second stalled on memory
+    t1, why = b.check(held=GiB, fixed=0, target=t0)
+    assert t1 == GiB - GiB // 8 and "pressure" in why
+    clock.t += 1.0  # no more stalls, but still cooling down: no growth
+    t2, why = b.check(held=t1, fixed=0, target=t1)
+    assert t2 == t1 and "cooling" in why
+    clock.t += 10.0
+    assert b.check(held=t1, fixed=0, target=t1)[0] > t1
+
+
+# -- the setting ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,want", [("auto", None), ("0", 0), ("2.5", 2_500_000_000), (" 1 ", 10**9)])
+def test_ram_budget_values(value, want):
+    assert Settings.resolve({"ram_budget": value}).ram_budget_bytes() == want
+    assert Settings.resolve({}, env={"DELTAFIN_RAM_BUDGET": value}).ram_budget_bytes() == want
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf", "nan", "", "1e400", "2GB"])
+def test_ram_budget_rejects_bad_values(value):
+    with pytest.raises(SettingsError, match="ram_budget.*allowed: auto"):
+        Settings.resolve({"ram_budget": value})
+    with pytest.raises(SettingsError, match="DELTAFIN_RAM_BUDGET"):
+        Settings.resolve({}, env={"DELTAFIN_RAM_BUDGET": value})
+
+
+# -- the cache ------------------------------------------------------------------------------------
+class Buf:
+    def __init__(self, n):
+        self.nbytes = n
+
+
+def test_cache_shrinks_experts_first_then_spines_from_the_last():
+    lines = []
+    c = RamCache([100, 100, 100], [0, 10, 10], 4, log=lines.append)
+    c.set_target(300 + 2 * 20, "test")  # every spine and two expert slots
+    for i in range(3):
+        assert c.wants_spine(i)
+        c.put_spine(i, Buf(100), {"layer": i})
+    for i in (1, 2):
+        c.routed(i, [0, 1])
+        for e in (0, 1):
+            assert c.admit_expert(i, e, 10)
+            c.put_expert(i, e, Buf(10), ("w", i, e))
+    assert c.held_bytes() == 340 and c.expert(1, 0) == ("w", 1, 0)
+    c.set_target(320, "less")
+    assert c.residency()["expert_slots_per_layer"] == 1 and c.held_bytes() == 320
+    c.set_target(250, "much less")
+    assert c.residency()["experts_held"] == 0 and c.spine(2) is None and c.spine(1) == {"layer": 1}
+    assert c.held_bytes() == 200
+    assert any("shrinks" in x for x in lines) and any("grows" in x for x in lines)
+
+
+def test_expert_slots_age_out_old_favourites():
+    s = ExpertSlots(slots=1, half_life=4)
+    for _ in range(20):  # expert 1 popular long ago
+        s.routed(0, [1])
+    s.offer(0, 1, "w1")
+    for _ in range(40):  # expert 2 popular now
+        s.routed(0, [2])
+    s.offer(0, 2, "w2")
+    assert s.get(0, 2) == "w2" and s.get(0, 1) is None
+    plain = ExpertSlots(slots=1, half_life=float("inf"))  # plain counts would keep the old one
+    for _ in range(20):
+        plain.routed(0, [1])
+    plain.offer(0, 1, "w1")
+    for _ in range(15):
+        plain.routed(0, [2])
+    plain.offer(0, 2, "w2")
+    assert plain.get(0, 1) == "w1"
+
+
+# -- the cached streamer against the plain one ---------------------------------------------------
+PROMPT = [5, 17, 99, 3, 42, 7, 11, 250, 64, 1]
+DECODE = [8, 200, 31, 4, 9, 77, 123, 6, 2, 40, 41, 42]
+
+
+def generate(path, settings, provider_kwargs, between=None):
+    src = open_source(path)
+    provider = StreamProvider(src, settings, **provider_kwargs)
+    engine = Engine(src.config, provider, settings)
+    state = engine.new_state()
+    out, stats = [engine.forward(PROMPT, state)], []
+    for k, t in enumerate(DECODE):
+        if between is not None:
+            between(k, provider)
+        out.append(engine.forward([t], state))
+        stats.append(engine.last_pass)
+    provider.close()
+    return out, stats
+
+
+@pytest.mark.parametrize("name", ["k3", "kl"])
+@pytest.mark.parametrize("pin", [0, 1])
+def test_cached_logits_equal_streamed_through_shrink_and_grow(tmp_path, tiny_k3_path, tiny_kl_path, name, pin):
+    path = tiny_k3_path if name == "k3" else tiny_kl_path
+    plain = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "0", "pin_layers": pin})
+    want, base = generate(path, plain, {})
+    assert all(s.experts_cached == 0 for s in base)
+
+    host(tmp_path, free=8 * GiB)
+    lines = []
+
+    def between(k, provider):
+        provider.cache._log = lines.append
+        if k == 5:  # another program takes the memory: the cache gives it back mid-generation
+            host(tmp_path, free=64 * 2**20)
+            provider.watcher.check()
+            assert provider.cache.held_bytes() == 0
+        if k == 8:  # and returns it
+            host(tmp_path, free=8 * GiB)
+            provider.watcher.check()
+
+    cached = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "auto", "pin_layers": pin})
+    got, stats = generate(path, cached, {"memory_root": str(tmp_path), "watch": False}, between)
+    for k, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"pass {k} differs"
+    streamed = sum(1 for _ in base[0].__dataclass_fields__) and base[0].bytes_read
+    assert stats[3].bytes_read < streamed and stats[3].spines_cached > pin  # cached before the shrink
+    assert stats[4].experts_cached > 0
+    assert stats[5].bytes_read == streamed and stats[5].experts_cached == 0  # nothing held
+    assert stats[-1].bytes_read < streamed  # grown back
+    assert sum(s.bytes_read + s.bytes_from_ram for s in stats) == sum(s.bytes_read + s.bytes_from_ram for s in base)
+    assert any("shrinks" in x for x in lines) and any("grows" in x for x in lines)
+
+
+def test_set_budget_caps_what_is_held(tmp_path, tiny_k3_path):
+    host(tmp_path, free=8 * GiB)
+    src = open_source(tiny_k3_path)
+    s = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "0.0012"})
+    p = StreamProvider(src, s, memory_root=str(tmp_path), watch=False)
+    engine = Engine(src.config, p, s)
+    state = engine.new_state()
+    for t in [PROMPT, *[[t] for t in DECODE]]:
+        engine.forward(t, state)
+        p.watcher.check()
+        assert p.cache.held_bytes() + p.resident_bytes()["total"] <= 1_200_000 + 4096 * 8
+    assert p.cache.held_bytes() > 0 and "1.2 GB set" not in p.budget_line and "0.0012 GB set" in p.budget_line
+    p.close()
