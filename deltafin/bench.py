@@ -247,6 +247,7 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
         tier_seconds["disk"] = d["read_bytes_per_token"] / (raw["gbps"] * GB)
     slowest = max(tier_seconds, key=tier_seconds.get)
     residency = getattr(model.engine.provider, "residency", None)
+    graphs = model.engine.graphs
     return {
         "device_name": torch.cuda.get_device_name(device),
         "device_bandwidth_gbps": dev_gbps,
@@ -258,6 +259,10 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
         "limit_tok_s": 1 / tier_seconds[slowest] if tier_seconds[slowest] > 0 else None,
         "limit_tier": slowest,
         "residency": residency() if residency is not None else None,
+        # One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass).
+        "decode_graph": ({"recorded": graphs.recorded, "replayed": graphs.replayed, "failed": graphs.failed,
+                          "record_seconds": graphs.record_seconds}
+                         if graphs is not None else None),
     }
 
 
@@ -376,6 +381,9 @@ def format_table(r: dict) -> str:
                           f"{res.get('experts_per_layer')}/{res.get('experts_in_layer')} per MoE layer "
                           f"({res.get('experts_held')} held now)"),
             ("limit", f"{r['limit_tok_s']:.1f} tok/s set by {r['limit_tier']}" if r["limit_tok_s"] else "-"),
+            ("decode graph", "off" if not r.get("decode_graph") else
+             f"{r['decode_graph']['replayed']} passes replayed, {r['decode_graph']['recorded']} recorded"
+             + (f" (failed: {r['decode_graph']['failed']})" if r["decode_graph"]["failed"] else "")),
         ]
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"

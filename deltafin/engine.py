@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .decode_graph import DecodeGraphs
 from .model.binding import bind, slot_names, unbind
 from .model.layers import attn_res, build_templates, layer_kind
 from .model.ops import HalfMatmul, linear, rms_norm
@@ -67,6 +68,8 @@ class Engine:
         self._product_slots = {name for t in self.templates.values() for name, shape in slot_names(t).items()
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
+        # One-token decode passes replayed as a CUDA graph where everything they read is resident.
+        self.graphs = DecodeGraphs(self) if DecodeGraphs.possible(self) else None
 
     def new_state(self) -> DecodeState:
         layers = []
@@ -95,14 +98,40 @@ class Engine:
         Their rows are concatenated, so every weight is read once for all of them; attention runs
         per sequence over its own state. Returns each sequence's logits as ``Seq.logits`` asks.
         """
-        cfg = self.cfg
-        ids_t = _check_batch(seqs, cfg.vocab_size)
+        ids_t = _check_batch(seqs, self.cfg.vocab_size)
         stats = PassStats(tokens=len(ids_t))
         t0 = time.perf_counter()
         for s in seqs:
             s.state.begin_pass(s.keep_states)
+        if self.graphs is not None and self.graphs.applies(seqs):
+            logits = self.graphs.run(seqs[0], ids_t, stats)
+        else:
+            logits = self.device_pass(self.embed(ids_t), seqs, stats)
+            c0 = time.perf_counter()
+            logits = logits.cpu()
+            stats.compute_seconds += time.perf_counter() - c0
+        stats.seconds = time.perf_counter() - t0
+        for s in seqs:
+            s.state.num_tokens += len(s.ids)
+        self.last_pass = stats
+        out: list[torch.Tensor | None] = []
+        start = 0
+        for s in seqs:
+            n = _logit_count(s)
+            out.append(logits[start:start + n] if s.logits != "none" else None)
+            start += n
+        return out
+
+    def embed(self, ids_t: torch.Tensor) -> torch.Tensor:
+        """The rows of the residual stream for token ids (the table stays on the host)."""
+        return self.provider.globals()["embed"][ids_t].to(self.device, self.dtype)
+
+    def device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats) -> torch.Tensor:
+        """Every layer and the head over the pass's rows h; float32 logits of the wanted rows, on the
+        compute device. Reads nothing back to the host when every weight is resident and every MoE
+        layer's experts are stacked (what a recorded decode graph needs, see decode_graph.py)."""
+        cfg = self.cfg
         g = self.provider.globals()
-        h = g["embed"][ids_t].to(self.device, self.dtype)
         blocks: list[torch.Tensor] = []
         chunk = self.settings.kda_chunk
         self.provider.start_pass(stats)
@@ -128,19 +157,9 @@ class Engine:
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
         head = self._for_products({"lm_head": g["lm_head"]})["lm_head"]
-        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float().cpu()
+        logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float()
         stats.compute_seconds += time.perf_counter() - c0
-        stats.seconds = time.perf_counter() - t0
-        for s in seqs:
-            s.state.num_tokens += len(s.ids)
-        self.last_pass = stats
-        out: list[torch.Tensor | None] = []
-        start = 0
-        for s in seqs:
-            n = _logit_count(s)
-            out.append(logits[start:start + n] if s.logits != "none" else None)
-            start += n
-        return out
+        return logits
 
 
 @dataclass

@@ -7,7 +7,8 @@
               prompt's cost cancels)
 --cpu-check   deltafin float32 on the GPU against deltafin float32 on the CPU (the reference):
               the greedy tokens of both, and whether they are identical
---launches    CUDA kernels launched per layer in one resident bf16 decode pass (torch.profiler)
+--launches    CUDA kernels and host launch calls per layer in one resident bf16 decode pass
+              (torch.profiler), launched kernel by kernel and replayed as the recorded decode graph
 Prints one JSON record (and writes it to --out).
 """
 from __future__ import annotations
@@ -58,21 +59,51 @@ def cpu_check(path: str, tokens: int) -> dict:
             "fp32_tokens_identical": out["cuda"] == out["cpu"]}
 
 
-def launches(path: str) -> dict:
+# Host-side calls that put work on the GPU (kernel launches, and a graph's one launch).
+HOST_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def _profile_pass(m, state, token: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    m = deltafin.load(path, device="cuda", stream="off", dtype="bfloat16")
-    state = m.new_state()
-    m.forward(_prompt(m.config.vocab_size, 8), state)
-    m.forward([5], state)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        m.forward([7], state)
+        m.forward([token], state)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    top = {}
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in HOST_LAUNCHES]
+    top: dict = {}
     for e in kernels:
-        top[e.name] = top.get(e.name, 0) + 1
-    return {"kernels_per_pass": len(kernels), "kernels_per_layer": len(kernels) / m.config.num_layers,
-            "top_kernels": sorted(top.items(), key=lambda kv: -kv[1])[:12]}
+        n, us = top.get(e.name[:90], (0, 0.0))
+        top[e.name[:90]] = (n + 1, us + e.time_range.elapsed_us())
+    L = m.config.num_layers
+    return {"kernels_per_pass": len(kernels), "kernels_per_layer": len(kernels) / L,
+            "kernel_us_per_pass": sum(e.time_range.elapsed_us() for e in kernels),
+            "host_launches_per_pass": len(host), "host_launches_per_layer": len(host) / L,
+            "top_kernels_by_time": [(k, n, round(us, 1)) for k, (n, us) in
+                                    sorted(top.items(), key=lambda kv: -kv[1][1])[:15]]}
+
+
+def launches(path: str, tokens: int = 64) -> dict:
+    """Kernels and host launch calls of one resident bf16 decode pass (torch.profiler): launched
+    kernel by kernel, and replayed as the recorded decode graph."""
+    out = {}
+    for name, graphs in (("eager", False), ("graph", True)):
+        m = deltafin.load(path, device="cuda", stream="off", dtype="bfloat16", cuda_graphs=graphs)
+        state = m.new_state()
+        m.forward(_prompt(m.config.vocab_size, 8), state)
+        m.forward([5], state)  # with graphs: the pass that records
+        m.forward([6], state)
+        out[name] = _profile_pass(m, state, 7)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for t in range(tokens):  # plain forward() calls: the pass itself, no sampling
+            m.forward([8 + t], state)
+        out[name]["pass_ms"] = (time.perf_counter() - t0) / tokens * 1e3
+        if graphs:
+            out[name]["replayed"] = m.engine.graphs.replayed if m.engine.graphs else 0
+        del m, state
+        torch.cuda.empty_cache()
+    return {"launches": out}
 
 
 def main() -> None:

@@ -184,6 +184,13 @@ class DeviceProvider:
     def streaming(self) -> bool:
         return self._host is not None
 
+    @property
+    def graph_ready(self) -> bool:
+        """Every weight is held and every MoE layer's experts are stacked: a one-token pass reads
+        nothing back to the host, so it can be recorded as a CUDA graph (decode_graph.py)."""
+        moe = sum(1 for i in range(self.config.num_layers) if self.config.is_moe(i))
+        return self._host is None and len(self._stacks) == moe
+
     def _hold_all_experts(self, source, i: int) -> None:
         first = source.read_expert(i, 0)
         if all(isinstance(w, torch.Tensor) for w in first):

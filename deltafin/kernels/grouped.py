@@ -10,7 +10,8 @@ per-expert path still works on it.
 ``w2 @ glu(w1 @ x, w3 @ x)`` and the routing-weighted sum over each token's experts without
 reading the expert ids back to the host: on CUDA two Triton launches (gate and up fused with the
 activation, then down) over the flattened expert index list, whatever the number of experts
-chosen; elsewhere a torch reference that gathers the chosen experts' weights. Products are fp32
+chosen, MXFP4 codes decoded inside them; elsewhere a torch reference that gathers the chosen
+experts' weights. Products are fp32
 sums of fp32 inputs times the stored weights, as in the per-expert path (the results differ from
 it only in summation order).
 """
@@ -101,9 +102,13 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     T, k = ids.shape
     flat = ids.reshape(-1).to(torch.int32)
     x = z.float().contiguous()
-    if isinstance(stack, MXFP4Stack):
+    kernels = _triton_kernels() if z.device.type == "cuda" else None
+    if isinstance(stack, MXFP4Stack) and kernels is not None:
+        act = kernels.mxfp4_gate_up(x, flat, k, stack.w13_packed, stack.w13_scale, cfg)
+        out = kernels.mxfp4_down(act, flat, stack.w2_packed, stack.w2_scale)
+    elif isinstance(stack, MXFP4Stack):
         out = _grouped_mxfp4(cfg, x, flat, k, stack)
-    elif z.device.type == "cuda" and (kernels := _triton_kernels()) is not None:
+    elif kernels is not None:
         out = kernels.grouped_down(kernels.grouped_gate_up(x, flat, k, stack.w13, cfg), flat, stack.w2)
     else:
         out = _grouped_reference(cfg, x, flat, k, stack)
@@ -121,9 +126,8 @@ def _grouped_reference(cfg, x, flat, k, stack):
 
 
 def _grouped_mxfp4(cfg, x, flat, k, stack: MXFP4Stack):
-    """The chosen experts' codes gathered and decoded (the torch reference's dequantization, exact)
-    and multiplied in fp32: a dozen launches per layer whatever k, at the cost of writing the decoded
-    weights once (a fused grouped MXFP4 kernel would not)."""
+    """The reference (and the path without Triton): the chosen experts' codes gathered and decoded
+    (the torch dequantization, exact) and multiplied in fp32."""
     from ..model.moe import glu
     from .mxfp4 import mxfp4_dequantize
     idx = flat.long()

@@ -5,12 +5,22 @@ takes one pair and BN output rows and walks the inputs BK at a time, summing in 
 id is read on the device, so no launch depends on the routing reaching the host. The gate and up
 rows of one program are the same rows of the two halves of ``w13``, so the activation is applied
 before anything is stored.
+
+Two weight formats: plain (bf16 / fp32 stacks) and MXFP4, whose codes and scales are decoded in
+the kernel as they are read (the stored 4.25 bits per weight are all that crosses memory), with
+the decoding of ``triton_kernels`` (codes as twice their E2M1 value, scales as 2^(s - 128)),
+exactly the reference's values.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .triton_kernels import _scale_factors, _unpack_nibbles
+
+MXFP4 = tl.constexpr(2)  # triton_kernels' codec id
+GROUP = tl.constexpr(32)  # MXFP4 inputs per scale
 
 BN = 16
 BK = 256
@@ -46,6 +56,12 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, H, INTER, TOPK: tl.constexpr
         wu = tl.load(base + (n[:, None] + INTER) * H + kk[None, :], mask=m, other=0.0).to(tl.float32)
         acc_g += tl.sum(wg * x[None, :], 1)
         acc_u += tl.sum(wu * x[None, :], 1)
+    tl.store(out_ptr + j * INTER + n, _glu(acc_g, acc_u, SITU, BETA, LBETA), mask=nmask)
+
+
+@triton.jit
+def _glu(acc_g, acc_u, SITU: tl.constexpr, BETA, LBETA):
+    """SiTU-GLU or SiLU-GLU of the gate and up sums (model.moe.glu)."""
     if SITU:
         g = acc_g
         if BETA != 0.0:
@@ -57,7 +73,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, H, INTER, TOPK: tl.constexpr
         y = act * u
     else:
         y = acc_g * _sigmoid(acc_g) * acc_u
-    tl.store(out_ptr + j * INTER + n, y, mask=nmask)
+    return y
 
 
 @triton.jit
@@ -78,16 +94,105 @@ def _down_kernel(a_ptr, ids_ptr, w_ptr, out_ptr, H, INTER, BN: tl.constexpr, BK:
     tl.store(out_ptr + j * H + n, acc, mask=nmask)
 
 
+@triton.jit
+def _mxfp4_tile(w_ptr, s_ptr, rows, nmask, K, k0, BN: tl.constexpr, BK: tl.constexpr):
+    """fp32 [BN, BK]: MXFP4 rows `rows` (codes [., K/2], scales [., K/32]) decoded at inputs k0.."""
+    half = k0 // 2 + tl.arange(0, BK // 2)
+    b = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=nmask[:, None] & (half < K // 2)[None, :],
+                other=0)
+    grp = k0 // GROUP + tl.arange(0, BK // GROUP)
+    sc = tl.load(s_ptr + rows[:, None] * (K // GROUP) + grp[None, :],
+                 mask=nmask[:, None] & (grp < K // GROUP)[None, :], other=0)
+    codes = tl.reshape(_unpack_nibbles(b, MXFP4).to(tl.float32), (BN, BK // GROUP, GROUP))
+    return tl.reshape(codes * _scale_factors(sc, MXFP4)[:, :, None], (BN, BK))
+
+
+@triton.jit
+def _mxfp4_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, TOPK: tl.constexpr,
+                          SITU: tl.constexpr, BETA, LBETA, BN: tl.constexpr, BK: tl.constexpr):
+    j = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    t = j // TOPK
+    nmask = n < INTER
+    gate_rows = e * (2 * INTER) + n
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0)
+        acc_g += tl.sum(_mxfp4_tile(w_ptr, s_ptr, gate_rows, nmask, H, k0, BN, BK) * x[None, :], 1)
+        acc_u += tl.sum(_mxfp4_tile(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0, BN, BK) * x[None, :], 1)
+    tl.store(out_ptr + j * INTER + n, _glu(acc_g, acc_u, SITU, BETA, LBETA), mask=nmask)
+
+
+@triton.jit
+def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, BN: tl.constexpr, BK: tl.constexpr):
+    j = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    nmask = n < H
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, INTER, BK):
+        kk = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + j * INTER + kk, mask=kk < INTER, other=0.0)
+        acc += tl.sum(_mxfp4_tile(w_ptr, s_ptr, e * H + n, nmask, INTER, k0, BN, BK) * a[None, :], 1)
+    tl.store(out_ptr + j * H + n, acc, mask=nmask)
+
+
+def _glu_args(cfg) -> dict:
+    situ = cfg.hidden_act == "situ"
+    return dict(SITU=situ, BETA=float(cfg.situ_beta or 0.0) if situ else 0.0,
+                LBETA=float(cfg.situ_linear_beta or 0.0) if situ else 0.0)
+
+
+# MXFP4 tiles: BN output rows x BK inputs per step (BK a multiple of the scale group). Tuned per
+# shape on the first (eager) call: a decode graph cannot run the tuner.
+_MXFP4_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
+                  for bn, bk, w, st in ((16, 256, 4, 2), (32, 256, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2),
+                                        (16, 512, 8, 2))]
+_mxfp4_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER", "TOPK"])(_mxfp4_gate_up_kernel)
+_mxfp4_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_mxfp4_down_kernel)
+
+
+def mxfp4_gate_up(x: torch.Tensor, ids: torch.Tensor, topk: int, packed: torch.Tensor, scale: torch.Tensor, cfg,
+                  config: dict | None = None) -> torch.Tensor:
+    """glu(w1 x, w3 x) for every pair from MXFP4 w13 (codes [E, 2I, H/2], scales [E, 2I, H/32]):
+    x fp32 [T, H], ids int32 [T*topk] -> fp32 [T*topk, I]. config: fixed {"BN", "BK"} instead of
+    tuning (tests)."""
+    pairs, (_, two_i, half) = ids.numel(), packed.shape
+    inter, H = two_i // 2, 2 * half
+    out = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
+    args = (x, ids, packed.contiguous(), scale.contiguous().view(torch.uint8), out, H, inter)
+    if config:
+        _mxfp4_gate_up_kernel[(pairs, triton.cdiv(inter, config["BN"]))](*args, TOPK=topk, **_glu_args(cfg),
+                                                                          **config)
+    else:
+        _mxfp4_gate_up_tuned[lambda m: (pairs, triton.cdiv(inter, m["BN"]))](*args, TOPK=topk, **_glu_args(cfg))
+    return out
+
+
+def mxfp4_down(act: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               config: dict | None = None) -> torch.Tensor:
+    """w2[ids[j]] @ act[j] for every pair from MXFP4 w2 (codes [E, H, I/2], scales [E, H, I/32]):
+    act fp32 [P, I] -> fp32 [P, H]."""
+    pairs, (_, H, half) = ids.numel(), packed.shape
+    out = torch.empty(pairs, H, dtype=torch.float32, device=act.device)
+    args = (act, ids, packed.contiguous(), scale.contiguous().view(torch.uint8), out, H, 2 * half)
+    if config:
+        _mxfp4_down_kernel[(pairs, triton.cdiv(H, config["BN"]))](*args, **config)
+    else:
+        _mxfp4_down_tuned[lambda m: (pairs, triton.cdiv(H, m["BN"]))](*args)
+    return out
+
+
 def grouped_gate_up(x: torch.Tensor, ids: torch.Tensor, topk: int, w13: torch.Tensor, cfg) -> torch.Tensor:
     """glu(w1 x, w3 x) for every pair: x fp32 [T, H], ids int32 [T*topk] -> fp32 [T*topk, I]."""
     pairs, (_, two_i, H) = ids.numel(), w13.shape
     inter = two_i // 2
     out = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
-    situ = cfg.hidden_act == "situ"
     grid = (pairs, triton.cdiv(inter, BN))
-    _gate_up_kernel[grid](x, ids, w13.contiguous(), out, H, inter, TOPK=topk, SITU=situ,
-                          BETA=float(cfg.situ_beta or 0.0) if situ else 0.0,
-                          LBETA=float(cfg.situ_linear_beta or 0.0) if situ else 0.0, BN=BN, BK=BK)
+    _gate_up_kernel[grid](x, ids, w13.contiguous(), out, H, inter, TOPK=topk, **_glu_args(cfg), BN=BN, BK=BK)
     return out
 
 

@@ -130,15 +130,23 @@ class KDAttention(Bindable):
                    for j, w in enumerate((self.q_conv, self.k_conv, self.v_conv)))
         Km1 = conv0.shape[1]
         if Km1:
-            st.conv = torch.cat([conv0.to(xin.dtype), xin], dim=1)[:, -Km1:].clone()
+            tail = torch.cat([conv0.to(xin.dtype), xin], dim=1)[:, -Km1:]
+            if st.in_place:
+                st.conv.copy_(tail)
+            else:
+                st.conv = tail.clone()
         q = l2_normalize(q.float().view(T, nh, d)) * d ** -0.5
         k = l2_normalize(k.float().view(T, nh, d))
         v = v.float().view(T, nh, d)
         S0 = st.S
         if T <= 16 or keep_states:
-            o, st.S = kda_recurrent(q, k, v, g, beta, S0)
+            o, S = kda_recurrent(q, k, v, g, beta, S0)
         else:
-            o, st.S = kda_chunked(q, k, v, g, beta, S0, chunk)
+            o, S = kda_chunked(q, k, v, g, beta, S0, chunk)
+        if st.in_place:
+            st.S.copy_(S)
+        else:
+            st.S = S
         if keep_states:
             st.pending = dict(S0=S0, q=q, k=k, v=v, g=g, beta=beta, conv0=conv0, xin=xin)
         return o

@@ -72,11 +72,14 @@ class MLAttention(Bindable):
     def _attend(self, q_nope, q_rot, st: MLAState, w_k, w_v) -> torch.Tensor:
         """One sequence's T new queries against its cache (which already holds their own keys)."""
         T = q_nope.shape[0]
-        ckv, krot = st.view()  # [P+T, r], [P+T, rope]
-        past = st.length - T
-        # causal mask: new token t sits at position past + t
-        pos_q = torch.arange(past, past + T, device=q_nope.device)
-        mask = torch.arange(past + T, device=q_nope.device)[None, :] > pos_q[:, None]  # [T, P+T]
+        if st.at is not None:  # a recorded decode step: the whole buffer, masked past the new row
+            ckv, krot, past, pos_q = st.ckv, st.krot, None, st.at
+        else:
+            ckv, krot = st.view()  # [P+T, r], [P+T, rope]
+            past = st.length - T
+            # causal mask: new token t sits at position past + t
+            pos_q = torch.arange(past, past + T, device=q_nope.device)
+        mask = torch.arange(ckv.shape[0], device=q_nope.device)[None, :] > pos_q[:, None]  # [T, P+T]
         if past == 0 and T > 1:
             k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k)  # expand keys/values once for the prompt
             vals = torch.einsum("nr,hdr->hnd", ckv, w_v)

@@ -1,0 +1,134 @@
+"""The recorded one-token decode pass (decode_graph.py) against the plain pass.
+
+On the CPU the recorded-mode code runs eagerly (record=False): the MLA write at a device position,
+attention over the whole buffer, KDA states updated in place, and the state buffers every
+sequence is moved in and out of. On CUDA the same passes are recorded and replayed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deltafin
+from deltafin import decode_graph
+from deltafin.decode_graph import DecodeGraphs
+from deltafin.settings import Settings, SettingsError
+
+PROMPT = [11, 42, 7, 300, 5, 99]
+
+
+def _decode(model, state, tokens):
+    return torch.cat([model.forward([t], state) for t in tokens])
+
+
+def _tokens(n, seed):
+    return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_recorded_mode_matches_plain_pass_across_sequences_and_growth(request, fixture, monkeypatch):
+    monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 4)  # grow the buffers several times
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cpu", stream="off")
+    m = deltafin.load(path, device="cpu", stream="off")
+    assert m.engine.graphs is None  # only on CUDA
+    graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    a_ids, b_ids = _tokens(14, 1), _tokens(14, 2)
+
+    ref_a, ref_b = plain.new_state(), plain.new_state()
+    plain.forward(PROMPT, ref_a)
+    plain.forward(PROMPT[:3], ref_b)
+    want_a, want_b = _decode(plain, ref_a, a_ids), _decode(plain, ref_b, b_ids)
+
+    a, b = m.new_state(), m.new_state()
+    m.forward(PROMPT, a)
+    m.forward(PROMPT[:3], b)
+    got_a, got_b = [], []
+    for i in range(14):  # two sequences take turns: each moves into the buffers in turn
+        got_a.append(m.forward([a_ids[i]], a))
+        got_b.append(m.forward([b_ids[i]], b))
+    assert graphs.capacity == 32  # 6 + 14 tokens: 4 -> 8 -> 16 -> 32
+    # the same fp32 arithmetic up to summation order (attention over the whole buffer)
+    assert (torch.cat(got_a) - want_a).abs().max().item() < 1e-4
+    assert (torch.cat(got_b) - want_b).abs().max().item() < 1e-4
+    assert a.max_abs_diff(ref_a) < 1e-4 and b.max_abs_diff(ref_b) < 1e-4
+
+
+def test_recorded_mode_with_speculation_snapshot_and_rollback(tiny_k3_path):
+    """Plain passes between recorded ones (a verify pass, a rollback, a restored snapshot) leave
+    the state's tensors elsewhere; the next recorded pass copies them in again."""
+    plain = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    ids = _tokens(10, 3)
+
+    def script(model):
+        s = model.new_state()
+        model.forward(PROMPT, s)
+        out = [_decode(model, s, ids[:3])]
+        out.append(model.forward(ids[3:6], s, keep_states=True))  # a verify pass, two of three kept
+        s.rollback(s.num_tokens - 1)
+        out.append(_decode(model, s, ids[6:8]))
+        snap = s.snapshot()
+        out.append(_decode(model, s, ids[8:10]))
+        s.restore(snap)
+        out.append(_decode(model, s, ids[8:10]))
+        return torch.cat(out), s
+
+    want, ref = script(plain)
+    got, s = script(m)
+    assert (got - want).abs().max().item() < 1e-4
+    assert s.max_abs_diff(ref) < 1e-4
+
+
+def test_a_released_state_keeps_its_values(tiny_kl_path):
+    """A sequence that leaves the buffers gets its own copies: the next one cannot change it."""
+    m = deltafin.load(tiny_kl_path, device="cpu", stream="off")
+    graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    a, b = m.new_state(), m.new_state()
+    m.forward(PROMPT, a)
+    m.forward([5], a)
+    kept = a.snapshot()
+    m.forward(PROMPT[:2], b)
+    m.forward([6], b)  # b moves in, a moves out
+    buffers = {id(t) for pair in graphs.buffers for t in pair}
+    assert not any(id(getattr(st, name, None)) in buffers for st in a.layers for name in ("conv", "S", "ckv"))
+    assert a.max_abs_diff(kept) == 0.0
+
+
+def test_cuda_graphs_setting():
+    assert Settings.resolve({}).cuda_graphs is True
+    assert Settings.resolve({}, env={"DELTAFIN_CUDA_GRAPHS": "off"}).cuda_graphs is False
+    with pytest.raises(SettingsError, match="DELTAFIN_CUDA_GRAPHS"):
+        Settings.resolve({}, env={"DELTAFIN_CUDA_GRAPHS": "sometimes"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypatch):
+    monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 8)  # record again at 16 and 32 rows
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cuda", stream="off", dtype=dtype, cuda_graphs=False)
+    m = deltafin.load(path, device="cuda", stream="off", dtype=dtype)
+    graphs = m.engine.graphs
+    assert plain.engine.graphs is None and graphs is not None
+    a_ids, b_ids = _tokens(20, 4), _tokens(20, 5)
+    ref_a, ref_b = plain.new_state(), plain.new_state()
+    plain.forward(PROMPT, ref_a)
+    plain.forward(PROMPT[:2], ref_b)
+    want_a, want_b = _decode(plain, ref_a, a_ids), _decode(plain, ref_b, b_ids)
+    a, b = m.new_state(), m.new_state()
+    m.forward(PROMPT, a)
+    m.forward(PROMPT[:2], b)
+    got_a, got_b = [], []
+    for i in range(20):
+        got_a.append(m.forward([a_ids[i]], a))
+        got_b.append(m.forward([b_ids[i]], b))
+    assert graphs.failed is None
+    assert graphs.recorded == 3 and graphs.replayed >= 30
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    assert (torch.cat(got_a) - want_a).abs().max().item() < tol
+    assert (torch.cat(got_b) - want_b).abs().max().item() < tol
+    # a replay accounts the bytes the recorded pass read
+    assert m.engine.last_pass.bytes_on_device == plain.engine.last_pass.bytes_on_device > 0
