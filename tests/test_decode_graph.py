@@ -127,8 +127,9 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
         got_b.append(m.forward([b_ids[i]], b))
     assert graphs.failed is None
     assert graphs.recorded == 3 and graphs.replayed >= 30
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    assert (torch.cat(got_a) - want_a).abs().max().item() < tol
-    assert (torch.cat(got_b) - want_b).abs().max().item() < tol
+    # the same arithmetic up to summation order; in bf16 that moves a logit by a rounding step
+    tol = 1e-4 if dtype == "float32" else 1e-2
+    for got, want in ((got_a, want_a), (got_b, want_b)):
+        assert (torch.cat(got) - want).abs().max().item() < tol * want.abs().max().item()
     # a replay accounts the bytes the recorded pass read
     assert m.engine.last_pass.bytes_on_device == plain.engine.last_pass.bytes_on_device > 0

@@ -172,3 +172,20 @@ def test_cuda_grouped_mxfp4_kernels_match_reference():
         ref = grouped.grouped_mlp(cfg, z, ids, w, stack)
         got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev).cpu()
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, act
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_half_gemv_matches_torch_products():
+    """The one-launch bf16 row product against torch's three launches: the same rounding of the
+    row and of the result; a different summation order may move a result by one bf16 step."""
+    from deltafin.kernels import half_gemv_triton
+    from deltafin.model.ops import HalfMatmul, linear
+    gen = torch.Generator().manual_seed(5)
+    for N, K in ((37, 300), (128, 7168), (5, 2050)):
+        w = torch.randn(N, K, generator=gen).bfloat16().cuda()
+        x = torch.randn(1, K, generator=gen).cuda()
+        want = torch.nn.functional.linear(x.bfloat16(), w).float()
+        assert half_gemv_triton.applies(x, w)
+        for got in (linear(x, HalfMatmul(w, torch.bfloat16)), half_gemv_triton.half_gemv(x, w, {"BN": 4, "BK": 128})):
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), (N, K)

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ..engine import NOT_PRODUCTS
 from ..kernels.grouped import ExpertStack, MXFP4Stack, Stacked
 from ..kernels.linear import QWeight
 from ..model.moe import chosen_experts
@@ -56,6 +57,20 @@ def _move(w, device, non_blocking: bool = False):
     if isinstance(w, tuple):
         return tuple(_move(x, device, non_blocking) for x in w)
     return w.to(device, non_blocking=non_blocking, copy=True)
+
+
+# Small weights that are not matrix products (norm weights, biases, gate taps, depth-mix queries)
+# are converted to float32 wherever they are used; a held one on CUDA is kept in float32 instead (the
+# same values: widening is exact), which saves a conversion kernel per use and pass.
+SMALL_WEIGHT = 1 << 20
+
+
+def _held(name: str, w, device: torch.device):
+    """`w` moved to `device` to be held there (see SMALL_WEIGHT)."""
+    if (device.type == "cuda" and isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16)
+            and (w.dim() <= 1 or w.shape[0] == 1 or (name in NOT_PRODUCTS and w.numel() <= SMALL_WEIGHT))):
+        return w.to(device, torch.float32)
+    return _move(w, device)
 
 
 # Device memory left free under an automatic budget: decode states, activations, the allocator's
@@ -157,14 +172,14 @@ class DeviceProvider:
         self._copier = _Copier(self.device)
         sizes = placement.sizes
         g = source.read_globals()
-        self._globals = {k: w if k == "embed" else _move(w, self.device) for k, w in g.items()}
+        self._globals = {k: w if k == "embed" else _held(k, w, self.device) for k, w in g.items()}
         self._spines = {}
         self._stacks: dict[int, Stacked] = {}  # layers whose experts are all held, stacked
         self._all: dict[int, dict] = {}  # layers whose experts are all held, per expert (other codecs)
         self._slots = ExpertSlots(placement.expert_slots if placement.expert_slots < sizes.num_experts else 0)
         for i in range(cfg.num_layers):
             if i in placement.spine_layers:
-                self._spines[i] = {k: _move(w, self.device) for k, w in source.read_spine(i).items()}
+                self._spines[i] = {k: _held(k, w, self.device) for k, w in source.read_spine(i).items()}
             if cfg.is_moe(i) and placement.expert_slots >= sizes.num_experts:
                 self._hold_all_experts(source, i)
         self._spine_bytes = sizes.spine_bytes

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _scale_factors, _unpack_nibbles
+from .triton_kernels import _scale_factors
 
 MXFP4 = tl.constexpr(2)  # triton_kernels' codec id
 GROUP = tl.constexpr(32)  # MXFP4 inputs per scale
@@ -95,49 +95,62 @@ def _down_kernel(a_ptr, ids_ptr, w_ptr, out_ptr, H, INTER, BN: tl.constexpr, BK:
 
 
 @triton.jit
-def _mxfp4_tile(w_ptr, s_ptr, rows, nmask, K, k0, BN: tl.constexpr, BK: tl.constexpr):
-    """fp32 [BN, BK]: MXFP4 rows `rows` (codes [., K/2], scales [., K/32]) decoded at inputs k0.."""
-    half = k0 // 2 + tl.arange(0, BK // 2)
-    b = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=nmask[:, None] & (half < K // 2)[None, :],
-                other=0)
-    grp = k0 // GROUP + tl.arange(0, BK // GROUP)
-    sc = tl.load(s_ptr + rows[:, None] * (K // GROUP) + grp[None, :],
-                 mask=nmask[:, None] & (grp < K // GROUP)[None, :], other=0)
-    codes = tl.reshape(_unpack_nibbles(b, MXFP4).to(tl.float32), (BN, BK // GROUP, GROUP))
-    return tl.reshape(codes * _scale_factors(sc, MXFP4)[:, :, None], (BN, BK))
+def _e2m1_fp16(b, SHIFT: tl.constexpr):
+    """The 4-bit E2M1 codes at bit SHIFT (0: low nibble, 4: high) of bytes b (int32) as fp32 values
+    times 2^-14 (the doubled E2M1 value times 2^-15): sign and magnitude bits placed into an fp16's
+    sign, low exponent and top mantissa bits (codes 0 and 1 are fp16 subnormals, converted exactly)."""
+    h = ((b << (9 - SHIFT)) & 0x0E00) | ((b << (12 - SHIFT)) & 0x8000)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _mxfp4_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, TOPK: tl.constexpr,
-                          SITU: tl.constexpr, BETA, LBETA, BN: tl.constexpr, BK: tl.constexpr):
+def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_ptr, K, k0, stride_w, stride_s, BN: tl.constexpr,
+                  G: tl.constexpr):
+    """fp32 [BN, G]: for MXFP4 rows `rows` (codes stride_w bytes apart, scales stride_s apart) and
+    the G groups of 32 inputs from k0 of x: each group's sum of weight x input."""
+    g = k0 // GROUP + tl.arange(0, G)
+    gmask = g < K // GROUP
+    byte = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]  # [G, 16] bytes of each group
+    m = nmask[:, None, None] & gmask[None, :, None]
+    b = tl.load(w_ptr + rows[:, None, None] * stride_w + byte[None, :, :], mask=m, other=0).to(tl.int32)
+    x_lo = tl.load(x_ptr + 2 * byte, mask=gmask[:, None], other=0.0)  # the inputs of the low nibbles
+    x_hi = tl.load(x_ptr + 2 * byte + 1, mask=gmask[:, None], other=0.0)  # ... and of the high ones
+    part = tl.sum(_e2m1_fp16(b, 0) * x_lo[None, :, :] + _e2m1_fp16(b, 4) * x_hi[None, :, :], 2)
+    sc = tl.load(s_ptr + rows[:, None] * stride_s + g[None, :], mask=nmask[:, None] & gmask[None, :], other=0)
+    # 2^15 undoes the fp16 placement (exact); the scale factor 2^(s-128) takes the doubling back
+    return part * 32768.0 * _scale_factors(sc, MXFP4)
+
+
+@triton.jit
+def _mxfp4_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, stride_w, stride_s,
+                          TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA, BN: tl.constexpr, G: tl.constexpr):
     j = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     e = tl.load(ids_ptr + j).to(tl.int64)
-    t = j // TOPK
+    x_row = x_ptr + (j // TOPK) * H
     nmask = n < INTER
     gate_rows = e * (2 * INTER) + n
-    acc_g = tl.zeros([BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0)
-        acc_g += tl.sum(_mxfp4_tile(w_ptr, s_ptr, gate_rows, nmask, H, k0, BN, BK) * x[None, :], 1)
-        acc_u += tl.sum(_mxfp4_tile(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0, BN, BK) * x[None, :], 1)
-    tl.store(out_ptr + j * INTER + n, _glu(acc_g, acc_u, SITU, BETA, LBETA), mask=nmask)
+    acc_g = tl.zeros([BN, G], dtype=tl.float32)
+    acc_u = tl.zeros([BN, G], dtype=tl.float32)
+    for k0 in range(0, H, G * GROUP):
+        acc_g += _mxfp4_groups(w_ptr, s_ptr, gate_rows, nmask, x_row, H, k0, stride_w, stride_s, BN, G)
+        acc_u += _mxfp4_groups(w_ptr, s_ptr, gate_rows + INTER, nmask, x_row, H, k0, stride_w, stride_s, BN, G)
+    y = _glu(tl.sum(acc_g, 1), tl.sum(acc_u, 1), SITU, BETA, LBETA)
+    tl.store(out_ptr + j * INTER + n, y, mask=nmask)
 
 
 @triton.jit
-def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, BN: tl.constexpr, BK: tl.constexpr):
+def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, stride_w, stride_s, BN: tl.constexpr,
+                       G: tl.constexpr):
     j = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     e = tl.load(ids_ptr + j).to(tl.int64)
     nmask = n < H
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, INTER, BK):
-        kk = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + j * INTER + kk, mask=kk < INTER, other=0.0)
-        acc += tl.sum(_mxfp4_tile(w_ptr, s_ptr, e * H + n, nmask, INTER, k0, BN, BK) * a[None, :], 1)
-    tl.store(out_ptr + j * H + n, acc, mask=nmask)
+    acc = tl.zeros([BN, G], dtype=tl.float32)
+    for k0 in range(0, INTER, G * GROUP):
+        acc += _mxfp4_groups(w_ptr, s_ptr, e * H + n, nmask, a_ptr + j * INTER, INTER, k0, stride_w, stride_s,
+                             BN, G)
+    tl.store(out_ptr + j * H + n, tl.sum(acc, 1), mask=nmask)
 
 
 def _glu_args(cfg) -> dict:
@@ -146,24 +159,30 @@ def _glu_args(cfg) -> dict:
                 LBETA=float(cfg.situ_linear_beta or 0.0) if situ else 0.0)
 
 
-# MXFP4 tiles: BN output rows x BK inputs per step (BK a multiple of the scale group). Tuned per
-# shape on the first (eager) call: a decode graph cannot run the tuner.
-_MXFP4_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
-                  for bn, bk, w, st in ((16, 256, 4, 2), (32, 256, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2),
-                                        (16, 512, 8, 2))]
+# MXFP4 tiles: BN output rows x G scale groups (32 inputs each) per step. Tuned per shape on the
+# first (eager) call: a decode graph cannot run the tuner.
+_MXFP4_CONFIGS = [triton.Config({"BN": bn, "G": g}, num_warps=w, num_stages=st)
+                  for bn, g, w, st in ((16, 8, 4, 2), (32, 4, 4, 2), (32, 8, 8, 2), (64, 4, 8, 2), (8, 16, 4, 2),
+                                       (16, 4, 4, 3))]
 _mxfp4_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER", "TOPK"])(_mxfp4_gate_up_kernel)
 _mxfp4_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_mxfp4_down_kernel)
+
+
+def _mxfp4_args(packed: torch.Tensor, scale: torch.Tensor) -> tuple:
+    packed, scale = packed.contiguous(), scale.contiguous().view(torch.uint8)
+    return packed, scale, packed.shape[-1], scale.shape[-1]
 
 
 def mxfp4_gate_up(x: torch.Tensor, ids: torch.Tensor, topk: int, packed: torch.Tensor, scale: torch.Tensor, cfg,
                   config: dict | None = None) -> torch.Tensor:
     """glu(w1 x, w3 x) for every pair from MXFP4 w13 (codes [E, 2I, H/2], scales [E, 2I, H/32]):
-    x fp32 [T, H], ids int32 [T*topk] -> fp32 [T*topk, I]. config: fixed {"BN", "BK"} instead of
+    x fp32 [T, H], ids int32 [T*topk] -> fp32 [T*topk, I]. config: fixed {"BN", "G"} instead of
     tuning (tests)."""
     pairs, (_, two_i, half) = ids.numel(), packed.shape
-    inter, H = two_i // 2, 2 * half
+    inter = two_i // 2
     out = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
-    args = (x, ids, packed.contiguous(), scale.contiguous().view(torch.uint8), out, H, inter)
+    w, s, sw, ss = _mxfp4_args(packed, scale)
+    args = (x, ids, w, s, out, 2 * half, inter, sw, ss)
     if config:
         _mxfp4_gate_up_kernel[(pairs, triton.cdiv(inter, config["BN"]))](*args, TOPK=topk, **_glu_args(cfg),
                                                                           **config)
@@ -178,7 +197,8 @@ def mxfp4_down(act: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, scale
     act fp32 [P, I] -> fp32 [P, H]."""
     pairs, (_, H, half) = ids.numel(), packed.shape
     out = torch.empty(pairs, H, dtype=torch.float32, device=act.device)
-    args = (act, ids, packed.contiguous(), scale.contiguous().view(torch.uint8), out, H, 2 * half)
+    w, s, sw, ss = _mxfp4_args(packed, scale)
+    args = (act, ids, w, s, out, H, 2 * half, sw, ss)
     if config:
         _mxfp4_down_kernel[(pairs, triton.cdiv(H, config["BN"]))](*args, **config)
     else:

@@ -17,7 +17,7 @@ from .ops import rms_norm
 def attn_res(p: torch.Tensor, blocks: list[torch.Tensor], w_proj, w_norm, eps: float) -> torch.Tensor:
     """Softmax mix over depth of [blocks..., p] for each token (K3_MODEL.md section 3.4), in fp32."""
     values = torch.stack([*blocks, p]).float()  # [N, T, H]
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    keys = rms_norm(values, None, eps)
     score = (keys * (w_norm.float() * w_proj.float().view(-1))).sum(-1)  # [N, T]
     probs = torch.softmax(score, dim=0)
     return (probs.unsqueeze(-1) * values).sum(0).to(p.dtype)

@@ -66,7 +66,8 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
       float32 path on the rounded rows elsewhere (AVX2 EPYC: 812 ms against 1779 ms).
     For float16 the stored bf16 weight is used as stored (converting it to fp16 changes only
     weights below fp16's normal range, ~6e-5, or above 65504). CUDA and MPS use torch's 16-bit
-    matmul on their matrix units.
+    matmul on their matrix units, except that on CUDA one row times a small bf16 weight (a decode
+    step's small projections) runs the same arithmetic in one Triton launch (half_gemv_triton).
     """
     if isinstance(w.weight, torch.Tensor):
         from ..kernels.cpu_native import GEMV_MAX_ROWS
@@ -75,9 +76,22 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
         if on_cpu and not (many_rows and cpu_16bit_gemm(w.dtype)):
             rounded = x.to(w.dtype).to(torch.float32)
             return linear(rounded, w.weight).to(w.dtype).to(x.dtype)
+        if x.is_cuda and w.dtype == torch.bfloat16 and (gemv := _half_gemv_kernels()) is not None \
+                and gemv.applies(x, w.weight):
+            return gemv.half_gemv(x, w.weight)
         return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
     from ..kernels.linear import qlinear
     return qlinear(x.to(w.dtype), w.weight).to(x.dtype)
+
+
+@functools.cache
+def _half_gemv_kernels():
+    """The one-launch CUDA product of a row with a small bf16 weight, or None without Triton."""
+    try:
+        from ..kernels import half_gemv_triton
+    except ImportError:
+        return None
+    return half_gemv_triton
 
 
 @functools.cache
@@ -103,7 +117,13 @@ def _native_bf16_gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm with the mean square taken in fp32; the result has x's dtype."""
+    """RMSNorm with the mean square taken in fp32; the result has x's dtype.
+
+    On CUDA torch's fused kernel computes the same formula in one launch instead of six (a decode
+    step is bound by launches there); elsewhere the ops below (the reference)."""
+    if x.is_cuda:
+        w = weight.float() if weight is not None else None
+        return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
