@@ -71,8 +71,13 @@ def _want_stream(settings: Settings, source) -> bool:
         return True
     import psutil
     from .inspect import model_bytes
+    from .io.memory import read_memory
+    available = psutil.virtual_memory().available
+    inside = read_memory()
+    if inside.where != "host":  # a memory cgroup's limit binds tighter than the machine's RAM
+        available = min(available, inside.free)
     # Keep the model in RAM only when it fits with plenty of room to spare.
-    return model_bytes(source) > 0.5 * psutil.virtual_memory().available
+    return model_bytes(source) > 0.5 * available
 
 
 class Model:

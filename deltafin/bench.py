@@ -18,6 +18,15 @@ the time a token took (1.0: the disk never idles and nothing else costs time);
 
 The record also says which numerics produced the figures: the spine read (bf16 is exact; int8 and
 mixed are lossy), the product dtype (float32 is the reference) and the compute threads.
+
+Memory tiers: ``disk_bytes_per_token`` (what came off the model's files) and ``ram_bytes_per_token``
+(pinned and cached layers and experts, the head), the host-RAM cache's ``spine_cache_hit_rate``
+(of the spines the streamer served) and ``expert_cache_hit_rate`` (of the routed experts), the
+budget it ended with (``ram_budget_bytes``: its own buffers plus what the cache may hold; 0 = no
+cache) and what it held (``ram_cache``). ``limit_tok_s`` is the tok/s the disk allows for the bytes
+a token read from it (raw read bandwidth of the probes / disk bytes per token; None when a token
+read nothing), and ``decode_vs_limit`` the share of it reached. On CUDA the limit is the slowest
+tier's instead (see ``device_figures``).
 """
 from __future__ import annotations
 
@@ -187,6 +196,9 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     def efficiency(gbps: float) -> float:
         return disk_s_per_tok / gbps / s_per_tok if gbps > 0 else 0.0
 
+    provider = model.engine.provider
+    residency = provider.residency() if model.streaming and hasattr(provider, "residency") else {}
+    limit = raw["gbps"] * GB / d["read_bytes_per_token"] if raw and d["read_bytes_per_token"] > 0 else None
     expert_bytes = _expert_bytes(model.source)
     spine_bytes = sum(t.nbytes for i in range(cfg.num_layers) for t in model.source.spine_infos(i).values())
     out = {
@@ -207,6 +219,15 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "bytes_per_token": d["bytes_per_token"],
         "read_bytes_per_token": d["read_bytes_per_token"],
         "ram_bytes_per_token": d["ram_bytes_per_token"],
+        "disk_bytes_per_token": d["read_bytes_per_token"],
+        "spine_cache_hit_rate": d["spine_cache_hit_rate"],
+        "expert_cache_hit_rate": d["expert_cache_hit_rate"],
+        "ram_budget_bytes": (residency.get("budget_bytes", 0 if settings.ram_budget_bytes() == 0 else None)
+                             if model.streaming else None),
+        "ram_cache": residency.get("cache"),
+        "limit_tok_s": limit,
+        "limit_tier": "disk" if limit else None,
+        "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
         "bytes_by_source_per_token": d["bytes_by_source_per_token"],
         "prefill_bytes_by_source": {name: getattr(prefill, field) for name, field in SOURCES} | {"tokens": prefill.tokens},
         "raw_read_gbps": raw["gbps"] if raw else None,
@@ -392,6 +413,15 @@ def format_table(r: dict) -> str:
              f"{r['decode_graph']['replayed']} passes replayed, {r['decode_graph']['recorded']} recorded"
              + (f" (failed: {r['decode_graph']['failed']})" if r["decode_graph"]["failed"] else "")),
         ]
+    else:
+        rows.append(("limit", f"{r['limit_tok_s']:.2f} tok/s set by the disk (decode reached "
+                              f"{r['decode_vs_limit'] * 100:.0f}%)" if r["limit_tok_s"] else "-"))
+    if r["ram_cache"]:
+        c = r["ram_cache"]
+        rows.append(("ram cache", f"hits: spines {r['spine_cache_hit_rate'] * 100:.0f}%, experts "
+                                  f"{(r['expert_cache_hit_rate'] or 0) * 100:.0f}%; holds {c['held_bytes'] / 2**30:.2f} "
+                                  f"GiB (spines {c['spine_layers_held']}/{c['streamed_layers']} layers, "
+                                  f"{c['experts_held']} experts), budget {r['ram_budget_bytes'] / 2**30:.2f} GiB"))
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
             f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "

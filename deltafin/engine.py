@@ -46,7 +46,8 @@ class PassStats:
     bytes_on_device: int = 0  # read from weights resident on the compute device
     bytes_to_device: int = 0  # copied host -> device
     experts_loaded: int = 0
-    spines_cached: int = 0  # layers whose spine came from host RAM (pinned or cached), not the disk
+    spines_loaded: int = 0  # layers whose spine the host streamer served (from its RAM or the disk)
+    spines_cached: int = 0  # of them, those from host RAM (pinned or cached)
     experts_cached: int = 0  # of experts_loaded, those a host-RAM cache served
 
     def add(self, other: "PassStats") -> None:

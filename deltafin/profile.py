@@ -58,7 +58,9 @@ def format_pass(index: int, s: PassStats) -> str:
             f"| wait spine {s.spine_wait_seconds * 1e3:7.1f} ms "
             f"experts {s.expert_wait_seconds * 1e3:7.1f} ms | compute {s.compute_seconds * 1e3:8.1f} ms | "
             f"experts {s.experts_loaded}"
-            + (f" | host->device {s.bytes_to_device / MB:.2f} MB" if s.bytes_to_device else ""))
+            + (f" | host->device {s.bytes_to_device / MB:.2f} MB" if s.bytes_to_device else "")
+            + (f" | ram cache spines {s.spines_cached}/{s.spines_loaded} experts {s.experts_cached}/{s.experts_loaded}"
+               if s.spines_cached or s.experts_cached else ""))
 
 
 def summarize(passes: list[PassStats]) -> dict:
@@ -83,6 +85,11 @@ def summarize(passes: list[PassStats]) -> dict:
         "device_bytes_per_token": total.bytes_on_device / n,
         "h2d_bytes_per_token": total.bytes_to_device / n,  # of the bytes above, those copied to the device
         "experts_per_token": total.experts_loaded / n,
+        # Shares served by host RAM (pinned or cached) of the spines the streamer served and of the
+        # routed experts; None where nothing was streamed.
+        "spine_cache_hit_rate": total.spines_cached / total.spines_loaded if total.spines_loaded else None,
+        "expert_cache_hit_rate": (total.experts_cached / total.experts_loaded
+                                  if total.spines_loaded and total.experts_loaded else None),
         "spine_wait_seconds": total.spine_wait_seconds,
         "expert_wait_seconds": total.expert_wait_seconds,
         "compute_seconds": total.compute_seconds,
@@ -108,6 +115,10 @@ def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
         lines.append(f"  per token: {_by_source(per)}, {d['experts_per_token']:.1f} experts; "
                      f"disk {d['read_gbps']:.2f} GB/s"
                      + (f"; host->device {d['h2d_bytes_per_token'] / MB:.2f} MB" if d["h2d_bytes_per_token"] else ""))
+        if d["spine_cache_hit_rate"] is not None:
+            lines.append(f"  ram cache hits: spines {d['spine_cache_hit_rate'] * 100:.0f}%"
+                         + (f", experts {d['expert_cache_hit_rate'] * 100:.0f}%"
+                            if d["expert_cache_hit_rate"] is not None else ""))
         lines.append(f"  time: compute {100 * d['compute_seconds'] / t:.0f}%, spine wait "
                      f"{100 * d['spine_wait_seconds'] / t:.0f}%, "
                      f"expert wait {100 * d['expert_wait_seconds'] / t:.0f}%, "

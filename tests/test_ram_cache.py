@@ -3,6 +3,7 @@ the budget's decisions, the ram_budget setting, and the cached streamer against 
 (identical logits, also while the cache shrinks and grows mid-generation)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,22 @@ def test_budget_grows_into_free_memory_and_shrinks_by_the_shortfall(tmp_path):
     assert MemoryBudget(2 * GiB, str(tmp_path)).check(0, GiB // 4, 0)[0] == 2 * GiB - GiB // 4
 
 
+def test_growth_waits_until_memory_stayed_free(tmp_path):
+    clock = Clock()
+    b = MemoryBudget(None, str(tmp_path), clock=clock)
+    host(tmp_path, free=4 * GiB)
+    t0, _ = b.check(held=0, fixed=0, target=0)
+    clock.t += 0.2
+    host(tmp_path, free=GiB // 10)  # a passing allocation takes nearly all: shrink at once
+    t1, _ = b.check(held=t0, fixed=0, target=t0)
+    assert t1 < t0
+    clock.t += 0.2
+    host(tmp_path, free=4 * GiB)  # gone again: no growth while the dip is recent
+    assert b.check(held=t1, fixed=0, target=t1)[0] == t1
+    clock.t += 5.0
+    assert b.check(held=t1, fixed=0, target=t1)[0] > t1
+
+
 def test_pressure_shrinks_and_pauses_growth(tmp_path):
     clock = Clock()
     b = MemoryBudget(None, str(tmp_path), clock=clock)
@@ -188,9 +205,20 @@ def test_cache_shrinks_experts_first_then_spines_from_the_last():
     for i in (1, 2):
         c.routed(i, [0, 1])
         for e in (0, 1):
-            assert c.admit_expert(i, e, 10)
+            assert c.admit_expert(i, e, 10) is not None
             c.put_expert(i, e, Buf(10), ("w", i, e))
     assert c.held_bytes() == 340 and c.expert(1, 0) == ("w", 1, 0)
+    # A hotter expert takes the coldest one's slot, and its buffer (no new allocation).
+    c.routed(1, [0, 1])
+    c.routed(1, [1])
+    c.routed(1, [3])
+    assert c.admit_expert(1, 3, 10) is None  # not hotter than expert 0 yet
+    c.routed(1, [3])
+    c.routed(1, [3])
+    victim = c._experts.held[1][0][0]
+    assert c.admit_expert(1, 3, 10) is victim and c.expert(1, 0) is None and c.held_bytes() == 330
+    c.put_expert(1, 3, victim, ("w", 1, 3))
+    assert c.held_bytes() == 340 and c.expert(1, 3) == ("w", 1, 3)
     c.set_target(320, "less")
     assert c.residency()["expert_slots_per_layer"] == 1 and c.held_bytes() == 320
     c.set_target(250, "much less")
@@ -249,8 +277,13 @@ def test_cached_logits_equal_streamed_through_shrink_and_grow(tmp_path, tiny_k3_
     host(tmp_path, free=8 * GiB)
     lines = []
 
+    clock = Clock()
+    clock.t = time.monotonic()  # the provider's first look used the real clock
+
     def between(k, provider):
         provider.cache._log = lines.append
+        provider.watcher.budget.clock = clock
+        clock.t += 2.0  # a token every two seconds
         if k == 5:  # another program takes the memory: the cache gives it back mid-generation
             host(tmp_path, free=64 * 2**20)
             provider.watcher.check()

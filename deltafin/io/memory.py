@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -35,6 +36,7 @@ HEADROOM_FRACTION = 0.04
 # what they hold, and stop growing for COOLDOWN_S seconds.
 PRESSURE_SHARE = 0.05
 COOLDOWN_S = 5.0
+GROW_WINDOW_S = 3.0
 WATCH_INTERVAL_S = 0.2
 # cgroup v1 writes "no limit" as a huge page-rounded number; anything above this is no limit.
 NO_LIMIT = 1 << 60
@@ -162,9 +164,10 @@ class MemoryBudget:
     """The bytes the RAM caches may hold, from a fixed setting and what memory looks like now.
 
     ``ceiling``: bytes the setting allows for the caches and the streamer's own buffers together
-    (None = auto: no ceiling but free memory). Either way the caches grow only into free memory
-    above the headroom, shrink by the shortfall when free memory falls below it, and by an eighth
-    (and stop growing for a while) when memory pressure appears."""
+    (None = auto: no ceiling but free memory). Either way the caches grow only into memory that
+    stayed free above the headroom for the last few seconds, shrink at once by the shortfall when
+    free memory falls below it, and by an eighth (and stop growing for a while) when memory
+    pressure appears."""
 
     def __init__(self, ceiling: int | None, root: str = "/", clock=time.monotonic):
         self.ceiling = ceiling
@@ -172,6 +175,7 @@ class MemoryBudget:
         self.clock = clock
         self._last_stall: tuple[float, int] | None = None
         self._cooldown_until = 0.0
+        self._seen: deque[tuple[float, int]] = deque()
         self.last: Reading | None = None
 
     def headroom(self, r: Reading) -> int:
@@ -195,6 +199,10 @@ class MemoryBudget:
         headroom = self.headroom(r)
         room = r.free - headroom
         share = self.pressure_share(r)
+        now = self.clock()
+        self._seen.append((now, held + r.free))  # what the caches could reach now
+        while self._seen[0][0] < now - GROW_WINDOW_S:
+            self._seen.popleft()
         where = f"{r.where} free {r.free / GiB:.2f} GiB, headroom {headroom / GiB:.2f}"
         if share > PRESSURE_SHARE:
             self._cooldown_until = self.clock() + COOLDOWN_S
@@ -205,13 +213,14 @@ class MemoryBudget:
         elif self.clock() < self._cooldown_until:
             new, why = min(target, held + room), f"cooling down after pressure ({where})"
         else:
-            # Grow only by a margin, so that small swings of free memory do not flap the caches.
-            slack = headroom // 4
-            new = held + room - slack if held + room - slack > target else target
-            new, why = min(new, held + room), where
+            # Grow only into what stayed free through the last GROW_WINDOW_S seconds (the process's
+            # own transient allocations come and go within that), less a margin: the caches do
+            # not flap with every swing of free memory.
+            low = min(reach for _, reach in self._seen) - headroom - headroom // 4
+            new, why = (min(low, held + room) if low > target else min(target, held + room)), where
         if top is not None:
             new = min(new, top)
-            why += f", set budget {self.ceiling / GiB:.2f} GiB less the streamer's {fixed / GiB:.2f}"
+            why += f", set budget {self.ceiling / 1e9:g} GB less the streamer's {fixed / 1e9:.2f}"
         return max(0, new), why
 
     def describe(self, fixed: int) -> str:

@@ -10,7 +10,7 @@ buffers, the expert slots):
   with nocache reads, so they never evict it;
 - routed experts, once every spine is held: the same number of slots in every MoE layer, filled
   by ``placement.ExpertSlots`` (scores of how often each expert was routed lately). An admitted
-  expert is read straight into its own buffer: no copy.
+  expert is read straight into its own buffer (the evicted expert's, when one makes room): no copy.
 
 Everything held is page-aligned memory whose tensors (views, decoded once) are handed to the
 engine as they are: no copy per use.
@@ -20,23 +20,25 @@ times a second) moves it. Shrinking happens at once, experts first (the coldest 
 one slot of every layer at a time), then spines from the last held layer back: dropping an entry
 drops the cache's reference, and the memory goes back as soon as no layer computing now still uses
 it (at most one layer later). Growing is lazy: entries are admitted as the pass reads them. A
-line goes to stderr (``log``) whenever the set of layers / experts per layer the target allows
-changes, with why.
+line goes to stderr (``log``) when the set of layers / experts per layer the target allows changes,
+with why (every change of direction; steps the same way at most once a second).
 
 Thread-safety: every method takes the cache's lock; the decode thread (and the read workers
 that complete expert reads) admit and look up, the watcher shrinks.
 
 For a caller that wants to read experts ahead (prefetch): ``expert(i, e)`` looks one up,
-``admit_expert(i, e)`` asks for a slot (and makes room), ``put_expert(i, e, buf, weights)`` stores
-what was read into ``buf``; ``routed(i, chosen)`` is called once per layer per pass by the
+``admit_expert(i, e, capacity)`` asks for a slot (making room) and returns the buffer to read into,
+``put_expert(i, e, buf, weights)`` stores what was read into it; ``routed(i, chosen)`` is called once per layer per pass by the
 streamer with what the router chose (the scores the slots follow).
 """
 from __future__ import annotations
 
 import sys
 import threading
+import time
 
 from .placement import GiB, ExpertSlots, ModelSizes, Placement, plan
+from .reader import AlignedBuffer
 
 
 class RamCache:
@@ -54,6 +56,8 @@ class RamCache:
         self._spine_held = 0
         self._experts = ExpertSlots(0)  # weights: (buffer, decoded weights)
         self._expert_held = 0
+        self._clock = time.monotonic
+        self._last_verb, self._last_line = "", float("-inf")
         self.version = 0  # bumped when the set of held spines changes (the streamer re-plans its reads)
 
     # -- sizing ------------------------------------------------------------------------------
@@ -69,12 +73,17 @@ class RamCache:
             self._shrink_to(self._plan)
             if (old.spine_layers, old.expert_slots) != (self._plan.spine_layers, self._plan.expert_slots):
                 verb = "grows" if self._plan.held_bytes > old.held_bytes else "shrinks"
-                self._log(f"deltafin: ram cache {verb} to {self.target / GiB:.2f} GiB ({why}): "
-                          f"{self._describe(self._plan)}")
+                now = self._clock()
+                # Every turn is told; more steps the same way at most one line a second.
+                if verb != self._last_verb or now - self._last_line >= 1.0:
+                    self._last_verb, self._last_line = verb, now
+                    self._log(f"deltafin: ram cache {verb} to {self.target / GiB:.2f} GiB ({why}): "
+                              f"{self._describe(self._plan)}")
 
     def make_room(self, nbytes: int, why: str) -> None:
-        """Lower the target so that `nbytes` more of the streamer's own buffers fit."""
-        self.set_target(min(self.target, self.held_bytes() - nbytes), why)
+        """Lower the target so that `nbytes` more of the streamer's own buffers fit in what the
+        budget allowed (the watcher raises it again once they are given back)."""
+        self.set_target(self.target - nbytes, why)
 
     def _set_slots(self, slots: int) -> None:
         for buf, _ in self._experts.resize(slots):
@@ -131,21 +140,26 @@ class RamCache:
             got = self._experts.get(i, e)
             return got[1] if got is not None else None
 
-    def admit_expert(self, i: int, e: int, nbytes: int) -> bool:
-        """Whether to read expert e of layer i into a buffer of its own and keep it (if so, the
-        layer's coldest expert may have been evicted to make room)."""
+    def admit_expert(self, i: int, e: int, capacity: int):
+        """The buffer to read expert e of layer i into, to keep it; None: not admitted.
+
+        When the layer's slots are full, the coldest expert makes room and its buffer is reused
+        (no allocation, no page faults): it is of the same layer, whose experts nobody reads while
+        its next experts are being asked for."""
         with self._lock:
             layer = self._experts.held.get(i, {})
             full = len(layer) >= self._experts.slots
-            if not full and self._spine_held + self._expert_held + nbytes > self.target:
-                return False  # a slot is free but the bytes are not (buffers round up): only swaps
+            if not full and self._spine_held + self._expert_held + capacity > self.target:
+                return None  # a slot is free but the bytes are not (buffers round up): only swaps
             victim = min(layer, key=lambda x: self._experts.score(i, x)) if full and layer else None
-            victim_bytes = layer[victim][0].nbytes if victim is not None else 0
+            old = layer[victim][0] if victim is not None else None
             if not self._experts.admit(i, e):
-                return False
-            if victim is not None and victim not in layer:
-                self._expert_held -= victim_bytes
-            return True
+                return None
+            if old is not None and victim not in layer:
+                self._expert_held -= old.nbytes
+                if old.nbytes >= capacity:
+                    return old
+            return AlignedBuffer(capacity)
 
     def put_expert(self, i: int, e: int, buf, weights) -> None:
         with self._lock:

@@ -172,6 +172,7 @@ class StreamProvider:
         if cached is not None or i not in self._streamable:
             if cached is not None:
                 stats.bytes_from_ram += self._spine_layouts[i].nbytes
+                stats.spines_loaded += 1
                 stats.spines_cached += 1
             if self._streamed:
                 self._request(self._next_streamed(i))
@@ -185,6 +186,7 @@ class StreamProvider:
         stats.spine_wait_seconds += time.perf_counter() - t0
         lay = self._spine_layouts[i]
         _count(stats, b.origin, lay.nbytes)
+        stats.spines_loaded += 1
         if self.cache is not None and self.cache.wants_spine(i):
             # Kept from now on: one copy out of the read-ahead buffer, the only one this layer costs.
             keep = AlignedBuffer(lay.capacity)
@@ -220,8 +222,8 @@ class StreamProvider:
         layouts = [self._expert_layout(i, e) for e in missing]
         # An expert the cache admits is read into a buffer of its own, which the cache keeps; the
         # others go through the reused slots.
-        own = [AlignedBuffer(lay.capacity) if cache is not None and cache.admit_expert(i, e, align_up(lay.capacity))
-               else None for e, lay in zip(missing, layouts)]
+        own = [cache.admit_expert(i, e, lay.capacity) if cache is not None else None
+               for e, lay in zip(missing, layouts)]
         need = sum(1 for b in own if b is None)
         if need > len(self._slots) and cache is not None:  # counted against the budget first
             extra = sum(lay.capacity for lay, b in zip(layouts, own) if b is None) - \
@@ -275,8 +277,13 @@ class StreamProvider:
         return out
 
     def residency(self) -> dict:
-        """What the host-RAM cache holds now and may hold (empty without one)."""
-        return self.cache.residency() if self.cache is not None else {}
+        """The host-RAM budget now (the streamer's own buffers plus what the cache may hold) and
+        what the cache holds; empty without a cache."""
+        if self.cache is None:
+            return {}
+        c = self.cache.residency()
+        return {"budget_bytes": c["target_bytes"] + self.cache.fixed_bytes, "fixed_bytes": self.cache.fixed_bytes,
+                "cache": c}
 
     def close(self) -> None:
         if self.watcher is not None:
