@@ -25,6 +25,28 @@ def _tokens(n, seed):
     return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _two_sequences(plain, m, n, b_prompt):
+    """Two sequences (prompts PROMPT and PROMPT[:b_prompt]) decoding n tokens each: with `plain`
+    one after the other, with `m` taking turns token by token (each moves into the buffers in
+    turn). Returns [(want logits, got logits, want state, got state)] for both."""
+    ids = (_tokens(n, 1), _tokens(n, 2))
+    prompts = (PROMPT, PROMPT[:b_prompt])
+    want, ref = [], []
+    for prompt, tokens in zip(prompts, ids):
+        st = plain.new_state()
+        plain.forward(prompt, st)
+        want.append(_decode(plain, st, tokens))
+        ref.append(st)
+    states = [m.new_state() for _ in prompts]
+    for prompt, st in zip(prompts, states):
+        m.forward(prompt, st)
+    got = [[], []]
+    for i in range(n):
+        for j in (0, 1):
+            got[j].append(m.forward([ids[j][i]], states[j]))
+    return [(want[j], torch.cat(got[j]), ref[j], states[j]) for j in (0, 1)]
+
+
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
 def test_recorded_mode_matches_plain_pass_across_sequences_and_growth(request, fixture, monkeypatch):
     monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 4)  # grow the buffers several times
@@ -33,25 +55,11 @@ def test_recorded_mode_matches_plain_pass_across_sequences_and_growth(request, f
     m = deltafin.load(path, device="cpu", stream="off")
     assert m.engine.graphs is None  # only on CUDA
     graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
-    a_ids, b_ids = _tokens(14, 1), _tokens(14, 2)
-
-    ref_a, ref_b = plain.new_state(), plain.new_state()
-    plain.forward(PROMPT, ref_a)
-    plain.forward(PROMPT[:3], ref_b)
-    want_a, want_b = _decode(plain, ref_a, a_ids), _decode(plain, ref_b, b_ids)
-
-    a, b = m.new_state(), m.new_state()
-    m.forward(PROMPT, a)
-    m.forward(PROMPT[:3], b)
-    got_a, got_b = [], []
-    for i in range(14):  # two sequences take turns: each moves into the buffers in turn
-        got_a.append(m.forward([a_ids[i]], a))
-        got_b.append(m.forward([b_ids[i]], b))
+    for want, got, ref, st in _two_sequences(plain, m, 14, 3):
+        # the same fp32 arithmetic up to summation order (attention over the whole buffer)
+        assert (got - want).abs().max().item() < 1e-4
+        assert st.max_abs_diff(ref) < 1e-4
     assert graphs.capacity == 32  # 6 + 14 tokens: 4 -> 8 -> 16 -> 32
-    # the same fp32 arithmetic up to summation order (attention over the whole buffer)
-    assert (torch.cat(got_a) - want_a).abs().max().item() < 1e-4
-    assert (torch.cat(got_b) - want_b).abs().max().item() < 1e-4
-    assert a.max_abs_diff(ref_a) < 1e-4 and b.max_abs_diff(ref_b) < 1e-4
 
 
 def test_recorded_mode_with_speculation_snapshot_and_rollback(tiny_k3_path):
@@ -113,23 +121,12 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
     m = deltafin.load(path, device="cuda", stream="off", dtype=dtype)
     graphs = m.engine.graphs
     assert plain.engine.graphs is None and graphs is not None
-    a_ids, b_ids = _tokens(20, 4), _tokens(20, 5)
-    ref_a, ref_b = plain.new_state(), plain.new_state()
-    plain.forward(PROMPT, ref_a)
-    plain.forward(PROMPT[:2], ref_b)
-    want_a, want_b = _decode(plain, ref_a, a_ids), _decode(plain, ref_b, b_ids)
-    a, b = m.new_state(), m.new_state()
-    m.forward(PROMPT, a)
-    m.forward(PROMPT[:2], b)
-    got_a, got_b = [], []
-    for i in range(20):
-        got_a.append(m.forward([a_ids[i]], a))
-        got_b.append(m.forward([b_ids[i]], b))
+    results = _two_sequences(plain, m, 20, 2)
     assert graphs.failed is None
     assert graphs.recorded == 3 and graphs.replayed >= 30
     # the same arithmetic up to summation order; in bf16 that moves a logit by a rounding step
     tol = 1e-4 if dtype == "float32" else 1e-2
-    for got, want in ((got_a, want_a), (got_b, want_b)):
-        assert (torch.cat(got) - want).abs().max().item() < tol * want.abs().max().item()
+    for want, got, _, _ in results:
+        assert (got - want).abs().max().item() < tol * want.abs().max().item()
     # a replay accounts the bytes the recorded pass read
     assert m.engine.last_pass.bytes_on_device == plain.engine.last_pass.bytes_on_device > 0

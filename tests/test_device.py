@@ -131,6 +131,15 @@ def test_cuda_stream_off_refuses_what_does_not_fit(tiny_k3_path):
         deltafin.load(tiny_k3_path, device="cuda", stream="off", gpu_budget="0.0001")
 
 
+def _routed(gen, E, H, T, k):
+    """Expert ids [T, k] (distinct per token), routing weights [T, k] and rows [T, H]; then the
+    config of each activation."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    cfgs = [type("C", (), {"hidden_act": act, "situ_beta": 4.0, "situ_linear_beta": 25.0})()
+            for act in ("silu", "situ")]
+    return ids, torch.rand(T, k, generator=gen), torch.randn(T, H, generator=gen), cfgs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_grouped_kernels_match_reference():
     from deltafin.kernels import grouped
@@ -139,17 +148,14 @@ def test_cuda_grouped_kernels_match_reference():
     experts = [(torch.randn(I, H, generator=gen), torch.randn(I, H, generator=gen), torch.randn(H, I, generator=gen))
                for _ in range(E)]
     stack = grouped.ExpertStack.from_experts(experts)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    w = torch.rand(T, k, generator=gen)
-    z = torch.randn(T, H, generator=gen)
-    for act in ("silu", "situ"):
-        cfg = type("C", (), {"hidden_act": act, "situ_beta": 4.0, "situ_linear_beta": 25.0})()
+    ids, w, z, cfgs = _routed(gen, E, H, T, k)
+    for cfg in cfgs:
         want = grouped.grouped_mlp(cfg, z, ids, w, stack)
         dev = grouped.ExpertStack(stack.w13.cuda().bfloat16().float(), stack.w2.cuda().bfloat16().float())
         got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev).cpu()
         ref = grouped.grouped_mlp(cfg, z, ids, w, grouped.ExpertStack(dev.w13.cpu(), dev.w2.cpu()))
         assert want.shape == got.shape
-        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, act
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -164,14 +170,11 @@ def test_cuda_grouped_mxfp4_kernels_match_reference():
     stack = grouped.MXFP4Stack.from_experts(experts)
     dev = grouped.MXFP4Stack(*(t.cuda() for t in (stack.w13_packed, stack.w13_scale, stack.w2_packed,
                                                    stack.w2_scale)))
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    w = torch.rand(T, k, generator=gen)
-    z = torch.randn(T, H, generator=gen)
-    for act in ("silu", "situ"):
-        cfg = type("C", (), {"hidden_act": act, "situ_beta": 4.0, "situ_linear_beta": 25.0})()
+    ids, w, z, cfgs = _routed(gen, E, H, T, k)
+    for cfg in cfgs:
         ref = grouped.grouped_mlp(cfg, z, ids, w, stack)
         got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev).cpu()
-        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, act
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
