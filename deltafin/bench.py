@@ -17,7 +17,8 @@ the time a token took (1.0: the disk never idles and nothing else costs time);
 ``io_efficiency_range`` is the same against the faster and the slower probe.
 
 The record also says which numerics produced the figures: the spine read (bf16 is exact; int8 and
-mixed are lossy), the product dtype (float32 is the reference) and the compute threads.
+mixed are lossy), the experts' codec (as published, or re-encoded: lossy), the product dtype
+(float32 is the reference) and the compute threads.
 
 Memory tiers: ``disk_bytes_per_token`` (what came off the model's files) and ``ram_bytes_per_token``
 (pinned and cached layers and experts, the head), the host-RAM cache's ``spine_cache_hit_rate``
@@ -41,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from .checkpoint import expert_codec
 from .io.reader import SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
 from .profile import SOURCES, PassRecorder, summarize
 from .settings import Settings, add_arguments, from_args
@@ -207,6 +209,9 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         # Which numerics produced these figures (bf16 spine + float32 products = the reference).
         "spine": model.source.spine_codec,
         "spine_exact": model.source.spine_codec == "bf16",
+        "experts": expert_codec.describe(cfg, expert_codec.of(model.source)),
+        # As published is exact (bf16, or K3's MXFP4); re-encoded by convert --experts is lossy.
+        "experts_exact": expert_codec.of(model.source) == expert_codec.published(cfg),
         "product_dtype": settings.dtype,
         "threads": model.threads,
         "prompt_tokens": prompt_tokens,
@@ -425,6 +430,7 @@ def format_table(r: dict) -> str:
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
             f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "
+            f"experts {r['experts']} ({'as published' if r['experts_exact'] else 'lossy'}), "
             f"products {r['product_dtype']}{' (reference)' if r['product_dtype'] == 'float32' else ''}\n"
             f"{m['cpu_count']} CPUs, {m['ram_bytes'] / 2**30:.0f} GiB RAM, device {m['device']}")
     width = max(len(k) for k, _ in rows)

@@ -54,6 +54,16 @@ def spine_message(source, path, chosen: str = "auto") -> str:
     return f"{what}: LOSSY,{why} outputs differ from the bf16 reference; for the exact spine: {exact}"
 
 
+def experts_message(source) -> str:
+    """What the routed experts are stored as, and whether that is exact."""
+    from .checkpoint import expert_codec
+    cfg, codec = source.config, expert_codec.of(source)
+    name = expert_codec.describe(cfg, codec)
+    if codec == expert_codec.published(cfg):
+        return f"{name} experts (as published)"
+    return f"{name} experts: LOSSY (converted with --experts {codec}; the source's are {expert_codec.describe(cfg, 'plain')})"
+
+
 def products_message(settings: Settings) -> str:
     if settings.dtype == "float32":
         return "float32 products (reference)"
@@ -71,7 +81,8 @@ def startup_message(model, path) -> str:
     """The start-up line: what runs, from where, with which numerics."""
     return (f"deltafin: {model.name}: {model.config.architecture}, {model.config.num_layers} layers, "
             f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
-            f"{spine_message(model.source, path, model.settings.spine)}; {products_message(model.settings)}"
+            f"{spine_message(model.source, path, model.settings.spine)}; {experts_message(model.source)}; "
+            f"{products_message(model.settings)}"
             + (f"\ndeltafin: {model.residency}" if model.residency else ""))
 
 

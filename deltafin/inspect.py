@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .checkpoint import expert_codec
 from .checkpoint.hf import TensorInfo
 from .checkpoint.layout import expert_tensors, full_name, global_tensors, layer_spine_tensors, nbytes
 from .config import load_config
@@ -59,6 +60,9 @@ def summarize(source) -> dict:
         "num_experts": cfg.num_experts,
         "experts_per_token": cfg.experts_per_token,
         "expert_format": cfg.expert_format,
+        # What the experts are stored as here (bf16 / MXFP4 as published, or int8 / int4 / MXFP4
+        # re-encoded by deltafin convert --experts).
+        "expert_codec": expert_codec.describe(cfg, expert_codec.of(source)),
         "attn_res_block_size": cfg.attn_res_block_size,
         "spine_params": spine_params,
         "expert_params": n_expert_params,
@@ -95,7 +99,7 @@ def _count(n: int) -> str:
 def format_summary(s: dict) -> str:
     lines = [
         f"{s['path']}  ({s['source']}, {s['architecture']}, spine {s['spine_codec']} of "
-        f"{', '.join(s['spines'])}, experts {s['expert_format']})",
+        f"{', '.join(s['spines'])}, experts {s['expert_codec']})",
         f"layers        {s['num_layers']}: KDA {s['kda_layers']}  MLA {s['mla_layers']}  dense {s['dense_layers']}",
         f"schedule      {' '.join(s['layer_schedule'])}",
         f"experts       {s['num_experts']} per MoE layer, top-{s['experts_per_token']}, "

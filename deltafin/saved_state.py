@@ -4,7 +4,7 @@ A saved state is only valid for the exact model weights, spine codec and product
 computed it, and for the exact token ids it holds. ``model_identity`` names the first three:
 a hash of the parsed config, a fingerprint of the weights (4 KiB from the middle of every
 global and spine tensor as stored, so different weights of one shape differ), the spine codec
-and the dtype products run in. The file itself is ``DecodeState.save``'s safetensors file; its
+and the dtype products run in (and the experts' codec when `convert --experts` re-encoded them). The file itself is ``DecodeState.save``'s safetensors file; its
 JSON header carries the identity and the token ids.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from .checkpoint import expert_codec
 from .checkpoint.files import pread_exact
 from .model.state import DecodeState, StateFileError
 
@@ -35,9 +36,13 @@ def model_identity(source, dtype: str) -> dict:
             start = info.offset + (info.nbytes - take) // 2
             h.update(f"{name}:{info.shape}:{info.dtype}:".encode())
             h.update(pread_exact(source.fd(info.file), take, start, info.file))
-    return {"architecture": source.config.architecture,
-            "config_sha256": hashlib.sha256(cfg.encode()).hexdigest()[:16],
-            "weights_sha256": h.hexdigest()[:16], "spine": spine, "dtype": dtype}
+    identity = {"architecture": source.config.architecture,
+                "config_sha256": hashlib.sha256(cfg.encode()).hexdigest()[:16],
+                "weights_sha256": h.hexdigest()[:16], "spine": spine, "dtype": dtype}
+    # Re-encoded experts (convert --experts) compute other states; experts as published add no
+    # field, so states saved before the field existed still match their model.
+    experts = expert_codec.of(source)
+    return identity | ({"experts": experts} if experts != expert_codec.published(source.config) else {})
 
 
 def save_state(model, path: str | Path, ids: list[int], state: DecodeState, extra: dict | None = None) -> None:
@@ -99,5 +104,5 @@ def restore_or_build(model, path: str | Path, prefix: list[int], say) -> DecodeS
 
 
 _WHAT = {"architecture": "architecture", "config_sha256": "model configuration",
-         "weights_sha256": "model (its weights differ)", "spine": "spine codec",
+         "weights_sha256": "model (its weights differ)", "spine": "spine codec", "experts": "expert codec",
          "dtype": "product dtype (--dtype)"}

@@ -9,6 +9,11 @@ next-token distributions, and the share of positions whose top-1 token is unchan
 
 Bytes are per decode token of the spine: every layer and the head are read once per token
 (the embedding table contributes one row and is never quantized).
+
+``expert_sensitivity`` does the same for the routed experts (which ``deltafin convert --experts``
+can re-encode): every expert of every MoE layer is replaced by the ``QWeight``s the converter
+would store, alone and together with the int8 spine. Expert bytes per token are the top-k experts
+of every MoE layer; the saving is given against the bytes a whole token reads (spine + experts).
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.layout import global_tensors, layer_spine_tensors, nbytes
+from .checkpoint import expert_codec
+from .checkpoint.layout import EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, global_tensors, layer_spine_tensors, nbytes
 from .checkpoint.policy import PLAIN, PROTECTED, ROLES, SpinePolicy, load_policy, tensor_codec, tensor_roles
 from .checkpoint.source import GLOBAL_KEYS
 from .kernels.linear import quantize
@@ -90,6 +96,7 @@ class Sensitivity:
         self.cfg = self.model.config
         provider = self.model.engine.provider
         self._weights = {None: provider._globals, **dict(enumerate(provider._spines))}
+        self._experts = provider._experts  # per layer {expert id: (w1, w3, w2)}
         self.slots = _role_slots(self.cfg)
         self.prompts = fixed_prompts(self.cfg.vocab_size, prompts, length, seed)
         self.reference = self._logits()
@@ -104,26 +111,60 @@ class Sensitivity:
     def measure(self, role_codecs: dict[str, str], group_size: int) -> tuple[int, int, float, float]:
         """Quantize every role in role_codecs to its codec, run the prompts, restore.
         -> (tensors quantized, bytes saved per token, mean KL, top-1 agreement)."""
-        saved, swapped = 0, []
+        swapped: list = []
         try:
-            for role, codec in role_codecs.items():
-                for s in self.slots[role]:
-                    c, g = tensor_codec(s.rel, s.shape, codec, group_size)
-                    if c == PLAIN:
-                        continue
-                    weights = self._weights[s.layer]
-                    w = weights[s.slot]
-                    q = quantize(w, c, g or group_size)
-                    swapped.append((weights, s.slot, w))
-                    weights[s.slot] = q
-                    saved += w.numel() * w.element_size() - q.nbytes
+            saved = self._swap_roles(role_codecs, group_size, swapped)
             if not swapped:
                 return 0, 0, 0.0, 1.0
             kl, top1 = kl_and_top1(self.reference, self._logits())
             return len(swapped), saved, kl, top1
         finally:
-            for weights, slot, w in reversed(swapped):
-                weights[slot] = w
+            _restore(swapped)
+
+    def _swap_roles(self, role_codecs: dict[str, str], group_size: int, swapped: list) -> int:
+        """Put QWeights in place of the roles' projections (recorded in `swapped` for _restore);
+        -> spine bytes saved per token."""
+        saved = 0
+        for role, codec in role_codecs.items():
+            for s in self.slots[role]:
+                c, g = tensor_codec(s.rel, s.shape, codec, group_size)
+                if c == PLAIN:
+                    continue
+                weights = self._weights[s.layer]
+                w = weights[s.slot]
+                q = quantize(w, c, g or group_size)
+                swapped.append((weights, s.slot, w))
+                weights[s.slot] = q
+                saved += w.numel() * w.element_size() - q.nbytes
+        return saved
+
+    def expert_bytes(self, codec: str = PLAIN) -> int:
+        """Routed-expert bytes one decode token reads (top-k per MoE layer) with experts in `codec`."""
+        cfg = self.cfg
+        return sum(cfg.experts_per_token * sum(nbytes(t) for t in expert_tensors(cfg, i, 0, codec).values())
+                   for i in range(cfg.num_layers) if cfg.is_moe(i))
+
+    def measure_experts(self, codec: str, spine: SpinePolicy | None = None) -> tuple[float, float]:
+        """Every routed expert re-encoded in `codec` as convert --experts stores it (and the spine
+        under `spine`, if given); run the prompts, restore. -> (mean KL, top-1 agreement)."""
+        swapped: list = []
+        try:
+            if spine is not None:
+                self._swap_roles({r: spine.role_codec(r) for r in self.slots}, spine.group_size, swapped)
+            group = {"int4": EXPERT_INT4_GROUP}.get(codec, MXFP4_GROUP)
+            for layer in self._experts:
+                for e, ws in layer.items():
+                    swapped.append((layer, e, ws))
+                    layer[e] = tuple(quantize(w, codec, group) for w in ws)
+            return kl_and_top1(self.reference, self._logits())
+        finally:
+            _restore(swapped)
+
+
+def _restore(swapped: list) -> None:
+    """Put back what the swaps replaced, last first: (container, key, original)."""
+    for where, key, original in reversed(swapped):
+        where[key] = original
 
 
 def role_codecs_of(policy: SpinePolicy, codec: str | None) -> dict[str, str]:
@@ -162,6 +203,68 @@ def sensitivity(path: str | Path, policy: str | SpinePolicy = "moe4", codec: str
         "bf16_spine_bytes_per_token": s.spine_bytes(),
         "rows": [asdict(r) for r in rows], "total": asdict(total),
     }
+
+
+EXPERT_PROBES = ("int8", "int4", "mxfp4")
+
+
+@dataclass
+class ExpertRow:
+    codec: str  # the experts' codec ("int8 + int8 spine": with the int8 spine as well)
+    expert_bytes: int  # routed-expert bytes per decode token in that codec
+    bytes_saved: int  # per token, against bf16 spine + bf16 experts
+    share_saved: float  # bytes_saved / all bytes a token reads with bf16 spine and experts
+    mean_kl: float
+    top1: float
+
+
+def expert_sensitivity(path: str | Path, codecs=EXPERT_PROBES, prompts: int = 8, length: int = 32, seed: int = 0,
+                       device: str = "cpu", with_spine: str | None = "int8") -> dict:
+    """Per expert codec: bytes saved per token, mean KL and top-1 against bf16 spine + bf16 experts;
+    with_spine: also each codec together with that spine policy (None: experts alone)."""
+    s = Sensitivity(path, prompts, length, seed, device)
+    have = expert_codec.of(s.model.source)
+    if have != PLAIN or s.cfg.expert_format == "mxfp4":
+        raise ValueError(f"{path}: expert sensitivity needs experts stored as published in bf16 (these are "
+                         f"{expert_codec.describe(s.cfg, have)})")
+    bad = [c for c in codecs if c not in EXPERT_PROBES]
+    if bad:
+        raise ValueError(f"expert codecs to probe are {', '.join(EXPERT_PROBES)}, not {', '.join(bad)}")
+    spine_policy = load_policy(with_spine) if with_spine else None
+    base = s.expert_bytes()
+    total = s.spine_bytes() + base
+    spine_saved = 0
+    if spine_policy:  # the spine's saving, counted once (measure_experts swaps it again)
+        swapped: list = []
+        spine_saved = s._swap_roles({r: spine_policy.role_codec(r) for r in s.slots}, spine_policy.group_size, swapped)
+        _restore(swapped)
+    rows = []
+    for codec in codecs:
+        stored = s.expert_bytes(codec)
+        kl, top1 = s.measure_experts(codec)
+        rows.append(ExpertRow(codec, stored, base - stored, (base - stored) / total, kl, top1))
+        if spine_policy:
+            kl, top1 = s.measure_experts(codec, spine_policy)
+            saved = base - stored + spine_saved
+            rows.append(ExpertRow(f"{codec} + {spine_policy.name} spine", stored, saved, saved / total, kl, top1))
+    return {
+        "model": str(path), "architecture": s.cfg.architecture, "experts_per_token": s.cfg.experts_per_token,
+        "prompts": len(s.prompts), "tokens_per_prompt": length, "positions": len(s.prompts) * length, "seed": seed,
+        "bf16_spine_bytes_per_token": s.spine_bytes(), "bf16_expert_bytes_per_token": base,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def format_expert_table(result: dict) -> str:
+    lines = [f"{result['model']} ({result['architecture']}): routed experts re-encoded, against bf16 spine + bf16 "
+             f"experts; {result['prompts']} prompts x {result['tokens_per_prompt']} tokens, seed {result['seed']}; "
+             f"per token bf16 spine {_size(result['bf16_spine_bytes_per_token'])}, bf16 experts "
+             f"{_size(result['bf16_expert_bytes_per_token'])} (top-{result['experts_per_token']} per MoE layer)",
+             f"{'experts':<22} {'experts/token':>13} {'saved/token':>12} {'saved':>6} {'mean KL':>9} {'top-1':>6}"]
+    for r in result["rows"]:
+        lines.append(f"{r['codec']:<22} {_size(r['expert_bytes']):>13} {_size(r['bytes_saved']):>12} "
+                     f"{r['share_saved']:>6.1%} {r['mean_kl']:>9.5f} {r['top1']:>6.3f}")
+    return "\n".join(lines)
 
 
 def _size(n: int) -> str:

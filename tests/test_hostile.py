@@ -486,6 +486,12 @@ MANIFEST_DAMAGE = {
     "shape mismatch": (lambda m: m["spines"]["bf16"]["globals"]["tensors"]["model.norm.weight"]
                        .__setitem__("shape", [65]), "model.norm.weight"),
     "not json": (None, "not valid JSON"),
+    "unknown expert codec": (lambda m: m["experts"].__setitem__("codec", "fp2"), "experts.codec"),
+    "expert codecs disagree": (lambda m: m["experts"]["layers"]["1"].__setitem__("codec", "int8"),
+                               "experts.layers.1.codec"),
+    "expert codec relabelled": (lambda m: [x.__setitem__("codec", "int4") for x in [m["experts"],
+                                                                                   *m["experts"]["layers"].values()]],
+                                "stored as int4"),
 }
 
 

@@ -3,11 +3,14 @@
 
     spine_sensitivity.py MODEL [--policy NAME|FILE] [--codec int8|int6|int4] [--prompts N] [--length T] [--json]
     spine_sensitivity.py MODEL --bytes-only [--set KEY=VALUE ...]
+    spine_sensitivity.py MODEL --experts [int8,int4,mxfp4] [--prompts N] [--length T] [--json]
 
 MODEL is a Hugging Face folder or a store with a bf16 spine. --codec probes every unprotected role
 at one codec instead of the policy's codecs. --bytes-only prints spine bytes per token for bf16 and
 every named policy from the config alone (no weights read); there MODEL may also be preset:NAME
-(a synthetic preset's config, e.g. preset:k3-slice, with --set overrides).
+(a synthetic preset's config, e.g. preset:k3-slice, with --set overrides). --experts measures the
+routed experts instead (a model whose experts are published in bf16): each listed codec, alone and
+with the int8 spine, against bf16 spine + bf16 experts.
 """
 import argparse
 import json
@@ -15,7 +18,8 @@ import sys
 from pathlib import Path
 
 from deltafin.checkpoint.policy import NAMED
-from deltafin.sensitivity import bytes_report, format_bytes_report, format_table, sensitivity, to_json
+from deltafin.sensitivity import (EXPERT_PROBES, bytes_report, expert_sensitivity, format_bytes_report,
+                                  format_expert_table, format_table, sensitivity, to_json)
 
 
 def model_config(model: str, overrides: list[str]):
@@ -42,6 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--experts", nargs="?", const=",".join(EXPERT_PROBES), default=None, metavar="CODECS",
+                   help=f"measure the routed experts re-encoded in these codecs (comma-separated; default "
+                        f"{','.join(EXPERT_PROBES)}) instead of the spine roles")
     p.add_argument("--bytes-only", action="store_true", help="spine bytes per token per policy, no forward passes")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="with preset:NAME, override a config field")
@@ -55,6 +62,14 @@ def main(argv=None) -> int:
         return 0
     if not Path(a.model).exists():
         p.error(f"{a.model}: no such folder")
+    if a.experts is not None:
+        codecs = [c for c in a.experts.split(",") if c]
+        bad = [c for c in codecs if c not in EXPERT_PROBES]
+        if bad or not codecs:
+            p.error(f"--experts takes codecs from {', '.join(EXPERT_PROBES)}, got {a.experts!r}")
+        result = expert_sensitivity(a.model, codecs, a.prompts, a.length, a.seed, a.device)
+        print(to_json(result) if a.json else format_expert_table(result))
+        return 0
     result = sensitivity(a.model, a.policy, a.codec, a.prompts, a.length, a.seed, a.device)
     print(to_json(result) if a.json else format_table(result))
     return 0

@@ -16,6 +16,8 @@ next to the existing one; the experts and copied files are shared.
 Which codec each spine tensor gets is decided by a policy over tensor roles (policy.py): the
 bf16 spine keeps every tensor as published, the int8 spine is the ``int8`` policy, and the
 ``mixed`` spine is any policy (named or a JSON file), recorded in the manifest next to it.
+The routed experts are kept as published unless ``--experts`` re-encodes them (expert_codec.py);
+one expert at a time is quantized, whichever codec, so memory stays bounded there too.
 """
 from __future__ import annotations
 
@@ -30,10 +32,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, parse_config
 from ..kernels.linear import quantize
+from . import expert_codec
 from .files import CheckpointError, confine, fsync_dir, pread_exact, writer_lock
 from .hf import DTYPES, TensorInfo
+from .layout import EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, nbytes
 from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles
 from .policy import is_spine_projection  # noqa: F401  (its home was here; callers import it from here)
 from .source import HFSource
@@ -242,37 +246,64 @@ def _spine_job(source: HFSource, kind: str, index: int, infos: dict[str, TensorI
     return Job(rel_file, kind, index, sum(i.nbytes for i in infos.values()), round_up(est, PAGE), write)
 
 
-def _expert_job(source: HFSource, i: int) -> Job:
+def _expert_job(source: HFSource, i: int, codec: str) -> Job:
+    """The expert file of MoE layer i: every expert `span` bytes, its tensors at fixed offsets in
+    the span, as published (the bytes copied) or re-encoded in `codec`."""
     cfg = source.config
     E = cfg.num_experts
     first = source.expert_infos(i, 0)
+    copy = codec == expert_codec.published(cfg)
+    if copy:
+        stored = [(name[len(expert_prefix(0)):], info.nbytes, list(info.shape), info.dtype)
+                  for name, info in first.items()]
+    else:
+        stored = [(name[len(expert_prefix(0)):], nbytes(spec), list(spec.shape), spec.dtype)
+                  for name, spec in expert_tensors(cfg, i, 0, codec).items()]
     layout, cursor = [], 0  # (suffix, offset in the span, nbytes, shape, dtype)
-    for name, info in first.items():
+    for suffix, n, shape, dtype in stored:
         off = round_up(cursor, ALIGN)
-        layout.append((name[len(expert_prefix(0)):], off, info.nbytes, list(info.shape), info.dtype))
-        cursor = off + info.nbytes
+        layout.append((suffix, off, n, shape, dtype))
+        cursor = off + n
     span = round_up(cursor, PAGE)
     rel_file = expert_file(i)
+    group = {"int4": EXPERT_INT4_GROUP, "mxfp4": MXFP4_GROUP}.get(codec, 0)
 
-    def write(out: AtomicFile, tick) -> dict:
-        buf = bytearray(span)  # reused: tensor bytes land at fixed places, the gaps stay zero
-        view = memoryview(buf)
-        sums = []
-        for e in range(E):
-            infos = source.expert_infos(i, e)
-            row = []
+    def expert_bytes(e: int, view: memoryview) -> int:
+        """Put expert e's stored tensors at their places in `view`; return the source bytes read."""
+        infos = source.expert_infos(i, e)
+        if copy:
             for suffix, off, n, shape, dtype in layout:
                 info = infos[expert_prefix(e) + suffix]
                 if info.nbytes != n or list(info.shape) != shape or info.dtype != dtype:
                     raise CheckpointError(f"{info.file}: tensor '{info.name}' is {info.dtype} {list(info.shape)}, "
                                           f"but expert 0 of layer {i} has {dtype} {shape}")
                 view[off: off + n] = pread_exact(source.fd(info.file), n, info.offset, info.file)
-                row.append(hex_checksum(checksum(view[off: off + n])))
+            return sum(x[2] for x in layout)
+        places = {suffix: (off, n) for suffix, off, n, _, _ in layout}
+        read = 0
+        for w in ("w1", "w3", "w2"):
+            info = infos[f"{expert_prefix(e)}{w}.weight"]
+            raw = pread_exact(source.fd(info.file), info.nbytes, info.offset, info.file)
+            weight = torch.frombuffer(raw, dtype=DTYPES[info.dtype][0]).reshape(info.shape)
+            for suffix, t in quantize(weight, codec, group or 32).to_tensors(f"{w}.").items():
+                off, n = places[suffix]
+                data = _tensor_bytes(t)
+                if data.nbytes != n:  # the layout and the quantizer disagree: a bug, never a bad file
+                    raise AssertionError(f"{codec} {suffix}: {data.nbytes} bytes, the layout says {n}")
+                view[off: off + n] = data
+            read += info.nbytes
+        return read
+
+    def write(out: AtomicFile, tick) -> dict:
+        buf = bytearray(span)  # reused: tensor bytes land at fixed places, the gaps stay zero
+        view = memoryview(buf)
+        sums = []
+        for e in range(E):
+            read = expert_bytes(e, view)
+            sums.append([hex_checksum(checksum(view[off: off + n])) for _, off, n, _, _ in layout])
             out.write_at(buf, out.reserve(span, PAGE))
-            sums.append(row)
-            tick(sum(x[2] for x in layout))
-        return {"file": rel_file, "span": span, "num_experts": E,
-                "codec": "mxfp4" if cfg.expert_format == "mxfp4" else PLAIN,
+            tick(read)
+        return {"file": rel_file, "span": span, "num_experts": E, "codec": codec,
                 "tensors": {s: {"offset": off, "nbytes": n, "shape": shape, "dtype": dtype}
                             for s, off, n, shape, dtype in layout},
                 "checksums": sums}
@@ -287,11 +318,14 @@ def metadata_files(src: Path) -> list[str]:
                   if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES))
 
 
-def plan(source: HFSource, spine: str, shared: bool, policy: SpinePolicy | None = None) -> list[Job]:
+def plan(source: HFSource, spine: str, shared: bool, policy: SpinePolicy | None = None,
+         experts: str | None = None) -> list[Job]:
     """Every file to write, in the order they are written. shared: also the files spines share
     (copied metadata and experts), i.e. this is a new store rather than a spine added to one.
-    policy: the codec choice of the spine (see spine_policy)."""
+    policy: the codec choice of the spine (see spine_policy); experts: the experts' store codec
+    (None: as published)."""
     cfg = source.config
+    experts = experts or expert_codec.published(cfg)
     jobs = []
     if shared:
         for name in metadata_files(source.path):
@@ -302,7 +336,7 @@ def plan(source: HFSource, spine: str, shared: bool, policy: SpinePolicy | None 
     for i in range(cfg.num_layers):
         jobs.append(_spine_job(source, "layer", i, source.spine_infos(i), layer_file(spine, i), policy))
     if shared:
-        jobs += [_expert_job(source, i) for i in range(cfg.num_layers) if cfg.is_moe(i)]
+        jobs += [_expert_job(source, i, experts) for i in range(cfg.num_layers) if cfg.is_moe(i)]
     return jobs
 
 
@@ -311,10 +345,16 @@ def _source_id(hf_config: dict) -> str:
     return hex_checksum(checksum(json.dumps(hf_config, sort_keys=True).encode()))
 
 
-def _journal_header(hf_config: dict, spine: str, policy: dict | None = None) -> dict:
+def _journal_header(hf_config: dict, spine: str, policy: dict | None = None, experts: str | None = None) -> dict:
+    """experts: the store codec of the experts a new store writes (no entry: as published, which is
+    also how a journal written before the entry existed reads)."""
     header = {"journal": "deltafin-convert", "version": JOURNAL_VERSION, "spine": spine,
               "source": _source_id(hf_config)}
-    return {**header, "policy": policy} if policy is not None else header
+    if policy is not None:
+        header["policy"] = policy
+    if experts is not None:
+        header["experts"] = experts
+    return header
 
 
 def read_journal(dst: Path) -> tuple[dict | None, dict[str, dict]]:
@@ -370,11 +410,14 @@ def _pwrite_all_append(fd: int, data: bytes) -> None:
 
 
 # -- the destination -----------------------------------------------------------------------------
-def inspect_destination(dst: Path, hf_config: dict, spine: str,
-                        policy: dict | None = None) -> tuple[dict | None, dict[str, dict]]:
+def inspect_destination(dst: Path, hf_config: dict, spine: str, policy: dict | None, *,
+                        experts: str, keep: bool) -> tuple[dict | None, dict[str, dict]]:
     """-> (the finished store's manifest or None, files a killed run finished). Refuses any DST
     that is neither new, empty, a store of this model, nor an unfinished conversion of it.
-    policy: the mixed spine's policy (a spine of that name made with another policy is refused)."""
+    policy: the mixed spine's policy (a spine of that name made with another policy is refused).
+    experts: the experts' store codec a new store gets; keep: --experts was not given, so a store
+    there keeps the experts it has. A store with other experts than asked, or an unfinished
+    conversion with other experts, is refused."""
     if dst.exists() and not dst.is_dir():
         raise StoreError(f"{dst}: exists and is not a folder")
     present = sorted(p.name for p in dst.iterdir()) if dst.exists() else []
@@ -396,6 +439,11 @@ def inspect_destination(dst: Path, hf_config: dict, spine: str,
         problems = check_files(dst, existing)
         if problems:
             raise StoreError(f"{dst}: the store there is damaged ({problems[0]}); remove it and convert again")
+        have = existing["experts"]["codec"]
+        if not keep and experts != have:
+            raise StoreError(f"{dst}: the store there keeps its experts as {have}, not {experts}; its spines share "
+                             "them, so convert into a new folder for other experts (or leave --experts out to add "
+                             "a spine to this store)")
         if spine in existing["spines"]:
             had = existing["spines"][spine].get("policy")
             if had != policy:
@@ -421,6 +469,10 @@ def inspect_destination(dst: Path, hf_config: dict, spine: str,
         raise StoreError(f"{dst}: holds an unfinished conversion with policy "
                          f"'{(header.get('policy') or {}).get('name')}'; run that command again to finish it "
                          f"first, or remove {dst}")
+    began = header.get("experts", expert_codec.published(parse_config(hf_config)))
+    if existing is None and began != experts:
+        raise StoreError(f"{dst}: holds an unfinished conversion whose experts are stored as {began}, not {experts}; "
+                         f"run that command again to finish it first, or remove {dst}")
     # Keep only files that are there in full (a file is renamed into place before it is journaled).
     kept = {rel: e for rel, e in entries.items()
             if _inside(dst, rel) and (dst / rel).is_file() and (dst / rel).stat().st_size == e["nbytes"]}
@@ -454,13 +506,13 @@ def _manifest_estimate(jobs: list[Job], source: HFSource) -> int:
 
 
 def assemble_manifest(base: dict | None, hf_config: dict, source: HFSource, spine: str, jobs: list[Job],
-                      done: dict[str, dict], policy: dict | None = None) -> dict:
+                      done: dict[str, dict], policy: dict | None = None, experts: str | None = None) -> dict:
     """The manifest, from the journaled entries, in a fixed order (the same however the run went)."""
     m = base or {
         "format": FORMAT, "version": VERSION, "checksum": CHECKSUM, "page_size": PAGE, "alignment": ALIGN,
         "hf_config": hf_config, "model_config": source.config.to_dict(),
         "files": {}, "spines": {},
-        "experts": {"codec": "mxfp4" if source.config.expert_format == "mxfp4" else PLAIN, "layers": {}},
+        "experts": {"codec": experts or expert_codec.published(source.config), "layers": {}},
     }
     files = dict(m["files"])
     sp = {"codec": spine, **({"policy": policy} if policy is not None else {}), "globals": None, "layers": []}
@@ -489,10 +541,12 @@ def _write_error(dst: Path, rel: str, e: OSError) -> StoreError:
 
 
 def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: bool = True,
-            policy: str | Path | SpinePolicy | None = None) -> Path:
+            policy: str | Path | SpinePolicy | None = None, experts: str | None = None) -> Path:
     """Convert the Hugging Face checkpoint folder `src` into a store at `dst` (or add a spine to it).
 
     spine: bf16 | int8 | mixed; policy (mixed only): a policy name, JSON policy file or SpinePolicy.
+    experts: None or "keep" (as published; adding a spine: as the store has them), or bf16 | int8 |
+    int4 | mxfp4 (expert_codec.py says which make sense).
     Resumes a killed conversion into the same `dst`; refuses a `dst` holding anything else.
     """
     pol = spine_policy(spine, policy)
@@ -502,23 +556,28 @@ def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: boo
         raise StoreError(f"{src}: is already a deltafin store; convert from the Hugging Face checkpoint folder")
     source = HFSource(src)  # validates every tensor before anything is written
     try:
+        codec = expert_codec.resolve(source.config, experts)
+        keep = experts in (None, "keep")
         with writer_lock(dst, "a conversion into this folder"):
-            return _convert_locked(dst, spine, progress, pol, recorded, source)
+            return _convert_locked(dst, spine, progress, pol, recorded, source, codec, keep)
     finally:
         source.close()
 
 
 def _convert_locked(dst: Path, spine: str, progress: bool, pol: SpinePolicy | None,
-                    recorded: dict | None, source: HFSource) -> Path:
-    """convert() once it holds the destination's lock (no other writer can be in DST)."""
+                    recorded: dict | None, source: HFSource, experts: str, keep: bool) -> Path:
+    """convert() once it holds the destination's lock (no other writer can be in DST).
+    experts: the experts' store codec; keep: as a store already there has them."""
     hf_config = source.ckpt.raw_config
-    existing, done = inspect_destination(dst, hf_config, spine, recorded)
+    existing, done = inspect_destination(dst, hf_config, spine, recorded, experts=experts, keep=keep)
     if existing is not None and spine in existing["spines"]:
         header, _ = read_journal(dst)
         if header is not None and header.get("spine") in existing["spines"]:
             (dst / JOURNAL).unlink()  # left by a run killed after its manifest was written
         return dst
-    jobs = plan(source, spine, shared=existing is None, policy=pol)
+    if existing is not None:
+        experts = existing["experts"]["codec"]  # shared by its spines (a different ask was refused)
+    jobs = plan(source, spine, shared=existing is None, policy=pol, experts=experts)
     done = {rel: e for rel, e in done.items() if rel in {j.rel for j in jobs}}
     todo = [j for j in jobs if j.rel not in done]
     check_free_space(dst, sum(j.est_bytes for j in todo) + _manifest_estimate(jobs, source))
@@ -528,7 +587,7 @@ def _convert_locked(dst: Path, spine: str, progress: bool, pol: SpinePolicy | No
     current = JOURNAL
     journal = None
     try:
-        journal = Journal(dst, _journal_header(hf_config, spine, recorded), done)
+        journal = Journal(dst, _journal_header(hf_config, spine, recorded, experts), done)
         with _progress_bar(sum(j.src_bytes for j in todo), spine, progress) as bar:
             for job in todo:
                 current = job.rel
@@ -539,7 +598,7 @@ def _convert_locked(dst: Path, spine: str, progress: bool, pol: SpinePolicy | No
                 journal.record(entry)
                 done[job.rel] = json.loads(json.dumps(entry))  # exactly what a resumed run would read back
         current = MANIFEST
-        manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done, recorded)
+        manifest = assemble_manifest(existing, hf_config, source, spine, jobs, done, recorded, experts)
         with AtomicFile(dst / MANIFEST) as out:
             data = json.dumps(manifest, separators=(",", ":")).encode()
             out.write_at(data, out.reserve(len(data), 1))
@@ -561,12 +620,13 @@ def _progress_bar(total: int, spine: str, enabled: bool):
 
 # -- command line --------------------------------------------------------------------------------
 def cmd_convert(args) -> int:
-    out = convert(args.src, args.dst, spine=args.spine, policy=args.policy)
+    out = convert(args.src, args.dst, spine=args.spine, policy=args.policy, experts=args.experts)
     m = read_manifest(out)
     total = sum(f["nbytes"] for f in m["files"].values())
     pol = m["spines"][args.spine].get("policy")
+    experts = expert_codec.describe(parse_config(m["hf_config"]), m["experts"]["codec"])
     print(f"deltafin convert: {out}: {total / 1e9:.3f} GB, spines: {', '.join(m['spines'])}"
-          + (f" ({args.spine}: policy {pol['name']})" if pol else ""))
+          + (f" ({args.spine}: policy {pol['name']})" if pol else "") + f", experts: {experts}")
     return 0
 
 
@@ -588,6 +648,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--policy", default=None, metavar="NAME|FILE",
                    help=f"with --spine mixed: a named policy ({', '.join(NAMED)}) or a JSON file "
                         '{"name": ..., "group_size": 32, "roles": {role: codec}}')
+    p.add_argument("--experts", choices=expert_codec.CHOICES, default="keep",
+                   help="routed experts: keep (as published, the default; adding a spine: as the store has "
+                        "them), bf16, int8 (per output row), int4 (fp16 scale per 32 inputs) or mxfp4. int8/int4/"
+                        "mxfp4 are lossy and read ~2x/3.6x/3.8x fewer expert bytes than bf16; experts published in "
+                        "MXFP4 (K3) are kept as they are")
     p.set_defaults(func=cmd_convert)
     v = subparsers.add_parser("verify", help="recompute every checksum of a deltafin store",
                               description="Check a store: files, sizes, and every tensor's checksum; prints the "

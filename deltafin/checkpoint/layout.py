@@ -128,18 +128,35 @@ def layer_spine_tensors(cfg: ModelConfig, i: int) -> dict[str, TensorSpec]:
     return t
 
 
-def expert_tensors(cfg: ModelConfig, i: int, e: int) -> dict[str, TensorSpec]:
-    """The tensors of routed expert e of MoE layer i (relative names)."""
+# Routed experts as a converted store may hold them (checkpoint/experts.py says when each is used).
+# "plain" is as published: bf16 for Kimi Linear, MXFP4 for K3.
+EXPERT_CODECS = ("plain", "int8", "int4", "mxfp4")
+EXPERT_INT4_GROUP = 32  # int4 experts: one fp16 scale per 32 inputs, as the spine's int4 default
+
+
+def expert_tensors(cfg: ModelConfig, i: int, e: int, codec: str = "plain") -> dict[str, TensorSpec]:
+    """The tensors of routed expert e of MoE layer i (relative names), as published (codec
+    "plain") or re-encoded by ``deltafin convert --experts`` (int8, int4, mxfp4)."""
     L, I = cfg.expert_width, cfg.moe_intermediate_size
     p = f"block_sparse_moe.experts.{e}."
     shapes = {"w1": (I, L), "w3": (I, L), "w2": (L, I)}
+    if codec == "plain":
+        codec = "mxfp4" if cfg.expert_format == "mxfp4" else "bf16"
     out = {}
     for w, (o, n) in shapes.items():
-        if cfg.expert_format == "mxfp4":
+        if codec == "mxfp4":
             out[p + w + ".weight_packed"] = TensorSpec((o, n // 2), U8)
             out[p + w + ".weight_scale"] = TensorSpec((o, n // MXFP4_GROUP), U8)
-        else:
+        elif codec == "int8":
+            out[p + w + ".weight"] = TensorSpec((o, n), "I8")
+            out[p + w + ".weight_scale"] = TensorSpec((o, 1), F32)
+        elif codec == "int4":
+            out[p + w + ".weight_packed"] = TensorSpec((o, n // 2), U8)
+            out[p + w + ".weight_scale"] = TensorSpec((o, n // EXPERT_INT4_GROUP), "F16")
+        elif codec == "bf16":
             out[p + w + ".weight"] = TensorSpec((o, n), BF16)
+        else:
+            raise ValueError(f"unknown expert codec {codec!r} (expected one of {', '.join(EXPERT_CODECS)})")
     return out
 
 

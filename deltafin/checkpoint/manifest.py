@@ -8,22 +8,26 @@ the file of the first problem:
 - every file path against the confinement rule of ``files.confine`` (inside the store);
 - every extent against the real sizes: a region lies inside its file, a tensor inside its
   region, its bytes match its shape and dtype, an expert file holds exactly ``span`` bytes per
-  expert and one checksum per expert tensor.
+  expert and one checksum per expert tensor;
+- the experts' codec is one this deltafin reads, the same in every layer (which tensors that
+  codec stores, with which shapes, the reader then checks against the config).
 
 Only then may a reader allocate a buffer of a region's size or walk the experts.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from .files import CheckpointError, confine, confinement_root
 from .hf import DTYPES
+from .layout import EXPERT_CODECS
 
 Size = Annotated[int, Field(ge=0, le=1 << 50)]  # a petabyte: larger is not a real file
 Count = Annotated[int, Field(ge=0, le=1 << 16)]
+ExpertCodec = Literal[EXPERT_CODECS]  # type: ignore[valid-type]
 Checksum = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{8}$")]
 Shape = Annotated[list[Annotated[int, Field(ge=0, le=1 << 32)]], Field(max_length=8)]
 
@@ -77,13 +81,13 @@ class ExpertLayer(_Strict):
     file: str
     span: Annotated[int, Field(ge=1, le=1 << 40)]
     num_experts: Count
-    codec: str
+    codec: ExpertCodec
     tensors: dict[str, ExpertTensor]
     checksums: list[list[Checksum]]
 
 
 class ExpertsEntry(_Strict):
-    codec: str
+    codec: ExpertCodec
     layers: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,4}$")], ExpertLayer]
 
 
@@ -115,6 +119,9 @@ def check_manifest(root: Path, m: dict, where: str) -> Manifest:
             _region(root, fence, man, r, f"{where}: spines.{name}.layers.{i}")
     for i, x in man.experts.layers.items():
         at = f"{where}: experts.layers.{i}"
+        if x.codec != man.experts.codec:
+            raise CheckpointError(f"{at}.codec: {x.codec!r} differs from experts.codec {man.experts.codec!r} "
+                                  "(a store keeps all its experts in one codec)")
         nbytes = _listed(root, fence, man, x.file, at)
         if x.span * x.num_experts != nbytes:
             raise CheckpointError(f"{at}: {x.num_experts} experts of {x.span} bytes do not fill '{x.file}' "

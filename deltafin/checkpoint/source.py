@@ -39,16 +39,15 @@ def decode_spine(cfg: ModelConfig, tensors: dict) -> dict:
     return out
 
 
-def decode_expert(cfg: ModelConfig, e: int, tensors: dict) -> tuple:
-    """{relative name: tensor} of one expert -> (w1, w3, w2), plain tensors or MXFP4 QWeights."""
+def decode_expert(cfg: ModelConfig, e: int, tensors: dict, codec: str = "plain") -> tuple:
+    """{relative name: tensor} of one expert -> (w1, w3, w2): plain tensors, or QWeights of the
+    experts' codec (layout.EXPERT_CODECS; "plain" is as published: bf16, or MXFP4 for K3)."""
+    if codec == "plain" and cfg.expert_format == "mxfp4":
+        codec = "mxfp4"
     p = f"block_sparse_moe.experts.{e}."
-    ws = []
-    for w in ("w1", "w3", "w2"):
-        if cfg.expert_format == "mxfp4":
-            ws.append(QWeight.from_tensors(tensors, p + w + ".", "mxfp4"))
-        else:
-            ws.append(tensors[p + w + ".weight"])
-    return tuple(ws)
+    if codec == "plain":
+        return tuple(tensors[p + w + ".weight"] for w in ("w1", "w3", "w2"))
+    return tuple(QWeight.from_tensors(tensors, p + w + ".", codec) for w in ("w1", "w3", "w2"))
 
 
 def decode_globals(tensors: dict) -> dict:

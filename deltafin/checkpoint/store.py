@@ -233,6 +233,7 @@ class StoreSource:
         self.config: ModelConfig = parse_config(self.manifest["hf_config"], str(self.path / MANIFEST))
         self.spines: tuple[str, ...] = tuple(self.manifest["spines"])
         self.spine_codec = choose_spine(self.path, self.spines, spine)
+        self.expert_codec: str = self.manifest["experts"]["codec"]  # one of layout.EXPERT_CODECS (checked)
         sp = self.manifest["spines"][self.spine_codec]
         try:
             self._globals = Region.from_manifest(self.path, sp["globals"])
@@ -269,12 +270,19 @@ class StoreSource:
         if sorted(self._experts) != moe:
             raise StoreError(f"{where}: experts are stored for layers {sorted(self._experts)}, "
                              f"the config has MoE layers {moe}")
+        codec = self.expert_codec
         for i, x in self._experts.items():
-            want = {n[len(expert_prefix(0)):]: s for n, s in expert_tensors(cfg, i, 0).items()}
-            got = {s: shape for s, _, _, shape, _ in x.layout}
-            if x.num_experts != cfg.num_experts or set(got) != set(want) or any(
-                    not want[s].accepts(shape) for s, shape in got.items()):
-                raise StoreError(f"{where}: the experts of layer {i} do not match the config")
+            want = {n[len(expert_prefix(0)):]: s for n, s in expert_tensors(cfg, i, 0, codec).items()}
+            got = {s: (shape, dtype) for s, _, _, shape, dtype in x.layout}
+            if x.num_experts != cfg.num_experts or set(got) != set(want):
+                raise StoreError(f"{where}: the experts of layer {i} do not match the config (stored as {codec}: "
+                                 f"{x.num_experts} experts of {sorted(got)}; the config implies {cfg.num_experts} of "
+                                 f"{sorted(want)})")
+            for s, (shape, dtype) in got.items():
+                # As published, the dtype is the checkpoint's own; re-encoded, it is the codec's.
+                if not want[s].accepts(shape) or (codec != PLAIN and dtype != want[s].dtype):
+                    raise StoreError(f"{where}: the experts of layer {i}, stored as {codec}: tensor '{s}' is {dtype} "
+                                     f"{list(shape)}, the config implies {want[s].dtype} {list(want[s].shape)}")
 
     # -- what HFSource offers ----------------------------------------------------------------
     def global_infos(self) -> dict[str, TensorInfo]:
@@ -290,7 +298,7 @@ class StoreSource:
         return hf_source.decode_spine(self.config, self._layers[i].group(tensors))
 
     def decode_expert(self, i: int, e: int, tensors: dict) -> tuple:
-        return hf_source.decode_expert(self.config, e, tensors)
+        return hf_source.decode_expert(self.config, e, tensors, self.expert_codec)
 
     def decode_globals(self, tensors: dict) -> dict:
         return hf_source.decode_globals(self._globals.group(tensors))

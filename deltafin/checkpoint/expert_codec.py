@@ -1,0 +1,74 @@
+"""Which codec a store's routed experts are kept in, and which re-encodings make sense.
+
+Routed experts are most of a MoE model's bytes and, per decode token, most of what is read:
+on a Kimi Linear checkpoint they are published in bf16, on K3 in MXFP4. ``deltafin convert
+--experts`` can store them otherwise:
+
+| --experts | stored as                                            | bytes per weight   |
+|-----------|------------------------------------------------------|--------------------|
+| keep      | as published (the default)                           | bf16 2, MXFP4 0.53 |
+| bf16      | as published, said explicitly (bf16 checkpoints only)| 2                  |
+| int8      | int8 per output row + fp32 row scale (kernels/int8)  | ~1                 |
+| int4      | int4, fp16 scale per 32 inputs (kernels/intq)        | ~0.56              |
+| mxfp4     | MXFP4, E8M0 scale per 32 inputs (kernels/mxfp4)      | ~0.53              |
+
+Experts already in MXFP4 are kept as they are: decoding them to bf16 or int8 would only add
+bytes (the values hold no more precision than MXFP4 gives), and int4 would round again what was
+rounded once. Asking for that is refused with the reason.
+
+The manifest records the codec once for all experts and once per MoE layer (the two must agree);
+``layout.expert_tensors`` gives the tensors each codec stores, which the reader checks the
+manifest against before any expert is read.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .layout import EXPERT_INT4_GROUP, MXFP4_GROUP
+from .policy import PolicyError
+
+PLAIN = "plain"
+CHOICES = ("keep", "bf16", "int8", "int4", "mxfp4")  # what --experts accepts
+LOSSLESS = (PLAIN,)  # codecs that give the published weights back exactly
+
+
+def published(cfg: ModelConfig) -> str:
+    """The store name of the codec the checkpoint publishes its experts in."""
+    return "mxfp4" if cfg.expert_format == "mxfp4" else PLAIN
+
+
+def of(source) -> str:
+    """The store codec of a weight source's experts (a Hugging Face folder or hub repository: as published)."""
+    return getattr(source, "expert_codec", None) or published(source.config)
+
+
+def describe(cfg: ModelConfig, codec: str) -> str:
+    """A codec as people say it: "bf16" / "MXFP4" for the published experts, else the codec's name."""
+    if codec == PLAIN:
+        return "MXFP4" if cfg.expert_format == "mxfp4" else "bf16"
+    return "MXFP4" if codec == "mxfp4" else codec
+
+
+def resolve(cfg: ModelConfig, asked: str | None) -> str:
+    """The store codec of the experts for ``--experts asked`` (None or "keep": as published).
+
+    Refuses, with the reason, a re-encoding that cannot help: anything but keeping MXFP4 experts,
+    and a codec whose groups do not divide the expert widths."""
+    have = published(cfg)
+    if asked is None or asked == "keep":
+        return have
+    if asked not in CHOICES:
+        raise PolicyError(f"unknown expert codec {asked!r}; --experts takes one of {', '.join(CHOICES)}")
+    want = PLAIN if asked == "bf16" else asked
+    if have == "mxfp4":
+        if want == "mxfp4":
+            return have
+        why = ("would only add bytes: the MXFP4 values hold no more precision than MXFP4 gives"
+               if want in (PLAIN, "int8") else "would round again what was already rounded once, for no fewer bytes")
+        raise PolicyError(f"this checkpoint publishes its routed experts in MXFP4 (~0.53 bytes per weight); storing "
+                          f"them as {asked} {why}. Leave --experts out (or say --experts keep) to keep them as they are")
+    group = {"int4": EXPERT_INT4_GROUP, "mxfp4": MXFP4_GROUP}.get(want)
+    widths = (cfg.expert_width, cfg.moe_intermediate_size)
+    if group and any(w % group for w in widths):
+        raise PolicyError(f"--experts {asked} needs expert widths divisible by {group}; this model's are "
+                          f"{widths[0]} (input of gate/up) and {widths[1]} (input of down)")
+    return want
