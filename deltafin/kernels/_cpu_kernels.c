@@ -25,8 +25,10 @@
    left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
 
    Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
-   library itself needs no -march flag) and portable C; the int8 and bf16 gemvs have a third,
-   AVX2, bit-identical to the portable code. The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
+   library itself needs no -march flag) and portable C; the bf16 gemv has a third, AVX2,
+   bit-identical to the portable code, and the int8 gemv an AVX2+FMA one (differing from the
+   portable code only in rounding order, like its AVX-512 code; the plain AVX2 one, bit-identical,
+   remains for CPUs without FMA). The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
    thread is one of them); a row's result never depends on the split.
 
    The functions are called through ctypes (cpu_native.py); PyInit exists only so that the file
@@ -673,6 +675,67 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
 }
 #endif
 
+#ifdef KERNELS_X86
+#define AVX2_FMA __attribute__((target("avx2,fma")))
+/* Rows of x handled together by the AVX2 int8 gemv: R = 4 output rows x MB <= 2 rows of x keeps
+   its 8 accumulators and the decoded weights within the 16 vector registers. */
+#define X_BLOCK_AVX2 2
+
+/* int8 on AVX2: output rows r..r+R-1 for rows m0..m0+MB-1 of x. Each step widens 16 codes of a row
+   exactly to two float vectors and fuses them into one accumulator per (row, row of x); several
+   output rows share each load of x. Against the portable code's separate multiply and add (about
+   half the products per cycle, measured 11.6 against 23.3 G weights/s on one core of an AVX2 EPYC
+   with the weights in L2) it differs only in rounding order, like the AVX-512 code. `next`, when
+   >= 0, is the first of the R rows handled next: prefetched into L2 while this block computes. */
+static inline __attribute__((always_inline)) AVX2_FMA void
+int8_gemv_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
+    const int64_t n = jb->n, body = n - n % DENSE_STEP;
+    const int8_t *c = jb->codes + r * n;
+    const float *x = jb->x + m0 * n;
+    const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
+    __m256 acc[ROW_BLOCK][X_BLOCK_AVX2];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
+        if (next_codes && (k0 & 63) == 0) _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
+        for (int k = 0; k < R; k++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(c + k * n + k0));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+            for (int i = 0; i < MB; i++)
+                acc[k][i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i * n + k0 + 8),
+                                            _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i * n + k0), acc[k][i]));
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[k][i]);
+            float sum = 0.0f;
+            for (int j = 0; j < 8; j++) sum += lanes[j];
+            for (int64_t j = body; j < n; j++) sum += (float)c[k * n + j] * x[i * n + j];
+            y[(m0 + i) * jb->out + r + k] = sum * jb->row_scale[r + k];
+        }
+}
+
+/* Output rows r..r+R-1 for every row of x, X_BLOCK_AVX2 rows of x at a time. */
+static inline __attribute__((always_inline)) AVX2_FMA void
+int8_gemv_rows_block_avx2(const struct job *jb, int64_t r, const int R, int64_t next) {
+    int64_t m0 = 0;
+    for (; m0 + X_BLOCK_AVX2 <= jb->m; m0 += X_BLOCK_AVX2, next = -1)
+        int8_gemv_block_avx2(jb, r, m0, R, X_BLOCK_AVX2, next);
+    if (m0 < jb->m) int8_gemv_block_avx2(jb, r, m0, R, 1, next);
+}
+
+static AVX2_FMA void int8_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
+        int8_gemv_rows_block_avx2(jb, r, ROW_BLOCK, r + 2 * ROW_BLOCK <= r1 ? r + ROW_BLOCK : -1);
+    for (; r < r1; r++) int8_gemv_rows_block_avx2(jb, r, 1, -1);
+}
+#endif
+
 /* The widest code this CPU runs: 2 AVX-512, 1 AVX2, 0 portable C only. */
 static int simd_level(void) {
 #ifdef KERNELS_X86
@@ -685,6 +748,13 @@ static int simd_level(void) {
 
 static int have_avx512(void) { return simd_level() == 2; }
 static int have_avx2(void) { return simd_level() >= 1; }
+static int have_avx2_fma(void) {
+#ifdef KERNELS_X86
+    return have_avx2() && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
 
 /* ------------------------------------------------------------------ threads */
 
@@ -800,6 +870,7 @@ int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *s
     rows_fn fn = dense_gemv_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = int8_gemv_rows_avx512;
+    else if (use_simd && have_avx2_fma()) fn = int8_gemv_rows_avx2;
     else if (use_simd && have_avx2()) fn = dense_gemv_rows_avx2;
 #endif
     (void)use_simd;
