@@ -61,7 +61,8 @@ def experts_message(source) -> str:
     name = expert_codec.describe(cfg, codec)
     if codec == expert_codec.published(cfg):
         return f"{name} experts (as published)"
-    return f"{name} experts: LOSSY (converted with --experts {codec}; the source's are {expert_codec.describe(cfg, 'plain')})"
+    return (f"{name} experts: LOSSY (converted with --experts {codec}; the source's are "
+            f"{expert_codec.describe(cfg, expert_codec.PLAIN)})")
 
 
 def products_message(settings: Settings) -> str:

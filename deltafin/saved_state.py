@@ -4,8 +4,9 @@ A saved state is only valid for the exact model weights, spine codec and product
 computed it, and for the exact token ids it holds. ``model_identity`` names the first three:
 a hash of the parsed config, a fingerprint of the weights (4 KiB from the middle of every
 global and spine tensor as stored, so different weights of one shape differ), the spine codec
-and the dtype products run in (and the experts' codec when `convert --experts` re-encoded them). The file itself is ``DecodeState.save``'s safetensors file; its
-JSON header carries the identity and the token ids.
+and the dtype products run in (and the experts' codec when ``convert --experts`` re-encoded them).
+The file itself is ``DecodeState.save``'s safetensors file; its JSON header carries the identity and
+the token ids.
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import expert_codec
-from .checkpoint.layout import EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, global_tensors, layer_spine_tensors, nbytes
+from .checkpoint.layout import (EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, global_tensors, layer_spine_tensors,
+                                nbytes)
 from .checkpoint.policy import PLAIN, PROTECTED, ROLES, SpinePolicy, load_policy, tensor_codec, tensor_roles
 from .checkpoint.source import GLOBAL_KEYS
 from .kernels.linear import quantize

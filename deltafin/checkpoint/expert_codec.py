@@ -65,7 +65,8 @@ def resolve(cfg: ModelConfig, asked: str | None) -> str:
         why = ("would only add bytes: the MXFP4 values hold no more precision than MXFP4 gives"
                if want in (PLAIN, "int8") else "would round again what was already rounded once, for no fewer bytes")
         raise PolicyError(f"this checkpoint publishes its routed experts in MXFP4 (~0.53 bytes per weight); storing "
-                          f"them as {asked} {why}. Leave --experts out (or say --experts keep) to keep them as they are")
+                          f"them as {asked} {why}. Leave --experts out (or say --experts keep) to keep them as "
+                          "they are")
     group = {"int4": EXPERT_INT4_GROUP, "mxfp4": MXFP4_GROUP}.get(want)
     widths = (cfg.expert_width, cfg.moe_intermediate_size)
     if group and any(w % group for w in widths):
