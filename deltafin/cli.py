@@ -202,6 +202,9 @@ def _add_make_checkpoint(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (value read as JSON), e.g. --set num_hidden_layers=6")
     p.add_argument("--shard-size", type=int, default=None, help="largest shard in bytes")
+    p.add_argument("--routing-skew", type=float, default=None, metavar="S",
+                   help="expert popularity per MoE layer ~ rank^-S (Zipf), built into the router's "
+                        "correction bias; 0 = uniform. Without it the bias is plain random")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_make_checkpoint)
@@ -212,7 +215,8 @@ def cmd_make_checkpoint(args) -> int:
     try:
         overrides = dict(parse_override(item) for item in args.overrides)
         out = make_checkpoint(args.preset, args.out, seed=args.seed, overrides=overrides,
-                              progress=not args.quiet, shard_size=args.shard_size, overwrite=args.overwrite)
+                              progress=not args.quiet, shard_size=args.shard_size, overwrite=args.overwrite,
+                              routing_skew=args.routing_skew)
     except (KeyError, FileExistsError) as e:
         raise ValueError(e.args[0] if e.args else str(e)) from None
     print(out)

@@ -586,7 +586,8 @@ def _linear_gain(rel: str) -> float:
     return 1.0
 
 
-def _special_values(cfg: ModelConfig, rel: str, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
+def _special_values(cfg: ModelConfig, rel: str, spec: TensorSpec, gen: torch.Generator,
+                    routing_skew: float | None = None) -> torch.Tensor:
     """Small tensors with their own distributions (norms, decay parameters, biases, ...)."""
     shape = spec.shape
     n = math.prod(shape)
@@ -610,6 +611,9 @@ def _special_values(cfg: ModelConfig, rel: str, spec: TensorSpec, gen: torch.Gen
         w[:, -1] += CONV_CURRENT_TAP  # the last tap multiplies the current token
         return w.reshape(shape)
     if rel.endswith("e_score_correction_bias"):
+        if routing_skew is not None:
+            from .routing_skew import skewed_correction_bias
+            return skewed_correction_bias(cfg, routing_skew, gen)
         return CORRECTION_BIAS_STD * torch.randn(n, generator=gen)
     if rel.endswith("_res_proj.weight"):
         return ATTN_RES_SCORE_STD / math.sqrt(shape[-1]) * torch.randn(shape, generator=gen)
@@ -648,7 +652,7 @@ def _mxfp4_scale_exponent(std: float) -> int:
 
 
 def _tensor_chunks(cfg: ModelConfig, name: str, spec: TensorSpec, fill: _Fill, pools: _Pools,
-                   seed: int) -> Iterator[memoryview]:
+                   seed: int, routing_skew: float | None = None) -> Iterator[memoryview]:
     """The tensor's bytes (little-endian, row-major) as a few chunks."""
     n = math.prod(spec.shape)
     if fill.kind == "normal":
@@ -664,7 +668,7 @@ def _tensor_chunks(cfg: ModelConfig, name: str, spec: TensorSpec, fill: _Fill, p
     else:
         gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
         rel = name.removeprefix(cfg.tensor_prefix)
-        values = _special_values(cfg, rel, spec, gen).reshape(-1)
+        values = _special_values(cfg, rel, spec, gen, routing_skew).reshape(-1)
         yield _raw(values.to(torch.float32 if spec.dtype == "F32" else torch.bfloat16))
 
 
@@ -683,13 +687,19 @@ def _raw(t: torch.Tensor) -> memoryview:
 # Writing
 # ==============================================================================================
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict | None = None,
-                    progress: bool = True, shard_size: int | None = None, overwrite: bool = False) -> Path:
+                    progress: bool = True, shard_size: int | None = None, overwrite: bool = False,
+                    routing_skew: float | None = None) -> Path:
     """Write a synthetic checkpoint of `preset` to the folder `out` and return its path.
 
     shard_size: the largest safetensors shard in bytes (a larger tensor gets a shard of its
     own); by default 2 GB, or less so that there are at least MIN_SHARDS shards.
     overwrite: replace an existing `out` (only once the new checkpoint is complete).
+    routing_skew: Zipf exponent of expert popularity per MoE layer, set through the router's
+    correction bias (see routing_skew.py); 0 gives every expert the same share. None (the default)
+    keeps the plain random bias, so the checkpoint is the same as before the option existed.
     """
+    from .routing_skew import check_routing_skew
+    routing_skew = check_routing_skew(routing_skew)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
@@ -715,7 +725,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, overrides: dict
         normal_elems = sum(math.prod(specs[n].shape) for n, f in fills.items() if f.kind == "normal")
         byte_elems = sum(math.prod(specs[n].shape) for n, f in fills.items() if f.kind in ("codes", "scales"))
         pools = _Pools(seed, min(normal_elems, POOL_CAP_ELEMS), min(byte_elems, POOL_CAP_ELEMS))
-        weight_map = _write_shards(tmp, cfg, specs, fills, shards, pools, seed, total,
+        weight_map = _write_shards(tmp, cfg, specs, fills, shards, pools, seed, routing_skew, total,
                                    progress, label=out.name)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(tmp / "model.safetensors.index.json", index)
@@ -761,7 +771,7 @@ def _plan_shards(specs: dict[str, TensorSpec], shard_size: int) -> list[list[str
 
 
 def _write_shards(folder: Path, cfg: ModelConfig, specs, fills, shards, pools: _Pools, seed: int,
-                  total: int, progress: bool, label: str) -> dict[str, str]:
+                  routing_skew: float | None, total: int, progress: bool, label: str) -> dict[str, str]:
     from tqdm import tqdm
 
     weight_map = {}
@@ -783,7 +793,7 @@ def _write_shards(folder: Path, cfg: ModelConfig, specs, fills, shards, pools: _
                 f.write(head)
                 for name in names:
                     written = 0
-                    for chunk in _tensor_chunks(cfg, name, specs[name], fills[name], pools, seed):
+                    for chunk in _tensor_chunks(cfg, name, specs[name], fills[name], pools, seed, routing_skew):
                         f.write(chunk)
                         written += len(chunk)
                         bar.update(len(chunk))
