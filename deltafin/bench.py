@@ -26,7 +26,9 @@ Memory tiers: ``disk_bytes_per_token`` (what came off the model's files) and ``r
 budget it ended with (``ram_budget_bytes``: its own buffers plus what the cache may hold; 0 = no
 cache) and what it held (``ram_cache``). ``limit_tok_s`` is the tok/s the disk allows for the bytes
 a token read from it (raw read bandwidth of the probes / disk bytes per token; None when a token
-read nothing), and ``decode_vs_limit`` the share of it reached. On CUDA the limit is the slowest
+read nothing), and ``decode_vs_limit`` the share of it reached. With ``prefetch`` on,
+``prefetch_useful_rate`` is the share of the bytes read ahead of the router that it then chose
+(prefetched bytes are disk bytes too). On CUDA the limit is the slowest
 tier's instead (see ``device_figures``).
 """
 from __future__ import annotations
@@ -235,6 +237,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
         "bytes_by_source_per_token": d["bytes_by_source_per_token"],
         "prefill_bytes_by_source": {name: getattr(prefill, field) for name, field in SOURCES} | {"tokens": prefill.tokens},
+        "prefetch": settings.prefetch,
+        "prefetch_useful_rate": d["prefetch_useful_rate"],
         "raw_read_gbps": raw["gbps"] if raw else None,
         "achieved_read_gbps": d["read_bytes_per_token"] / s_per_tok / GB,
         # Only what had to come off the disk counts: bytes served from RAM (pinned layers, the head)

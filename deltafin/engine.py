@@ -49,6 +49,8 @@ class PassStats:
     spines_loaded: int = 0  # layers whose spine the host streamer served (from its RAM or the disk)
     spines_cached: int = 0  # of them, those from host RAM (pinned or cached)
     experts_cached: int = 0  # of experts_loaded, those a host-RAM cache served
+    prefetch_bytes: int = 0  # read ahead of the router on a guess (also in bytes_read)
+    prefetch_used_bytes: int = 0  # of them, experts the router then chose
 
     def add(self, other: "PassStats") -> None:
         for k in self.__dataclass_fields__:

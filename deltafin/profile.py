@@ -95,6 +95,9 @@ def summarize(passes: list[PassStats]) -> dict:
         "compute_seconds": total.compute_seconds,
         "other_seconds": max(other, 0.0),
         "read_gbps": total.bytes_read / total.seconds / 1e9 if total.seconds > 0 else 0.0,
+        "prefetch_bytes_per_token": total.prefetch_bytes / n,
+        # of the bytes read ahead of the router on a guess, the share the router then chose (None: no prefetch)
+        "prefetch_useful_rate": total.prefetch_used_bytes / total.prefetch_bytes if total.prefetch_bytes else None,
     }
 
 
@@ -119,6 +122,9 @@ def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
             lines.append(f"  ram cache hits: spines {d['spine_cache_hit_rate'] * 100:.0f}%"
                          + (f", experts {d['expert_cache_hit_rate'] * 100:.0f}%"
                             if d["expert_cache_hit_rate"] is not None else ""))
+        if d["prefetch_useful_rate"] is not None:
+            lines.append(f"  prefetch: {d['prefetch_bytes_per_token'] / MB:.2f} MB/token read ahead, "
+                         f"{100 * d['prefetch_useful_rate']:.0f}% of it then routed to")
         lines.append(f"  time: compute {100 * d['compute_seconds'] / t:.0f}%, spine wait "
                      f"{100 * d['spine_wait_seconds'] / t:.0f}%, "
                      f"expert wait {100 * d['expert_wait_seconds'] / t:.0f}%, "

@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from ..model.moe import chosen_experts
 from ..settings import Settings
 from .memory import WATCH_INTERVAL_S, MemoryBudget, Watcher
+from .prefetch import Prefetcher
 from .ram import done
 from .ram_cache import RamCache
 from .reader import AHEAD, SPINE_CHUNK, URGENT, AlignedBuffer, Batch, Files, Layout, ReadPool, chunked, \
@@ -122,6 +123,7 @@ class StreamProvider:
         self._slots_used = 0  # the most slots one layer of this pass needed
         self._expert_batch: Batch | None = None
 
+        self.prefetcher: Prefetcher | None = None  # made once the cache (which it fills) is
         self.cache: RamCache | None = None
         self.watcher: Watcher | None = None
         ceiling = settings.ram_budget_bytes()
@@ -140,6 +142,8 @@ class StreamProvider:
             self.budget_line = ("ram budget 0: no cache (every streamed byte is read per token)" if ceiling == 0
                                 else "")
         self._cache_version = -1
+        if settings.prefetch == "prev" and any(cfg.is_moe(i) for i in range(L)):
+            self.prefetcher = Prefetcher(self.pool, self._expert_layout, source.decode_expert, self.cache)
 
     # -- the provider protocol ---------------------------------------------------------------
     def globals(self) -> dict:
@@ -167,6 +171,8 @@ class StreamProvider:
         for b in self._spine_bufs:
             if b.held:  # layer i-1 is done with it
                 b.settle()
+        if self.prefetcher is not None and self.config.is_moe(i):
+            self.prefetcher.start(i, stats)  # queued first: needed before the next spine
         self._plan_reads()
         cached = self._pinned[i] if i < self.pin_layers else self.cache.spine(i) if self.cache else None
         if cached is not None or i not in self._streamable:
@@ -211,6 +217,12 @@ class StreamProvider:
                     got[e] = w
             stats.experts_cached += len(got)
             stats.bytes_from_ram += sum(self._expert_layout(i, e).nbytes for e in got)
+        if self.prefetcher is not None:
+            self.prefetcher.observe(i, ids)
+            for e in chosen:
+                w = self.prefetcher.take(i, e, stats) if e not in got else None
+                if w is not None:
+                    got[e] = w
         missing = [e for e in chosen if e not in got]
         if not missing:
             return done(got)
@@ -270,6 +282,7 @@ class StreamProvider:
             "pinned": sum(b.nbytes for b in self._pinned_bufs),
             "spine_buffers": sum(b.buf.nbytes for b in self._spine_bufs if b.buf is not None),
             "expert_slots": sum(s.nbytes for s in self._slots),
+            "prefetch": self.prefetcher.resident_bytes() if self.prefetcher is not None else 0,
         }
         out["total"] = sum(out.values())
         if self.cache is not None:  # not in the total: the fixed part
@@ -288,6 +301,8 @@ class StreamProvider:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         for b in self._spine_bufs:
             b.settle()
         if self._expert_batch is not None:
