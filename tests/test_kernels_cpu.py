@@ -615,3 +615,19 @@ def test_avx2_int8_gemv_fuses_products_and_ignores_the_thread_split(out, n, m):
         assert torch.equal(cpu_native.int8_gemv(x, codes, scale, threads=threads), y)
     for rows in range(m):  # a row of x gives the same result alone as among the others
         assert torch.equal(cpu_native.int8_gemv(x[rows:rows + 1], codes, scale), y[rows:rows + 1])
+
+
+@pytest.mark.skipif(cpu_native.simd() != "avx2",
+                    reason="the AVX2 gemvs run only where AVX2 is the widest code")
+@pytest.mark.parametrize("out,n,m", [(1, 32, 1), (7, 64, 3), (33, 160, 5), (9, 1024, 16)])
+def test_avx2_mxfp4_gemv_is_bit_identical_to_the_portable_code(out, n, m):
+    packed, scale = _random_weight(out, n, seed=out * n + m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m)) * 3
+    expect = cpu_native.mxfp4_gemv(x, packed, scale, use_simd=False)
+    for threads in (1, 3):
+        assert torch.equal(cpu_native.mxfp4_gemv(x, packed, scale, threads=threads), expect)
+    # every code under every kind of scale (subnormal, NaN, huge) decodes like the portable code
+    packed, scale = _extreme_weight()
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    torch.testing.assert_close(cpu_native.mxfp4_gemv(x, packed, scale),
+                               cpu_native.mxfp4_gemv(x, packed, scale, use_simd=False), rtol=0, atol=0, equal_nan=True)

@@ -25,8 +25,8 @@
    left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
 
    Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
-   library itself needs no -march flag) and portable C; the bf16 gemv has a third, AVX2,
-   bit-identical to the portable code, and the int8 gemv an AVX2+FMA one (differing from the
+   library itself needs no -march flag) and portable C; the bf16 and MXFP4 gemvs have a third,
+   AVX2, bit-identical to the portable code, and the int8 gemv an AVX2+FMA one (differing from the
    portable code only in rounding order, like its AVX-512 code; the plain AVX2 one, bit-identical,
    remains for CPUs without FMA). The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
    thread is one of them); a row's result never depends on the split.
@@ -673,6 +673,62 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
         }
     }
 }
+
+/* The 32 weights of one MXFP4 group in element order, 8 per register. AVX2 has no 16-entry
+   float permute, so the magnitude (code bits 0-2) is looked up in the 8-entry table already
+   multiplied by the group's factor, and code bit 3 becomes the sign bit: -(a * f) is the bits of
+   (-a) * f, so each weight equals the portable decode_group's. */
+static AVX2 inline void mxfp4_decode_group_avx2(const uint8_t *p, float f, __m256 w[4]) {
+    const __m256 table = _mm256_mul_ps(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f),
+                                       _mm256_set1_ps(f));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+    /* Element 2j is the low nibble of byte j, element 2j+1 its high nibble. */
+    const __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    for (int h = 0; h < 2; h++)
+        for (int q = 0; q < 2; q++) {
+            const __m256i c = _mm256_cvtepu8_epi32(q ? _mm_srli_si128(codes[h], 8) : codes[h]);
+            const __m256 mag = _mm256_permutevar8x32_ps(table, c);  /* reads bits 0-2 only */
+            const __m256i s = _mm256_and_si256(_mm256_slli_epi32(c, 28), sign);
+            w[2 * h + q] = _mm256_xor_ps(mag, _mm256_castsi256_ps(s));
+        }
+}
+
+/* The portable MXFP4 gemv with its GROUP lanes held in four AVX2 registers per row of x: the
+   same weights, products and sums in the same order (multiply then add, no FMA), hence the same
+   bits, for processors with AVX2 but not AVX-512. */
+static AVX2 void mxfp4_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / GROUP;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = jb->packed + r * (n / 2);
+        const uint8_t *s = jb->scale + r * groups;
+        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
+            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
+            __m256 acc[X_BLOCK][4];
+            for (int i = 0; i < X_BLOCK; i++)
+                for (int q = 0; q < 4; q++) acc[i][q] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m256 w[4];
+                mxfp4_decode_group_avx2(p + g * (GROUP / 2), jb->factor[s[g]], w);
+                for (int64_t i = 0; i < mb; i++) {
+                    const float *xg = jb->x + (m0 + i) * n + g * GROUP;
+                    for (int q = 0; q < 4; q++)
+                        acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(w[q], _mm256_loadu_ps(xg + 8 * q)));
+                }
+            }
+            for (int64_t i = 0; i < mb; i++) {
+                float lanes[GROUP];
+                for (int q = 0; q < 4; q++) _mm256_storeu_ps(lanes + 8 * q, acc[i][q]);
+                float sum = 0.0f;
+                for (int k = 0; k < GROUP; k++) sum += lanes[k];
+                y[(m0 + i) * jb->out + r] = sum;
+            }
+        }
+    }
+}
 #endif
 
 #ifdef KERNELS_X86
@@ -815,7 +871,7 @@ int cpu_kernels_abi(void) { return KERNELS_ABI; }
 /* 1 when the AVX-512 code runs on this CPU. */
 int cpu_kernels_has_avx512(void) { return have_avx512(); }
 
-/* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8 / bf16; the others portable), 0 portable. */
+/* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8, bf16, MXFP4; the others portable), 0 portable. */
 int cpu_kernels_simd(void) { return simd_level(); }
 
 /* MXFP4: y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
@@ -840,6 +896,8 @@ int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8
         jb.x_even = split;
         jb.x_odd = split + m * half;
         fn = mxfp4_gemv_rows_avx512;
+    } else if (use_simd && have_avx2()) {
+        fn = mxfp4_gemv_rows_avx2;
     }
 #endif
     (void)use_simd;

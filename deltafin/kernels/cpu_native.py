@@ -2,7 +2,7 @@
 
 ``mxfp4_gemv``, ``int8_gemv``, ``intq_gemv`` (int4, int6) and ``bf16_gemv`` multiply a few float32 rows of x by a stored
 weight without materializing it, at close to memory speed (AVX-512 where the CPU has it; the
-bf16 gemv also has an AVX2 path, bit-identical to its portable C, and the int8 gemv an AVX2+FMA
+bf16 and MXFP4 gemvs also have an AVX2 path, bit-identical to their portable C, and the int8 gemv an AVX2+FMA
 path that differs from its portable C only in rounding order); ``mxfp4_dequant`` decodes MXFP4 rows
 bit-for-bit like ``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
 was not built, ``available()`` is False and callers use the torch references in mxfp4.py,
@@ -77,7 +77,7 @@ def has_avx512() -> bool:
 
 
 def simd() -> str:
-    """The widest code the gemvs run on this CPU: "avx512", "avx2" (int8 and bf16 gemvs; the others
+    """The widest code the gemvs run on this CPU: "avx512", "avx2" (int8, bf16 and MXFP4 gemvs; the others
     run portable C there), "portable", or "none" when the library is not built."""
     lib = _library()
     return "none" if lib is None else ("portable", "avx2", "avx512")[lib.cpu_kernels_simd()]
