@@ -14,14 +14,16 @@ from .state import KDAState, Rows
 
 
 def kda_recurrent(q, k, v, g, beta, S):
-    """q, k, g: [T, H, Dk]; v: [T, H, Dv]; beta: [T, H]; S: [H, Dk, Dv]. Returns o [T, H, Dv], new S."""
+    """q, k, g: [T, ..., H, Dk]; v: [T, ..., H, Dv]; beta: [T, ..., H]; S: [..., H, Dk, Dv].
+    Returns o [T, ..., H, Dv] and the new S. The dims between T and H are independent sequences
+    (a batch of them steps together)."""
     outs = []
     for t in range(q.shape[0]):
         S = S * torch.exp(g[t]).unsqueeze(-1)
-        kv = torch.einsum("hd,hdv->hv", k[t], S)
+        kv = torch.einsum("...hd,...hdv->...hv", k[t], S)
         u = beta[t].unsqueeze(-1) * (v[t] - kv)
         S = S + k[t].unsqueeze(-1) * u.unsqueeze(-2)
-        outs.append(torch.einsum("hd,hdv->hv", q[t], S))
+        outs.append(torch.einsum("...hd,...hdv->...hv", q[t], S))
     return torch.stack(outs), S
 
 
@@ -56,12 +58,22 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
     return torch.cat(outs), S
 
 
+# Sequences of at most this many new tokens (decode steps, drafts, short prompt pieces) take the
+# step-by-step recurrence; longer ones the chunked form.
+RECURRENT_MAX_ROWS = 16
+
+
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv over time. x [T, D], tail [K-1, D] (previous inputs), w [D, K]."""
-    seq = torch.cat([tail.to(x.dtype), x], dim=0)  # [K-1+T, D]
-    K = w.shape[1]
-    out = F.conv1d(seq.t().unsqueeze(0), w.to(x.dtype).unsqueeze(1), groups=w.shape[0])
-    return out[0].t()[-x.shape[0]:] if K > 1 else out[0].t()
+    """Depthwise causal conv over time for any leading dims: x [..., T, D], tail [..., K-1, D]
+    (the previous inputs), w [..., D, K] -> [..., T, D]. Written as K shifted products rather than
+    conv1d, whose setup cost per call dominated a decode step and which takes one sequence at a time."""
+    T, K = x.shape[-2], w.shape[-1]
+    seq = torch.cat([tail.to(x.dtype), x], dim=-2)  # [..., K-1+T, D]
+    w = w.to(x.dtype)
+    out = seq[..., 0:T, :] * w[..., 0].unsqueeze(-2)
+    for j in range(1, K):
+        out = out + seq[..., j:j + T, :] * w[..., j].unsqueeze(-2)
+    return out
 
 
 class KDAttention(Bindable):
@@ -100,19 +112,19 @@ class KDAttention(Bindable):
 
     def forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         """x: rows of one or more sequences; the projections run over all of them at once, the
-        conv and the recurrence per sequence on its own state."""
+        conv and the recurrence on each sequence's own state, stepping sequences of the same length
+        together (a batch of decoding sequences is one group)."""
         c = self.cfg
         T = x.shape[0]
         nh, d = c.kda_num_heads, c.kda_head_dim
         xin = torch.stack([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)])  # [3, T, D]
         g = self.decay(x)
         beta = torch.sigmoid(linear(x, self.b_proj).float())
-        outs, start = [], 0
-        for st, n, keep_states in parts:
-            rows = slice(start, start + n)
-            outs.append(self._recur(xin[:, rows], g[rows], beta[rows], st, keep_states, chunk))
-            start += n
-        o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        o = torch.empty(T, nh, d, dtype=torch.float32, device=x.device)
+        for rows, n, states, keep_states in _groups(parts, x.device):
+            B = len(states)
+            o[rows] = self._recur(xin[:, rows].view(3, B, n, -1), g[rows].view(B, n, nh, d),
+                                  beta[rows].view(B, n, nh), states, keep_states, chunk).reshape(B * n, nh, d)
         if c.kda_full_rank_gate:
             gate = linear(x, self.g_proj)
         else:
@@ -120,33 +132,65 @@ class KDAttention(Bindable):
         o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
         return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
 
-    def _recur(self, xin, g, beta, st: KDAState, keep_states: bool, chunk: int) -> torch.Tensor:
-        """One sequence: conv over its pre-conv inputs xin [3, T, D], then the delta rule from st.S."""
+    def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
+        """B sequences of n new tokens each, stepped together: conv over their pre-conv inputs
+        xin [3, B, n, D], then the delta rule from each one's S. Returns o [B, n, H, Dv]."""
         c = self.cfg
-        T = xin.shape[1]
+        _, B, n, _ = xin.shape
         nh, d = c.kda_num_heads, c.kda_head_dim
-        conv0 = st.conv
-        q, k, v = (F.silu(causal_conv(xin[j], conv0[j], w))
-                   for j, w in enumerate((self.q_conv, self.k_conv, self.v_conv)))
-        Km1 = conv0.shape[1]
+        xin = xin.transpose(0, 1)  # [B, 3, n, D]
+        conv0 = torch.stack([st.conv for st in states])  # [B, 3, K-1, D]
+        w = torch.stack([self.q_conv, self.k_conv, self.v_conv])  # [3, D, K]
+        q, k, v = F.silu(causal_conv(xin, conv0, w)).unbind(1)  # each [B, n, D]
+        Km1 = conv0.shape[2]
         if Km1:
-            tail = torch.cat([conv0.to(xin.dtype), xin], dim=1)[:, -Km1:]
+            tails = torch.cat([conv0.to(xin.dtype), xin], dim=2)[:, :, -Km1:]
+            for st, tail in zip(states, tails):
+                if st.in_place:  # a recorded CUDA graph replays into the same tensors
+                    st.conv.copy_(tail)
+                else:
+                    st.conv = tail.clone()
+        q = l2_normalize(q.float().view(B, n, nh, d)) * d ** -0.5
+        k = l2_normalize(k.float().view(B, n, nh, d))
+        v = v.float().view(B, n, nh, d)
+        S0 = [st.S for st in states]
+        if n <= RECURRENT_MAX_ROWS or keep_states:
+            # time first: every step updates all B states at once
+            o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), torch.stack(S0))
+            o = o.transpose(0, 1)
+        else:  # one sequence (see _groups)
+            o, S = kda_chunked(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk)
+            o, S = o.unsqueeze(0), S.unsqueeze(0)
+        for b, st in enumerate(states):
             if st.in_place:
-                st.conv.copy_(tail)
+                st.S.copy_(S[b])
             else:
-                st.conv = tail.clone()
-        q = l2_normalize(q.float().view(T, nh, d)) * d ** -0.5
-        k = l2_normalize(k.float().view(T, nh, d))
-        v = v.float().view(T, nh, d)
-        S0 = st.S
-        if T <= 16 or keep_states:
-            o, S = kda_recurrent(q, k, v, g, beta, S0)
-        else:
-            o, S = kda_chunked(q, k, v, g, beta, S0, chunk)
-        if st.in_place:
-            st.S.copy_(S)
-        else:
-            st.S = S
-        if keep_states:
-            st.pending = dict(S0=S0, q=q, k=k, v=v, g=g, beta=beta, conv0=conv0, xin=xin)
+                st.S = S[b].clone() if B > 1 else S[b]
+            if keep_states:
+                st.pending = dict(S0=S0[b], q=q[b], k=k[b], v=v[b], g=g[b], beta=beta[b], conv0=conv0[b],
+                                  xin=xin[b])
         return o
+
+
+def _groups(parts: list[Rows], device) -> list[tuple]:
+    """The pass's sequences in groups that step together: those with the same number n of new rows
+    (at most RECURRENT_MAX_ROWS, or drafts) and the same keep_states; a longer prompt piece alone.
+    Each group: (its rows in the pass, n, its states, keep_states); the rows are a slice when the
+    group's sequences sit next to each other in the pass (no gather), else an index tensor."""
+    found: dict = {}
+    start = 0
+    for i, (st, n, keep) in enumerate(parts):
+        key = (n, keep) if n <= RECURRENT_MAX_ROWS or keep else i
+        found.setdefault(key, ([], n, [], keep))
+        found[key][0].append(start)
+        found[key][2].append(st)
+        start += n
+    out = []
+    for starts, n, states, keep in found.values():
+        first, B = starts[0], len(starts)
+        if starts == list(range(first, first + B * n, n)):
+            rows = slice(first, first + B * n)
+        else:
+            rows = torch.tensor([s + j for s in starts for j in range(n)], dtype=torch.long, device=device)
+        out.append((rows, n, states, keep))
+    return out
