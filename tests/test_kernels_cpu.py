@@ -84,6 +84,41 @@ def test_mxfp4_gemv_every_code_and_scale_extreme(use_simd):
 
 
 @native
+@SIMD
+def test_mxfp4_gemv_items_equal_each_product_alone(use_simd):
+    # A MoE layer's experts for a batch: items of 1..5 rows, gathered from and written to any rows.
+    weights = [_random_weight(24, 96, seed=s) for s in range(6)]
+    x = torch.randn(12, 96, generator=torch.Generator().manual_seed(9))
+    x_rows, rows, y_rows = [0, 3, 3, 7, 11, 2], [3, 4, 1, 5, 1, 2], [13, 0, 5, 6, 4, 11]
+    for threads in (1, 2, 5):
+        y = cpu_native.mxfp4_gemv_items(x, weights, x_rows, y_rows, rows, 16, threads=threads, use_simd=use_simd)
+        assert y.shape == (16, 24)
+        written = torch.zeros(16, dtype=torch.bool)
+        for (p, s), a, b, r in zip(weights, x_rows, y_rows, rows):
+            assert torch.equal(y[b:b + r], cpu_native.mxfp4_gemv(x[a:a + r], p, s, threads=1, use_simd=use_simd))
+            written[b:b + r] = True
+        assert (y[~written] == 0).all()
+
+
+@native
+def test_mxfp4_gemv_items_refuses_bad_items():
+    w = _random_weight(8, 64, seed=1)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="one x row"):
+        cpu_native.mxfp4_gemv_items(x, [w, w], [0], [0, 1], [1, 1], 2)
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_native.mxfp4_gemv_items(x, [w, _random_weight(16, 64, seed=2)], [0, 1], [0, 1], [1, 1], 2)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_native.mxfp4_gemv_items(x, [w], [3], [0], [2], 2)  # x has 4 rows
+    with pytest.raises(ValueError, match="outside"):
+        cpu_native.mxfp4_gemv_items(x, [w], [0], [1], [2], 2)  # y has 2 rows
+    with pytest.raises(ValueError, match="outside"):
+        cpu_native.mxfp4_gemv_items(x, [w], [0], [0], [-1], 2)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        cpu_native.mxfp4_gemv_items(torch.randn(4, 32), [w], [0], [0], [1], 2)
+
+
+@native
 def test_mxfp4_gemv_thread_split_gives_identical_results():
     packed, scale = _random_weight(523, 2048, seed=5)  # enough work for 4 threads; 523 = 4k + 3
     x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5))

@@ -217,6 +217,93 @@ def test_latent_moe_matches_loop():
         assert (got[t] - want).abs().max() < 1e-4
 
 
+def test_mxfp4_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop(monkeypatch):
+    """The routed MXFP4 experts of many rows at once (kernels/experts_cpu.py) against the per-expert
+    path, and against each row computed alone; prompts (an expert with more rows than the native
+    gemv takes) stay on the per-expert path."""
+    from deltafin.kernels import cpu_native, experts_cpu
+    from deltafin.kernels.linear import QWeight
+    from deltafin.kernels.mxfp4 import mxfp4_quantize
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    cfg = k3_config(moe_intermediate_size=32)  # MXFP4 widths are multiples of 32
+    gen = torch.Generator().manual_seed(4)
+    moe = MoE(cfg)
+    w = random_weights(moe, gen, scale=3.0)
+    bind(moe, w)
+    L, I = cfg.latent_size, cfg.moe_intermediate_size
+
+    def q(t):
+        packed, scale = mxfp4_quantize(t)
+        return QWeight("mxfp4", tuple(t.shape), 32, {"weight_packed": packed, "weight_scale": scale})
+    experts = {e: (q(torch.randn(I, L, generator=gen) * 3 / L ** .5), q(torch.randn(I, L, generator=gen) / L ** .5),
+                   q(torch.randn(L, I, generator=gen) / I ** .5)) for e in range(cfg.num_experts)}
+    calls = []
+    real = experts_cpu.routed_mxfp4
+
+    def counted(*args):
+        calls.append(real(*args))
+        return calls[-1]
+    monkeypatch.setattr(experts_cpu, "routed_mxfp4", counted)
+
+    class Ready:
+        def __init__(self, ids):
+            self.chosen = chosen_experts(ids)
+
+        def result(self):
+            return {e: experts[e] for e in self.chosen}
+
+    x = torch.randn(7, cfg.hidden_size, generator=gen)
+    fused = moe(x, Ready)
+    assert len(calls) == 1 and calls[0] is not None  # the native path ran
+    alone = torch.cat([moe(x[t:t + 1], Ready) for t in range(7)])
+    with monkeypatch.context() as m:
+        m.setattr(experts_cpu, "applies", lambda z, e: False)
+        loop = moe(x, Ready)
+    assert (fused - loop).abs().max() < 1e-4  # outputs ~20: float32 rounding
+    assert (fused - alone).abs().max() < 1e-4
+    calls.clear()
+    long = torch.randn(60, cfg.hidden_size, generator=gen)  # 60 rows x 3 of 8 experts: > 16 rows each
+    with monkeypatch.context() as m:
+        m.setattr(experts_cpu, "applies", lambda z, e: False)
+        want = moe(long, Ready)
+    assert (moe(long, Ready) - want).abs().max() < 1e-4 and calls == [None]
+
+
+def test_kda_steps_sequences_of_equal_length_together_like_each_alone():
+    """Sequences with the same number of new rows step together (adjacent or not, with drafts kept
+    for rollback); a long prompt piece goes alone. Each equals that sequence run alone."""
+    cfg = k3_config()
+    gen = torch.Generator().manual_seed(5)
+    attn = KDAttention(cfg)
+    bind(attn, random_weights(attn, gen))
+    lengths, keep = [1, 3, 1, 20, 3, 2, 2], [False, False, False, False, False, True, True]
+    prompts = [torch.randn(4 + i, cfg.hidden_size, generator=gen) for i in range(len(lengths))]
+    xs = [torch.randn(n, cfg.hidden_size, generator=gen) for n in lengths]
+
+    def warm(i):
+        st = attn.new_state(torch.float32)
+        attn(prompts[i], [Rows(st, len(prompts[i]), False)], 8)
+        return st
+    together = [warm(i) for i in range(len(lengths))]
+    out = attn(torch.cat(xs), [Rows(st, n, k) for st, n, k in zip(together, lengths, keep)], 8)
+    start = 0
+    for i, (n, k) in enumerate(zip(lengths, keep)):
+        st = warm(i)
+        want = attn(xs[i], [Rows(st, n, k)], 8)
+        assert (out[start:start + n] - want).abs().max() < 1e-5
+        assert (together[i].S - st.S).abs().max() < 1e-5 and (together[i].conv - st.conv).abs().max() < 1e-6
+        assert (together[i].pending is not None) == k
+        start += n
+    # a kept group rolls back like a sequence alone
+    from deltafin.model.state import _kda_rollback
+    st = warm(5)
+    attn(xs[5], [Rows(st, 2, True)], 8)
+    _kda_rollback(st, 1)
+    _kda_rollback(together[5], 1)
+    assert (together[5].S - st.S).abs().max() < 1e-5 and (together[5].conv - st.conv).abs().max() < 1e-5
+
+
 def test_grouped_routing_masks_groups():
     from deltafin.model.moe import route
     cfg = k3_config(num_expert_group=4, topk_group=2, num_experts_per_token=3)

@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 5
+#define KERNELS_ABI 6
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -904,6 +904,58 @@ int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8
     int rc = run_rows(&jb, fn, threads);
     free(split);
     return rc;
+}
+
+/* Many MXFP4 products of one weight shape in one call (a MoE layer's routed experts for a batch):
+   item i computes y[y_row[i] : y_row[i] + m[i]] = x[x_row[i] : x_row[i] + m[i]] @ W_i^T, where
+   x is [*, n] and y [*, out]. Each item is computed exactly as mxfp4_gemv_f32 computes it alone.
+   With several threads the items are shared out whole (a small expert is not worth splitting);
+   a lone item splits its rows as mxfp4_gemv_f32 does. Returns 0, or -1 when scratch memory
+   cannot be allocated. */
+struct items_job {
+    const float *x;
+    const uint8_t *const *packed, *const *scale;
+    const int64_t *x_row, *y_row, *m;
+    int64_t count, out, n;
+    float *y;
+    int use_simd;
+    int64_t next;  /* the next item to take (shared, atomic) */
+    int rc;
+};
+
+static void *run_items(void *arg) {
+    struct items_job *ij = (struct items_job *)arg;
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(&ij->next, 1, __ATOMIC_RELAXED);
+        if (i >= ij->count) break;
+        if (mxfp4_gemv_f32(ij->x + ij->x_row[i] * ij->n, ij->m[i], ij->packed[i], ij->scale[i], ij->out,
+                           ij->n, ij->y + ij->y_row[i] * ij->out, 1, ij->use_simd) != 0)
+            __atomic_store_n(&ij->rc, -1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+int mxfp4_gemv_items_f32(const float *x, const uint8_t *const *packed, const uint8_t *const *scale,
+                         const int64_t *x_row, const int64_t *y_row, const int64_t *m, int64_t count,
+                         int64_t out, int64_t n, float *y, int threads, int use_simd) {
+    if (count == 1 || threads <= 1) {
+        for (int64_t i = 0; i < count; i++)
+            if (mxfp4_gemv_f32(x + x_row[i] * n, m[i], packed[i], scale[i], out, n, y + y_row[i] * out,
+                               threads, use_simd) != 0)
+                return -1;
+        return 0;
+    }
+    struct items_job ij = {.x = x, .packed = packed, .scale = scale, .x_row = x_row, .y_row = y_row,
+                           .m = m, .count = count, .out = out, .n = n, .y = y, .use_simd = use_simd};
+    const int t = threads < count ? threads : (int)count;
+    pthread_t *tid = malloc((size_t)t * sizeof *tid);
+    int started = 0;
+    if (tid)
+        while (started < t - 1 && pthread_create(&tid[started], NULL, run_items, &ij) == 0) started++;
+    run_items(&ij);  /* the calling thread works too, and finishes whatever no thread took */
+    for (int i = 0; i < started; i++) pthread_join(tid[i], NULL);
+    free(tid);
+    return ij.rc;
 }
 
 /* MXFP4: w [out, n] = W as float32 (kind 0) or bfloat16 bits (kind 1). */

@@ -25,7 +25,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 5
+ABI = 6
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -52,6 +52,8 @@ def _library() -> ctypes.CDLL | None:
         lib.cpu_kernels_simd.restype = _int
         lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.mxfp4_gemv_f32.restype = _int
+        lib.mxfp4_gemv_items_f32.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _int, _int]
+        lib.mxfp4_gemv_items_f32.restype = _int
         lib.mxfp4_dequant.argtypes = [_p, _p, _i64, _i64, _p, _int, _int, _int]
         lib.mxfp4_dequant.restype = _int
         lib.int8_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
@@ -128,6 +130,41 @@ def mxfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             y.data_ptr(), _threads(threads), int(use_simd))
     if rc != 0:
         raise MemoryError(f"MXFP4 gemv could not allocate scratch for x of shape {tuple(x.shape)}")
+    return y
+
+
+def mxfp4_gemv_items(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]], x_rows: list[int],
+                     y_rows: list[int], rows: list[int], y_len: int, threads: int | None = None,
+                     use_simd: bool = True) -> torch.Tensor:
+    """Many MXFP4 products in one native call (a MoE layer's routed experts for a whole batch).
+
+    weights[i] = (packed, scale) of one [out, in] weight, all of one shape; item i computes
+    y[y_rows[i] : y_rows[i] + rows[i]] = x[x_rows[i] : x_rows[i] + rows[i]] @ W_i^T, exactly as
+    ``mxfp4_gemv`` computes it alone. y is float32 [y_len, out]; rows no item writes are zero.
+    """
+    lib = _lib_or_raise()
+    count = len(weights)
+    if not count == len(x_rows) == len(y_rows) == len(rows):
+        raise ValueError("mxfp4_gemv_items needs one x row, y row and row count per weight")
+    if count == 0:
+        return torch.zeros(y_len, 0, dtype=torch.float32)
+    checked = [_mxfp4_weight(p, s) for p, s in weights]
+    out, n = checked[0][2], checked[0][3]
+    if any(c[2:] != (out, n) for c in checked):
+        raise ValueError(f"mxfp4_gemv_items needs weights of one shape, got {sorted({c[2:] for c in checked})}")
+    x = _input(x, n)
+    if any(r < 0 or a < 0 or b < 0 or a + r > x.shape[0] or b + r > y_len for a, b, r in zip(x_rows, y_rows, rows)):
+        raise ValueError(f"an item's rows fall outside x ({x.shape[0]} rows) or y ({y_len} rows)")
+    y = torch.zeros(y_len, out, dtype=torch.float32)
+
+    def array(ctype, values):
+        return (ctype * count)(*values)
+    rc = lib.mxfp4_gemv_items_f32(x.data_ptr(), array(_p, [c[0].data_ptr() for c in checked]),
+                                  array(_p, [c[1].data_ptr() for c in checked]), array(_i64, x_rows),
+                                  array(_i64, y_rows), array(_i64, rows), count, out, n, y.data_ptr(),
+                                  _threads(threads), int(use_simd))
+    if rc != 0:
+        raise MemoryError(f"MXFP4 gemv could not allocate scratch for {count} products")
     return y
 
 

@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels import experts_cpu
 from ..kernels.grouped import Stacked, grouped_mlp
 from .binding import Bindable
 from .ops import linear, rms_norm, silu_glu, situ_glu
@@ -98,6 +99,10 @@ class MoE(Bindable):
 
     def _per_expert(self, z, ids, weights, experts) -> torch.Tensor:
         c = self.cfg
+        if experts_cpu.applies(z, experts):
+            y = experts_cpu.routed_mxfp4(lambda g, u: glu(c, g, u), z, ids, weights, experts)
+            if y is not None:
+                return y
         y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for e in chosen_experts(ids) if isinstance(experts, Stacked) else sorted(experts):
             rows, slot = (ids == e).nonzero(as_tuple=True)
