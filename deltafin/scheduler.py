@@ -9,10 +9,12 @@ any request is active:
     ->  resolve the finished ones, which leave
 
 Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
-rows: newcomers' prompts go in pieces that fill what the decoding sequences leave (earliest
-first), and their drafts shrink to fit, so the streams already
-running keep their pace while it is read in. With nobody decoding, prompts go in pieces of
-``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator; pieces and
+rows, and newcomers' prompts go in pieces sized by what passes have cost (``PassCosts``): a pass
+with a prompt piece may take at most PROMPT_COST_FACTOR times as long as one of the decoding
+sequences' tokens alone, so the streams already running keep their pace while a long prompt is
+read in (at least one prompt token per pass, earliest newcomer first). The decoding sequences'
+drafts share the rows first (one kept for a newcomer), so speculation keeps going beside a
+newcomer. With nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator; pieces and
 draft lengths change speed only, so its output is the one it gets served alone (up to the
 rounding of products over a different number of rows, which leaves greedy tokens and seeded
 samples unchanged in the tests).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -37,6 +40,50 @@ log = logging.getLogger(__name__)
 # (kernels.cpu_native.GEMV_MAX_ROWS); past it every product pays for the extra rows, and the
 # running streams' inter-token time with it.
 PASS_ROWS = 16
+# How much longer than the decoding sequences' own pass a pass that also reads a newcomer's prompt
+# may take. Rows are not a measure of cost: in RAM, on small-k3, one decoding token plus 15 prompt
+# rows cost ~4x the token alone, while beside 8 decoding tokens 8 more rows cost ~1.3x. At 1.5 a
+# running stream's inter-token time grows by about half while a long prompt is read in.
+PROMPT_COST_FACTOR = 1.5
+# Weight of the newest pass in the running mean of pass seconds per row count.
+COST_SMOOTHING = 0.3
+
+
+class PassCosts:
+    """What passes have cost: a running mean of the seconds of a pass for each number of rows it
+    carried (1..PASS_ROWS), and of the decoding sequences' own passes (no prompt piece in them),
+    the pace the running streams keep. ``rows_for(d)`` is how many rows a pass with ``d`` decoding
+    sequences may carry when it also reads a prompt: the most whose cost stays within
+    PROMPT_COST_FACTOR of that pace. A row count never seen yet is tried one row beyond the largest
+    known to fit, so the budget learns this model's costs on this machine as it goes."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+        self.decoding_seconds: float | None = None
+
+    def record(self, rows: int, seconds: float, prompt: bool) -> None:
+        self.seconds[rows] = _mean(self.seconds.get(rows), seconds)
+        if not prompt:
+            self.decoding_seconds = _mean(self.decoding_seconds, seconds)
+
+    def rows_for(self, decoding: int) -> int:
+        """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus a prompt piece."""
+        least = decoding + 1
+        if self.decoding_seconds is None:
+            return min(least, PASS_ROWS)
+        limit = PROMPT_COST_FACTOR * self.decoding_seconds
+        for rows in range(least, PASS_ROWS + 1):
+            cost = self.seconds.get(rows)
+            if cost is None:  # never measured: try it
+                return rows
+            if cost > limit:
+                return max(least, rows - 1)
+        return PASS_ROWS
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_SMOOTHING * (new - old)
+
 
 @dataclass
 class _Request:
@@ -57,6 +104,7 @@ class Scheduler:
         self._active: list[_Request] = []  # touched by the engine thread only
         self._closed = False
         self.passes = 0
+        self.costs = PassCosts()
         self._thread = threading.Thread(target=self._run, name="deltafin-engine", daemon=True)
         self._thread.start()
 
@@ -122,8 +170,11 @@ class Scheduler:
         if not self._active:
             return
         batch = self._plan()
+        prompt = any(r.decoding.prefilling for r, _ in batch)
         try:
+            t0 = time.perf_counter()
             logits = self.model.forward_batch([seq for _, seq in batch])
+            self.costs.record(sum(len(seq.ids) for _, seq in batch), time.perf_counter() - t0, prompt)
         except Exception as e:  # a failed pass leaves every state in it unusable
             log.exception("a forward pass over %d request(s) failed", len(self._active))
             for r in self._active:
@@ -144,18 +195,19 @@ class Scheduler:
         prefilling = [r for r in self._active if r.decoding.prefilling]
         if not decoding:
             return [(r, r.decoding.next_pass()) for r in prefilling]
-        # Newcomers first, earliest first: their pieces share what one token per decoding sequence
-        # leaves (at least one token per pass for the earliest, so it always advances).
-        batch = []
-        room = PASS_ROWS - len(decoding)
+        # The decoding sequences first, each with a draft of what PASS_ROWS leaves (one row kept
+        # for a newcomer); then newcomers, earliest first, share the prompt rows the cost budget
+        # allows beside those rows (at least one row for the earliest).
+        spare = PASS_ROWS - (1 if prefilling else 0)
+        batch = [(r, r.decoding.next_pass(max_draft=max(0, spare // len(decoding) - 1))) for r in decoding]
+        used = sum(len(seq.ids) for _, seq in batch)
+        room = min(PASS_ROWS, self.costs.rows_for(used)) - used
         for r in prefilling:
-            if batch and room <= 0:
+            if room <= 0 and len(batch) > len(decoding):
                 break
             batch.append((r, r.decoding.next_pass(max_prompt=room)))
             room -= len(batch[-1][1].ids)
-        room = PASS_ROWS - sum(len(seq.ids) for _, seq in batch)
-        draft = max(0, room // len(decoding) - 1)
-        return batch + [(r, r.decoding.next_pass(max_draft=draft)) for r in decoding]
+        return batch
 
     def _retire(self) -> None:
         still = []

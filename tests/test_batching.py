@@ -16,7 +16,7 @@ import torch
 
 from deltafin.engine import Seq
 from deltafin.generate import generate
-from deltafin.scheduler import Scheduler
+from deltafin.scheduler import PASS_ROWS, PROMPT_COST_FACTOR, PassCosts, Scheduler
 from deltafin.serve import create_app
 
 ROUNDING = 1e-4  # fp32 logits of magnitude ~10: a few ulps of accumulated rounding
@@ -283,3 +283,27 @@ def test_load_tool_reports_a_run(model):
     assert r["clients"] == 3 and 0 < r["completion_tokens"] <= 3 * 2 * 4 and r["errors"] == []
     assert r["ttft"]["n"] == 6 and r["itl"]["n"] > 0 and r["itl"]["p95_ms"] >= r["itl"]["p50_ms"]
     assert r["join"]["prompt_tokens"] == 20 and r["join"]["ttft_s"] > 0
+
+
+def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost():
+    costs = PassCosts()
+    assert costs.rows_for(1) == 2  # nothing known yet: one prompt row beside the decoding token
+    costs.record(1, 0.100, prompt=False)  # the running stream's pace
+    assert costs.rows_for(1) == 2  # two rows never measured: tried
+    costs.record(2, 0.120, prompt=True)
+    assert costs.rows_for(1) == 3  # two fit the budget: one row more is tried
+    costs.record(3, 0.140, prompt=True)
+    costs.record(4, 0.100 * PROMPT_COST_FACTOR + 0.01, prompt=True)
+    assert costs.rows_for(1) == 3  # four rows cost more than the budget allows
+    costs.record(4, 0.100, prompt=True)  # ... until they are measured cheaper again (running mean)
+    costs.record(4, 0.100, prompt=True)
+    assert costs.rows_for(1) == 5
+    # Beside many decoding sequences the budget is theirs, capped at PASS_ROWS rows.
+    for rows in range(2, PASS_ROWS + 1):
+        costs.seconds[rows] = 0.01
+    assert costs.rows_for(3) == PASS_ROWS and costs.rows_for(PASS_ROWS - 1) == PASS_ROWS
+    # A slow pass of decoding tokens alone raises the pace the budget is measured against.
+    fresh = PassCosts()
+    fresh.record(8, 1.0, prompt=False)
+    fresh.record(9, 1.2, prompt=True)
+    assert fresh.rows_for(8) == 10

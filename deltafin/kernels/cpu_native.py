@@ -148,10 +148,16 @@ def mxfp4_gemv_items(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Te
         raise ValueError("mxfp4_gemv_items needs one x row, y row and row count per weight")
     if count == 0:
         return torch.zeros(y_len, 0, dtype=torch.float32)
-    checked = [_mxfp4_weight(p, s) for p, s in weights]
-    out, n = checked[0][2], checked[0][3]
-    if any(c[2:] != (out, n) for c in checked):
-        raise ValueError(f"mxfp4_gemv_items needs weights of one shape, got {sorted({c[2:] for c in checked})}")
+    first_packed, first_scale, out, n = _mxfp4_weight(*weights[0])
+    # The others must look exactly like the first (checked cheaply: this runs per expert per layer).
+    like = (first_packed.shape, first_scale.shape, torch.uint8, "cpu")
+    checked = [(first_packed, first_scale)]
+    for p, s in weights[1:]:
+        s = scale_bits(s)
+        if (p.shape, s.shape, p.dtype, p.device.type) != like or s.device.type != "cpu":
+            raise ValueError(f"mxfp4_gemv_items needs CPU weights of one shape: {tuple(p.shape)} and "
+                             f"{tuple(first_packed.shape)}")
+        checked.append((p.contiguous(), s.contiguous()))
     x = _input(x, n)
     if any(r < 0 or a < 0 or b < 0 or a + r > x.shape[0] or b + r > y_len for a, b, r in zip(x_rows, y_rows, rows)):
         raise ValueError(f"an item's rows fall outside x ({x.shape[0]} rows) or y ({y_len} rows)")
@@ -159,8 +165,8 @@ def mxfp4_gemv_items(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Te
 
     def array(ctype, values):
         return (ctype * count)(*values)
-    rc = lib.mxfp4_gemv_items_f32(x.data_ptr(), array(_p, [c[0].data_ptr() for c in checked]),
-                                  array(_p, [c[1].data_ptr() for c in checked]), array(_i64, x_rows),
+    rc = lib.mxfp4_gemv_items_f32(x.data_ptr(), array(_p, [p.data_ptr() for p, _ in checked]),
+                                  array(_p, [s.data_ptr() for _, s in checked]), array(_i64, x_rows),
                                   array(_i64, y_rows), array(_i64, rows), count, out, n, y.data_ptr(),
                                   _threads(threads), int(use_simd))
     if rc != 0:
