@@ -53,9 +53,11 @@ class PassCosts:
     """What passes have cost: a running mean of the seconds of a pass for each number of rows it
     carried (1..PASS_ROWS), and of the decoding sequences' own passes (no prompt piece in them),
     the pace the running streams keep. ``rows_for(d)`` is how many rows a pass with ``d`` decoding
-    sequences may carry when it also reads a prompt: the most whose cost stays within
-    PROMPT_COST_FACTOR of that pace. A row count never seen yet is tried one row beyond the largest
-    known to fit, so the budget learns this model's costs on this machine as it goes."""
+    rows may carry when it also reads a prompt: the most whose cost stays within PROMPT_COST_FACTOR
+    of that pace. A row count not measured yet is priced by straight lines between the nearest
+    measured ones (as the nearest below it when none is above), so the budget starts optimistic
+    (streamed from disk, extra rows cost almost nothing) and finds this model's costs on this
+    machine within a few passes, without trying every row count in turn."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
@@ -66,17 +68,27 @@ class PassCosts:
         if not prompt:
             self.decoding_seconds = _mean(self.decoding_seconds, seconds)
 
+    def estimate(self, rows: int) -> float | None:
+        """Seconds a pass of ``rows`` rows is expected to take (None: nothing measured yet)."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = max((r for r in self.seconds if r < rows), default=None)
+        above = min((r for r in self.seconds if r > rows), default=None)
+        if below is None or above is None:
+            nearest = below if below is not None else above
+            return None if nearest is None else self.seconds[nearest]
+        lo, hi = self.seconds[below], self.seconds[above]
+        return lo + (hi - lo) * (rows - below) / (above - below)
+
     def rows_for(self, decoding: int) -> int:
         """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus a prompt piece."""
         least = decoding + 1
         if self.decoding_seconds is None:
-            return min(least, PASS_ROWS)
+            return PASS_ROWS
         limit = PROMPT_COST_FACTOR * self.decoding_seconds
         for rows in range(least, PASS_ROWS + 1):
-            cost = self.seconds.get(rows)
-            if cost is None:  # never measured: try it
-                return rows
-            if cost > limit:
+            cost = self.estimate(rows)
+            if cost is not None and cost > limit:
                 return max(least, rows - 1)
         return PASS_ROWS
 

@@ -16,7 +16,7 @@ import torch
 
 from deltafin.engine import Seq
 from deltafin.generate import generate
-from deltafin.scheduler import PASS_ROWS, PROMPT_COST_FACTOR, PassCosts, Scheduler
+from deltafin.scheduler import COST_SMOOTHING, PASS_ROWS, PassCosts, Scheduler
 from deltafin.serve import create_app
 
 ROUNDING = 1e-4  # fp32 logits of magnitude ~10: a few ulps of accumulated rounding
@@ -269,13 +269,16 @@ def test_load_tool_reports_a_run(model):
     tool = [sys.executable, str(Path(__file__).parent.parent / "tools" / "load.py")]
     bad = subprocess.run(tool + ["--clients", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--clients must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(tool + ["--join-after", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--join-after must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
     gone = subprocess.run(tool + ["--url", "http://127.0.0.1:9/v1"], capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1 and "cannot reach" in gone.stderr and "Traceback" not in gone.stderr
     settings = dataclasses.replace(model.settings, max_batch=4, prefill_chunk=4)
     with RunningServer(create_app(model, settings=settings)) as srv:
         url = f"http://127.0.0.1:{srv.port}/v1"
         run = subprocess.run(tool + ["--url", url, "--clients", "3", "--max-tokens", "4", "--prompt-tokens", "5",
-                                     "--join-prompt-tokens", "20", "--requests", "2", "--seed", "1"],
+                                     "--join-prompt-tokens", "20", "--join-after", "2", "--requests", "2",
+                                     "--seed", "1"],
                              capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout)
@@ -287,23 +290,20 @@ def test_load_tool_reports_a_run(model):
 
 def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost():
     costs = PassCosts()
-    assert costs.rows_for(1) == 2  # nothing known yet: one prompt row beside the decoding token
-    costs.record(1, 0.100, prompt=False)  # the running stream's pace
-    assert costs.rows_for(1) == 2  # two rows never measured: tried
-    costs.record(2, 0.120, prompt=True)
-    assert costs.rows_for(1) == 3  # two fit the budget: one row more is tried
-    costs.record(3, 0.140, prompt=True)
-    costs.record(4, 0.100 * PROMPT_COST_FACTOR + 0.01, prompt=True)
-    assert costs.rows_for(1) == 3  # four rows cost more than the budget allows
-    costs.record(4, 0.100, prompt=True)  # ... until they are measured cheaper again (running mean)
-    costs.record(4, 0.100, prompt=True)
-    assert costs.rows_for(1) == 5
-    # Beside many decoding sequences the budget is theirs, capped at PASS_ROWS rows.
-    for rows in range(2, PASS_ROWS + 1):
-        costs.seconds[rows] = 0.01
-    assert costs.rows_for(3) == PASS_ROWS and costs.rows_for(PASS_ROWS - 1) == PASS_ROWS
-    # A slow pass of decoding tokens alone raises the pace the budget is measured against.
-    fresh = PassCosts()
-    fresh.record(8, 1.0, prompt=False)
-    fresh.record(9, 1.2, prompt=True)
-    assert fresh.rows_for(8) == 10
+    assert costs.rows_for(1) == PASS_ROWS  # nothing known yet: as many rows as a pass takes
+    costs.record(1, 0.100, prompt=False)  # the running stream's pace; limit 0.15 s
+    assert costs.rows_for(1) == PASS_ROWS  # nothing above one row measured: priced as one row
+    costs.record(PASS_ROWS, 0.100 + 0.010 * (PASS_ROWS - 1), prompt=True)  # 10 ms per extra row
+    assert costs.estimate(4) == pytest.approx(0.130)  # between measured counts: a straight line
+    assert costs.rows_for(1) == 6  # 0.150 s: the most that fit
+    costs.record(6, 0.200, prompt=True)  # six rows measured slower than the line said
+    assert costs.rows_for(1) == 3  # the line from 1 row to 6 now crosses the limit after 3
+    costs.record(3, 0.110, prompt=True)
+    assert costs.rows_for(1) == 4  # 3 -> 0.110, 4 -> 0.140 on the line from 3 to 6
+    costs.record(3, 0.300, prompt=True)  # a running mean: one slow pass moves it part of the way
+    assert costs.seconds[3] == pytest.approx(0.110 + COST_SMOOTHING * 0.190)
+    assert costs.rows_for(1) == 2  # at least one prompt row whatever the costs
+    for _ in range(30):
+        costs.record(1, 0.500, prompt=False)  # the streams slowed down (more of them): the budget follows
+    assert costs.rows_for(1) == PASS_ROWS
+    assert costs.rows_for(PASS_ROWS + 3) == PASS_ROWS  # more decoding rows than a pass takes

@@ -9,7 +9,8 @@ time to first token and inter-token latency (p50 / p95) over every stream.
 ``--join-prompt-tokens N`` also measures what admitting a newcomer costs the streams already
 running: once every client is streaming, one more client sends an N-token prompt, and the
 inter-token latency of the running streams is reported separately for the window in which the
-newcomer's prompt is being read (from its send to its first token) and for the time before.
+newcomer's prompt is being read (from its send to its first token) and for the time before
+(``--join-after`` tokens of every running stream).
 
     python tools/load.py --url http://127.0.0.1:8000/v1 --clients 4 --max-tokens 32
 """
@@ -86,13 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--join-prompt-tokens", type=int, default=0,
                    help="once all clients stream, one more client sends a prompt this long (0 = none)")
+    p.add_argument("--join-after", type=int, default=6,
+                   help="tokens every running stream shows before the newcomer is sent: the latency before "
+                        "it is measured over these (default 6; at most half of --max-tokens)")
     p.add_argument("--max-token-id", type=int, default=500,
                    help="prompt token ids are drawn below this (must be inside the model's vocabulary)")
     p.add_argument("--seed", type=int, default=None,
                    help="makes the prompts repeatable (a repeated greedy run is then answered from the memo)")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
-    for name in ("clients", "requests", "prompt_tokens", "max_tokens", "max_token_id"):
+    for name in ("clients", "requests", "prompt_tokens", "max_tokens", "max_token_id", "join_after"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     joined = None
     if args.join_prompt_tokens:
         # Join once every client's first stream has shown a few tokens (or the clients are done).
-        need = max(1, min(6, args.max_tokens // 2))
+        need = max(1, min(args.join_after, args.max_tokens // 2))
         while (any(not s or len(s[0].arrivals) < need for s in streams) and not errors
                and any(t.is_alive() for t in threads)):
             time.sleep(0.01)

@@ -65,15 +65,16 @@ RECURRENT_MAX_ROWS = 16
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv over time for any leading dims: x [..., T, D], tail [..., K-1, D]
-    (the previous inputs), w [..., D, K] -> [..., T, D]. Written as K shifted products rather than
-    conv1d, whose setup cost per call dominated a decode step and which takes one sequence at a time."""
-    T, K = x.shape[-2], w.shape[-1]
+    (the previous inputs), w [..., D, K] -> [..., T, D]. Every channel of every leading index is
+    one group of a single conv1d call: its setup cost, paid per call, dominated a decode step
+    when each sequence and each of q, k, v had its own."""
+    T, D, K = x.shape[-2], x.shape[-1], w.shape[-1]
     seq = torch.cat([tail.to(x.dtype), x], dim=-2)  # [..., K-1+T, D]
-    w = w.to(x.dtype)
-    out = seq[..., 0:T, :] * w[..., 0].unsqueeze(-2)
-    for j in range(1, K):
-        out = out + seq[..., j:j + T, :] * w[..., j].unsqueeze(-2)
-    return out
+    lead = seq.shape[:-2]
+    channels = seq.movedim(-1, -2).reshape(1, -1, seq.shape[-2])  # [1, C, K-1+T]
+    taps = w.to(x.dtype).expand(*lead, D, K).reshape(-1, 1, K)  # [C, 1, K]
+    out = F.conv1d(channels, taps, groups=taps.shape[0])  # [1, C, T]
+    return out.reshape(*lead, D, T).movedim(-1, -2)
 
 
 class KDAttention(Bindable):
