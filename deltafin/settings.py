@@ -234,8 +234,8 @@ def parse_device(spec: str) -> str:
                         "(allowed: auto, cpu, cuda, cuda:N, mps)")
 
 
-def parse_gpu_budget(spec: str) -> int | None:
-    """'auto' -> None; a number of GB (> 0) -> bytes."""
+def _parse_budget(name: str, spec: str, zero_ok: bool, allowed: str) -> int | None:
+    """'auto' -> None; a finite number of GB (above 0, or also 0 when `zero_ok`) -> bytes."""
     text = str(spec).strip().lower()
     if text == "auto":
         return None
@@ -243,25 +243,17 @@ def parse_gpu_budget(spec: str) -> int | None:
         gb = float(text)
     except ValueError:
         gb = float("nan")
-    if not gb > 0 or gb == float("inf"):
-        raise SettingsError(f"setting 'gpu_budget' (DELTAFIN_GPU_BUDGET): invalid value {spec!r} "
-                            "(allowed: auto, or a number of GB above 0)")
+    if not (gb >= 0 if zero_ok else gb > 0) or gb == float("inf"):
+        raise SettingsError(f"setting '{name}' (DELTAFIN_{name.upper()}): invalid value {spec!r} (allowed: {allowed})")
     return int(gb * 1e9)
+
+
+def parse_gpu_budget(spec: str) -> int | None:
+    return _parse_budget("gpu_budget", spec, False, "auto, or a number of GB above 0")
 
 
 def parse_ram_budget(spec: str) -> int | None:
-    """'auto' -> None; a number of GB (>= 0; 0 = no cache) -> bytes."""
-    text = str(spec).strip().lower()
-    if text == "auto":
-        return None
-    try:
-        gb = float(text)
-    except ValueError:
-        gb = float("nan")
-    if not 0 <= gb < float("inf"):
-        raise SettingsError(f"setting 'ram_budget' (DELTAFIN_RAM_BUDGET): invalid value {spec!r} "
-                            "(allowed: auto, 0 = no cache, or a number of GB above 0)")
-    return int(gb * 1e9)
+    return _parse_budget("ram_budget", spec, True, "auto, 0 = no cache, or a number of GB above 0")
 
 
 def resolve_device(spec: str) -> str:
