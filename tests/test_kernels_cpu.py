@@ -666,3 +666,46 @@ def test_avx2_mxfp4_gemv_is_bit_identical_to_the_portable_code(out, n, m):
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
     torch.testing.assert_close(cpu_native.mxfp4_gemv(x, packed, scale),
                                cpu_native.mxfp4_gemv(x, packed, scale, use_simd=False), rtol=0, atol=0, equal_nan=True)
+
+
+def _pool_products(seed: int) -> tuple[torch.Tensor, ...]:
+    """Products that use the worker threads: a split int8 gemv and several MXFP4 items."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 1024, generator=g)
+    codes = torch.randint(-127, 128, (512, 1024), generator=g, dtype=torch.int8)
+    scale = torch.rand(512, 1, generator=g) + 0.01
+    return x, codes, scale
+
+
+@native
+def test_worker_threads_serve_concurrent_callers_and_forked_children():
+    """The kernels' worker threads are started once and reused: two Python threads calling at once
+    (one finds the workers busy and starts its own) and a forked child (which has no workers) get
+    exactly the results of one caller alone."""
+    import os
+    import signal
+    import threading
+
+    calls = [_pool_products(seed) for seed in range(4)]
+    alone = [cpu_native.int8_gemv(x, c, s, threads=2) for x, c, s in calls]
+    got: dict[int, list] = {}
+
+    def work(k: int) -> None:
+        got[k] = [cpu_native.int8_gemv(x, c, s, threads=2) for _ in range(20) for x, c, s in calls]
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for k in range(2):
+        assert all(torch.equal(y, alone[i % len(calls)]) for i, y in enumerate(got[k]))
+
+    pid = os.fork()
+    if pid == 0:  # the child: a hang would be killed by the alarm (exit by signal, not 0)
+        signal.alarm(60)
+        ok = all(torch.equal(cpu_native.int8_gemv(x, c, s, threads=2), y) for (x, c, s), y in zip(calls, alone))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

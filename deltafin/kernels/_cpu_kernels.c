@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 6
+#define KERNELS_ABI 7
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -814,6 +814,109 @@ static int have_avx2_fma(void) {
 
 /* ------------------------------------------------------------------ threads */
 
+/* Work is handed to threads that are started once and then woken for each call: a decode token
+   makes hundreds of products, and starting (and joining) a thread per product cost 20-80 us each,
+   as much as a small product itself. One caller at a time uses the pool; a second caller that
+   finds it busy (two Python threads in kernels at once) starts its own threads as before. */
+typedef void *(*task_fn)(void *);
+
+#define POOL_MAX 63  /* workers beside the caller */
+
+static struct {
+    pthread_mutex_t busy;  /* held by the caller using the pool for the whole of its call */
+    pthread_mutex_t m;
+    pthread_cond_t wake, done;
+    int workers;           /* started so far (started lazily, never stopped) */
+    unsigned long call;    /* bumped for every call; a worker runs once per new value */
+    int tasks;             /* workers 1..tasks-1 have a task in this call */
+    int pending;           /* tasks of this call not finished yet */
+    task_fn fn;
+    char *args;
+    size_t size;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER};
+
+static void *pool_worker(void *arg) {
+    const int me = (int)(intptr_t)arg;  /* task index, 1.. */
+    unsigned long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.m);
+        while (pool.call == seen || me >= pool.tasks) {
+            seen = pool.call;
+            pthread_cond_wait(&pool.wake, &pool.m);
+        }
+        seen = pool.call;
+        task_fn fn = pool.fn;
+        void *a = pool.args + (size_t)me * pool.size;
+        pthread_mutex_unlock(&pool.m);
+        fn(a);
+        pthread_mutex_lock(&pool.m);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.m);
+    }
+    return NULL;
+}
+
+/* After fork() only the forking thread exists in the child: forget the workers (and any call). */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.m, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0, pool.call = 0, pool.tasks = 0, pool.pending = 0;
+}
+
+/* Fallback: one thread started per task, joined at the end; a task whose thread cannot be
+   started runs here, so the result never depends on threads starting. */
+static void run_spawned(task_fn fn, char *args, size_t size, int t) {
+    pthread_t *tid = malloc((size_t)t * sizeof *tid);
+    int *started = calloc((size_t)t, sizeof *started);
+    for (int i = 1; i < t; i++)
+        if (tid && started) started[i] = pthread_create(&tid[i], NULL, fn, args + (size_t)i * size) == 0;
+    fn(args);
+    for (int i = 1; i < t; i++) {
+        if (started && started[i]) pthread_join(tid[i], NULL);
+        else fn(args + (size_t)i * size);
+    }
+    free(tid), free(started);
+}
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Run fn(args + i * size) for i in 0..t-1 at once; the calling thread runs i = 0 (size 0: every
+   task gets the same argument). Returns when all are done. */
+static void run_parallel(task_fn fn, void *args, size_t size, int t) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (t <= 1) {
+        fn(args);
+        return;
+    }
+    pthread_once(&once, pool_register_fork);
+    if (t - 1 > POOL_MAX || pthread_mutex_trylock(&pool.busy) != 0) {
+        run_spawned(fn, args, size, t);
+        return;
+    }
+    pthread_mutex_lock(&pool.m);
+    pthread_t tid;
+    while (pool.workers < t - 1 && pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)(pool.workers + 1)) == 0) {
+        pthread_detach(tid);
+        pool.workers++;
+    }
+    const int ready = t - 1 < pool.workers ? t : pool.workers + 1;  /* tasks the pool can take */
+    pool.fn = fn, pool.args = args, pool.size = size;
+    pool.tasks = ready, pool.pending = ready - 1;
+    pool.call++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.m);
+    fn(args);
+    for (int i = ready; i < t; i++) fn((char *)args + (size_t)i * size);  /* workers that could not start */
+    pthread_mutex_lock(&pool.m);
+    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.m);
+    pool.tasks = 0;
+    pthread_mutex_unlock(&pool.m);
+    pthread_mutex_unlock(&pool.busy);
+}
+
 struct slice {
     const struct job *jb;
     rows_fn fn;
@@ -826,9 +929,7 @@ static void *run_slice(void *arg) {
     return NULL;
 }
 
-/* Split rows 0..out-1 into `threads` contiguous slices; the calling thread takes the first.
-   A thread that cannot be started has its slice run here instead, so the result never depends
-   on thread creation succeeding. */
+/* Split rows 0..out-1 into `threads` contiguous slices; the calling thread takes the first. */
 static int run_rows(const struct job *jb, rows_fn fn, int threads) {
     const int64_t by_size = (jb->out * jb->n * (jb->m > 0 ? jb->m : 1)) / MIN_WEIGHTS_PER_THREAD;
     int64_t t = threads;
@@ -840,23 +941,13 @@ static int run_rows(const struct job *jb, rows_fn fn, int threads) {
         return 0;
     }
     struct slice *sl = malloc((size_t)t * sizeof *sl);
-    pthread_t *tid = malloc((size_t)t * sizeof *tid);
-    int *started = calloc((size_t)t, sizeof *started);
-    if (!sl || !tid || !started) {
-        free(sl), free(tid), free(started);
+    if (!sl) {
         fn(jb, 0, jb->out);
         return 0;
     }
-    for (int64_t i = 0; i < t; i++) {
-        sl[i] = (struct slice){jb, fn, jb->out * i / t, jb->out * (i + 1) / t};
-        if (i > 0) started[i] = pthread_create(&tid[i], NULL, run_slice, &sl[i]) == 0;
-    }
-    run_slice(&sl[0]);
-    for (int64_t i = 1; i < t; i++) {
-        if (started[i]) pthread_join(tid[i], NULL);
-        else run_slice(&sl[i]);
-    }
-    free(sl), free(tid), free(started);
+    for (int64_t i = 0; i < t; i++) sl[i] = (struct slice){jb, fn, jb->out * i / t, jb->out * (i + 1) / t};
+    run_parallel(run_slice, sl, sizeof *sl, (int)t);
+    free(sl);
     return 0;
 }
 
@@ -948,13 +1039,7 @@ int mxfp4_gemv_items_f32(const float *x, const uint8_t *const *packed, const uin
     struct items_job ij = {.x = x, .packed = packed, .scale = scale, .x_row = x_row, .y_row = y_row,
                            .m = m, .count = count, .out = out, .n = n, .y = y, .use_simd = use_simd};
     const int t = threads < count ? threads : (int)count;
-    pthread_t *tid = malloc((size_t)t * sizeof *tid);
-    int started = 0;
-    if (tid)
-        while (started < t - 1 && pthread_create(&tid[started], NULL, run_items, &ij) == 0) started++;
-    run_items(&ij);  /* the calling thread works too, and finishes whatever no thread took */
-    for (int i = 0; i < started; i++) pthread_join(tid[i], NULL);
-    free(tid);
+    run_parallel(run_items, &ij, 0, t);  /* the calling thread works too */
     return ij.rc;
 }
 
