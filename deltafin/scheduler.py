@@ -12,7 +12,8 @@ Requests join and leave between passes. While others decode, a pass carries at m
 rows, and newcomers' prompts go in pieces sized by what passes have cost (``PassCosts``): a pass
 with a prompt piece may take at most PROMPT_COST_FACTOR times as long as one of the decoding
 sequences' tokens alone, so the streams already running keep their pace while a long prompt is
-read in (at least one prompt token per pass, earliest newcomer first). The decoding sequences'
+read in (at least one prompt token per pass, earliest newcomer first; the allowance grows when
+more newcomers wait than sequences decode). The decoding sequences'
 drafts share the rows first (one kept for a newcomer), so speculation keeps going beside a
 newcomer. With nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator; pieces and
 draft lengths change speed only, so its output is the one it gets served alone (up to the
@@ -45,6 +46,10 @@ PASS_ROWS = 16
 # rows cost ~4x the token alone, while beside 8 decoding tokens 8 more rows cost ~1.3x. At 1.5 a
 # running stream's inter-token time grows by about half while a long prompt is read in.
 PROMPT_COST_FACTOR = 1.5
+# The factor is for one newcomer per decoding sequence; with more requests waiting for their first
+# token than sequences decoding, the factor grows in proportion: their waits are then most of the
+# latency users see (eight clients arriving together would otherwise be let in a row or two per
+# pass, one after another, while one stream decodes at full pace).
 # Weight of the newest pass in the running mean of pass seconds per row count.
 COST_SMOOTHING = 0.3
 
@@ -80,12 +85,13 @@ class PassCosts:
         lo, hi = self.seconds[below], self.seconds[above]
         return lo + (hi - lo) * (rows - below) / (above - below)
 
-    def rows_for(self, decoding: int) -> int:
-        """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus a prompt piece."""
+    def rows_for(self, decoding: int, crowd: float = 1.0) -> int:
+        """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus a prompt
+        piece; ``crowd``: newcomers waiting per decoding sequence (the factor grows with it above 1)."""
         least = decoding + 1
         if self.decoding_seconds is None:
             return PASS_ROWS
-        limit = PROMPT_COST_FACTOR * self.decoding_seconds
+        limit = PROMPT_COST_FACTOR * max(1.0, crowd) * self.decoding_seconds
         for rows in range(least, PASS_ROWS + 1):
             cost = self.estimate(rows)
             if cost is not None and cost > limit:
@@ -213,7 +219,7 @@ class Scheduler:
         spare = PASS_ROWS - (1 if prefilling else 0)
         batch = [(r, r.decoding.next_pass(max_draft=max(0, spare // len(decoding) - 1))) for r in decoding]
         used = sum(len(seq.ids) for _, seq in batch)
-        room = min(PASS_ROWS, self.costs.rows_for(used)) - used
+        room = min(PASS_ROWS, self.costs.rows_for(used, crowd=len(prefilling) / len(decoding))) - used
         for r in prefilling:
             if room <= 0 and len(batch) > len(decoding):
                 break

@@ -296,6 +296,9 @@ def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost()
     costs.record(PASS_ROWS, 0.100 + 0.010 * (PASS_ROWS - 1), prompt=True)  # 10 ms per extra row
     assert costs.estimate(4) == pytest.approx(0.130)  # between measured counts: a straight line
     assert costs.rows_for(1) == 6  # 0.150 s: the most that fit
+    assert costs.rows_for(1, crowd=0.5) == 6  # fewer newcomers than streams: the same allowance
+    assert costs.rows_for(1, crowd=1.2) == 9  # 1.2 newcomers per stream: limit 1.5 x 1.2 x 0.1 = 0.18 s
+    assert costs.rows_for(1, crowd=7) == PASS_ROWS  # seven wait beside one stream: a full pass
     costs.record(6, 0.200, prompt=True)  # six rows measured slower than the line said
     assert costs.rows_for(1) == 3  # the line from 1 row to 6 now crosses the limit after 3
     costs.record(3, 0.110, prompt=True)
