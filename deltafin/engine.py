@@ -12,6 +12,7 @@ byte counts are kept in a ``PassStats`` the engine owns and returns.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch
 
 from .config import ModelConfig
 from .decode_graph import DecodeGraphs
+from .kernels import cpu_native
 from .model.binding import bind, slot_names, unbind
 from .model.layers import attn_res, build_templates, layer_kind
 from .model.ops import HalfMatmul, linear, rms_norm
@@ -109,7 +111,11 @@ class Engine:
         if self.graphs is not None and self.graphs.applies(seqs):
             logits = self.graphs.run(seqs[0], ids_t, stats)
         else:
-            logits = self.device_pass(self.embed(ids_t), seqs, stats)
+            # A decode-sized pass on the CPU runs its products in the native kernels, on every
+            # compute thread, and torch's small ops on one (see cpu_native.decode_threads).
+            small = self.device.type == "cpu" and len(ids_t) <= cpu_native.GEMV_MAX_ROWS
+            with cpu_native.decode_threads() if small else contextlib.nullcontext():
+                logits = self.device_pass(self.embed(ids_t), seqs, stats)
             c0 = time.perf_counter()
             logits = logits.cpu()
             stats.compute_seconds += time.perf_counter() - c0

@@ -709,3 +709,78 @@ def test_worker_threads_serve_concurrent_callers_and_forked_children():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# ---------------------------------------------------------------- many dense products in one call
+
+def _dense_weights(kind: str, count: int, out: int, n: int, seed: int) -> list[tuple]:
+    """count (weight, scale) pairs as the native dense products read them: int8 codes + row scale,
+    or a bf16 weight and None."""
+    if kind == "int8":
+        return [_random_int8(out, n, seed + i) for i in range(count)]
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(out, n, generator=g).to(torch.bfloat16), None) for _ in range(count)]
+
+
+def _one_product(kind: str, x, w, s, use_simd: bool, threads: int | None = None):
+    if kind == "int8":
+        return cpu_native.int8_gemv(x, w, s, threads=threads, use_simd=use_simd)
+    return cpu_native.bf16_gemv(x, w, threads=threads, use_simd=use_simd)
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("out,n,rows", [(13, 100, [1, 3, 1]), (67, 1024, [1] * 9), (523, 2048, [2, 16])])
+def test_dense_gemv_items_equal_each_product_alone(kind, out, n, rows, use_simd):
+    """Every item of one call equals the single product of that item, bit for bit, whatever the
+    number of threads (they share every item's rows), with items of different row counts."""
+    ws = _dense_weights(kind, len(rows), out, n, seed=out + n)
+    g = torch.Generator().manual_seed(len(rows))
+    xs = [torch.randn(m, n, generator=g) for m in rows]
+    want = torch.cat([_one_product(kind, x, w, s, use_simd) for x, (w, s) in zip(xs, ws)])
+    for threads in (1, 2, 3):
+        y = cpu_native.dense_gemv_items(xs, [w for w, _ in ws], [s for _, s in ws], threads=threads,
+                                        use_simd=use_simd)
+        assert torch.equal(y, want)
+
+
+@native
+def test_dense_gemv_items_refuse_bad_items():
+    (c, s), (c2, s2) = _dense_weights("int8", 2, 8, 32, seed=1)
+    b = torch.zeros(8, 32, dtype=torch.bfloat16)
+    x = torch.zeros(1, 32)
+    cases = [(([x], [c], [s, s2]), "one x and one scale"), (([], [], []), "at least one"),
+             (([x, x], [c, c2[:4]], [s, s2[:4]]), "one shape and kind"),
+             (([x, x], [c, b], [s, None]), "one shape and kind"),
+             (([x], [c], [None]), "int8 codes with a scale or a bf16"),
+             (([torch.zeros(1, 16)], [c], [s]), r"float32 \[M, 32\]"),
+             (([x.double()], [c], [s]), "float32"), (([x], [c.T.contiguous().T], [s]), "contiguous"),
+             (([x], [c], [s.view(1, 8)]), "weight_scale")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cpu_native.dense_gemv_items(*args)
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("depth,n,rows", [(7, 5, [1]), (128, 512, [1] * 4), (40, 100, [3, 16]), (64, 96, [2, 1, 2]),
+                                           (256, 1040, [1] * 4)])
+def test_dense_gemv_t_items_match_the_dequantized_transposed_product(kind, depth, n, rows, use_simd):
+    """x @ W for W [depth, n] per item (columns past whole 32-wide steps included), against
+    dequantize-then-matmul; the thread split changes no bit."""
+    ws = _dense_weights(kind, len(rows), depth, n, seed=depth * n)
+    g = torch.Generator().manual_seed(depth)
+    xs = [torch.randn(m, depth, generator=g) for m in rows]
+    y = cpu_native.dense_gemv_t_items(xs, [w for w, _ in ws], [s for _, s in ws], threads=1, use_simd=use_simd)
+    at = 0
+    for x, (w, s) in zip(xs, ws):
+        full = int8_dequantize(w, s) if kind == "int8" else w.float()
+        ref = x @ full
+        got = y[at:at + x.shape[0]]
+        at += x.shape[0]
+        assert ((got - ref).abs() <= 1e-5 * (x.abs() @ full.abs()) + 1e-30).all()
+    for threads in (2, 3):
+        assert torch.equal(cpu_native.dense_gemv_t_items(xs, [w for w, _ in ws], [s for _, s in ws],
+                                                         threads=threads, use_simd=use_simd), y)

@@ -162,6 +162,42 @@ def test_mla_with_output_gate_prefill_and_absorbed_decode():
     assert st.length == 6
 
 
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_mla_decode_absorbs_a_stored_kv_b_without_decoding_it(monkeypatch, codec):
+    """Decode steps multiply by an int8 or bf16 kv_b_proj in the native kernels (model/mla.py KvB):
+    against the same steps with the weight decoded first, and against the naive expanded attention
+    of the same weights; the prompt (expanded path) still decodes it."""
+    from deltafin.kernels import cpu_native, dequantize, quantize
+    from deltafin.model import mla
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    cfg = k3_config(num_attention_heads=4, kv_lora_rank=40, qk_nope_head_dim=16, v_head_dim=24)
+    gen = torch.Generator().manual_seed(7)
+    attn = MLAttention(cfg)
+    w = random_weights(attn, gen)
+    stored = w["kv_b_proj"].to(torch.bfloat16) if codec == "bf16" else quantize(w["kv_b_proj"], "int8")
+    w["kv_b_proj"] = stored.float() if codec == "bf16" else dequantize(stored)
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    want = naive_mla(cfg, w, x)
+    bind(attn, {**w, "kv_b_proj": stored})
+    calls = []
+    real = cpu_native.dense_gemv_t_items
+    monkeypatch.setattr(cpu_native, "dense_gemv_t_items", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        st = attn.new_state(torch.float32)
+        steps = [x[:3], x[3:4], x[4:6], x[6:7]]  # a prompt, then steps of one and two rows
+        return torch.cat([attn(xs, [Rows(st, len(xs), False)], 64) for xs in steps])
+    got = run()
+    assert len(calls) == 3  # every step after the prompt
+    with monkeypatch.context() as m:
+        m.setattr(mla.KvB, "_native", lambda self, rows: None)
+        decoded = run()
+    assert len(calls) == 3
+    assert (got - decoded).abs().max() < 1e-5 * decoded.abs().max()
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
 def test_latent_moe_matches_loop():
     cfg = k3_config()
     gen = torch.Generator().manual_seed(2)
@@ -217,13 +253,12 @@ def test_latent_moe_matches_loop():
         assert (got[t] - want).abs().max() < 1e-4
 
 
-def test_mxfp4_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop(monkeypatch):
-    """The routed MXFP4 experts of many rows at once (kernels/experts_cpu.py) against the per-expert
-    path, and against each row computed alone; prompts (an expert with more rows than the native
-    gemv takes) stay on the per-expert path."""
-    from deltafin.kernels import cpu_native, experts_cpu
-    from deltafin.kernels.linear import QWeight
-    from deltafin.kernels.mxfp4 import mxfp4_quantize
+@pytest.mark.parametrize("codec", ["mxfp4", "int8", "bf16"])
+def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop(monkeypatch, codec):
+    """The routed experts of many rows at once (kernels/experts_cpu.py) against the per-expert path
+    (int8 and bf16: bit for bit), and against each row computed alone; prompts (an expert with more
+    rows than the native gemv takes) stay on the per-expert path."""
+    from deltafin.kernels import cpu_native, experts_cpu, quantize
     if not cpu_native.available():
         pytest.skip("native CPU kernels not built")
     cfg = k3_config(moe_intermediate_size=32)  # MXFP4 widths are multiples of 32
@@ -234,17 +269,16 @@ def test_mxfp4_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop(
     L, I = cfg.latent_size, cfg.moe_intermediate_size
 
     def q(t):
-        packed, scale = mxfp4_quantize(t)
-        return QWeight("mxfp4", tuple(t.shape), 32, {"weight_packed": packed, "weight_scale": scale})
+        return t.to(torch.bfloat16) if codec == "bf16" else quantize(t, codec)
     experts = {e: (q(torch.randn(I, L, generator=gen) * 3 / L ** .5), q(torch.randn(I, L, generator=gen) / L ** .5),
                    q(torch.randn(L, I, generator=gen) / I ** .5)) for e in range(cfg.num_experts)}
     calls = []
-    real = experts_cpu.routed_mxfp4
+    real = experts_cpu.routed
 
     def counted(*args):
         calls.append(real(*args))
         return calls[-1]
-    monkeypatch.setattr(experts_cpu, "routed_mxfp4", counted)
+    monkeypatch.setattr(experts_cpu, "routed", counted)
 
     class Ready:
         def __init__(self, ids):
@@ -260,7 +294,10 @@ def test_mxfp4_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop(
     with monkeypatch.context() as m:
         m.setattr(experts_cpu, "applies", lambda z, e: False)
         loop = moe(x, Ready)
-    assert (fused - loop).abs().max() < 1e-4  # outputs ~20: float32 rounding
+    if codec == "mxfp4":
+        assert (fused - loop).abs().max() < 1e-4  # outputs ~20: float32 rounding
+    else:  # the same products, activation and sums in the same order
+        assert torch.equal(fused, loop)
     assert (fused - alone).abs().max() < 1e-4
     calls.clear()
     long = torch.randn(60, cfg.hidden_size, generator=gen)  # 60 rows x 3 of 8 experts: > 16 rows each

@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 7
+#define KERNELS_ABI 8
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -96,6 +96,7 @@ struct job {
     int bits;                    /* int4/int6: 4 or 6 */
     void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
+    int64_t depth;           /* transposed dense products: the rows of W summed over (W is [depth, n]) */
     int kind;                /* enum out_kind, dequant only */
     float factor[256];       /* E8M0 byte -> factor (MXFP4 only) */
 };
@@ -1140,6 +1141,168 @@ int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int
 #endif
     (void)use_simd;
     return run_rows(&jb, fn, threads);
+}
+
+/* ------------------------------------------------------------------ many dense products */
+
+static rows_fn dense_rows_fn(int is_int8, int use_simd) {
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) return is_int8 ? int8_gemv_rows_avx512 : bf16_gemv_rows_avx512;
+    if (use_simd && is_int8 && have_avx2_fma()) return int8_gemv_rows_avx2;
+    if (use_simd && have_avx2()) return dense_gemv_rows_avx2;
+#endif
+    (void)use_simd, (void)is_int8;
+    return dense_gemv_rows_portable;
+}
+
+/* The items of one call and the row (or column) slice one thread computes of every item. */
+struct items_slice {
+    const struct job *jobs;
+    int64_t count;
+    rows_fn fn;
+    int64_t r0, r1;
+};
+
+static void *run_item_slices(void *arg) {
+    const struct items_slice *sl = (const struct items_slice *)arg;
+    for (int64_t i = 0; i < sl->count; i++)
+        if (sl->r0 < sl->r1) sl->fn(&sl->jobs[i], sl->r0, sl->r1);
+    return NULL;
+}
+
+/* Run fn over rows 0..out-1 of every job, split into contiguous slices (bounds rounded to
+   `align`) over up to `threads` threads; every thread takes its slice of every item, so the work
+   is even however few the items are, and a row's result never depends on the split. */
+static int run_dense_items(const struct job *jobs, int64_t count, rows_fn fn, int64_t out, int64_t weights,
+                     int64_t align, int threads) {
+    int64_t t = threads, by_size = weights / MIN_WEIGHTS_PER_THREAD, by_rows = (out + align - 1) / align;
+    if (t > by_size) t = by_size;
+    if (t > by_rows) t = by_rows;
+    if (t < 1) t = 1;
+    struct items_slice *sl = malloc((size_t)t * sizeof *sl);
+    if (!sl) return -1;
+    for (int64_t i = 0; i < t; i++) {
+        int64_t r0 = (by_rows * i / t) * align, r1 = (by_rows * (i + 1) / t) * align;
+        sl[i] = (struct items_slice){jobs, count, fn, r0 < out ? r0 : out, r1 < out ? r1 : out};
+    }
+    run_parallel(run_item_slices, sl, sizeof *sl, (int)t);
+    free(sl);
+    return 0;
+}
+
+/* Fill jobs[i] for the dense items; NULL when out of memory. */
+static struct job *dense_jobs(const float *const *x, const int64_t *m, const void *const *w,
+                              const float *const *scale, float *const *y, int64_t count, int64_t out,
+                              int64_t n, int is_int8, int64_t *weights) {
+    struct job *jobs = malloc((size_t)count * sizeof *jobs);
+    if (!jobs) return NULL;
+    *weights = 0;
+    for (int64_t i = 0; i < count; i++) {
+        jobs[i] = (struct job){.x = x[i], .y = y[i], .m = m[i], .out = out, .n = n};
+        if (is_int8) jobs[i].codes = (const int8_t *)w[i], jobs[i].row_scale = scale[i];
+        else jobs[i].bf16 = (const uint16_t *)w[i];
+        *weights += out * n * (m[i] > 0 ? m[i] : 1);
+    }
+    return jobs;
+}
+
+/* Many dense products of one weight shape in one call (a MoE layer's chosen experts, a layer's
+   projections of one input): item i computes y[i] [m[i], out] = x[i] [m[i], n] @ W_i^T, W_i int8
+   (codes w[i] and row scales scale[i], int8.py's layout) or bf16 bits (is_int8 = 0), each exactly
+   as int8_gemv_f32 / bf16_gemv_f32 computes it alone. Returns 0, or -1 when out of memory. */
+int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *const *w, const float *const *scale,
+                         float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int threads,
+                         int use_simd) {
+    int64_t weights;
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, &weights);
+    if (!jobs) return -1;
+    const int rc = run_dense_items(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
+    free(jobs);
+    return rc;
+}
+
+/* Transposed dense products: y [m, n] = x [m, depth] @ W for W [depth, n] (a weight applied from
+   its input side, as attention absorbs a key projection into the query). Columns c0..c1-1.
+   int8: y[i, c] = sum_d (x[i, d] * scale[d]) * codes[d, c]; bf16: sum_d x[i, d] * W[d, c]. */
+static void dense_gemv_t_cols_portable(const struct job *jb, int64_t c0, int64_t c1) {
+    const int64_t n = jb->n;
+    float *y = (float *)jb->y;
+    for (int64_t i = 0; i < jb->m; i++) {
+        float *yi = y + i * n;
+        for (int64_t c = c0; c < c1; c++) yi[c] = 0.0f;
+        for (int64_t d = 0; d < jb->depth; d++) {
+            const float a = jb->x[i * jb->depth + d] * (jb->codes ? jb->row_scale[d] : 1.0f);
+            for (int64_t c = c0; c < c1; c++) yi[c] += a * dense_weight(jb, d, c);
+        }
+    }
+}
+
+#ifdef KERNELS_X86
+/* Columns handled together by the AVX2 transposed product: 4 accumulators of 8. */
+#define T_COLS 32
+
+/* 32 weights of row d from column c, as floats in four registers (exact conversions). */
+static AVX2_FMA inline void dense_load32_avx2(const struct job *jb, int64_t at, __m256 w[4]) {
+    if (jb->codes) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(jb->codes + at));
+        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        for (int q = 0; q < 4; q++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(jb->bf16 + at + 8 * q));
+            w[q] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+        }
+    }
+}
+
+static AVX2_FMA void dense_gemv_t_cols_avx2(const struct job *jb, int64_t c0, int64_t c1) {
+    const int64_t n = jb->n, body = c0 + (c1 - c0) / T_COLS * T_COLS;
+    float *y = (float *)jb->y;
+    for (int64_t i = 0; i < jb->m; i++) {
+        const float *xi = jb->x + i * jb->depth;
+        for (int64_t c = c0; c < body; c += T_COLS) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t d = 0; d < jb->depth; d++) {
+                const __m256 a = _mm256_set1_ps(xi[d] * (jb->codes ? jb->row_scale[d] : 1.0f));
+                __m256 w[4];
+                dense_load32_avx2(jb, d * n + c, w);
+                for (int q = 0; q < 4; q++) acc[q] = _mm256_fmadd_ps(a, w[q], acc[q]);
+            }
+            for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + i * n + c + 8 * q, acc[q]);
+        }
+        if (body < c1) {
+            struct job tail = *jb;
+            tail.x = xi, tail.y = y + i * n, tail.m = 1;
+            dense_gemv_t_cols_portable(&tail, body, c1);
+        }
+    }
+}
+#endif
+
+/* Many transposed dense products of one weight shape in one call (every head of an attention
+   layer): item i computes y[i] [m[i], n] = x[i] [m[i], depth] @ W_i, W_i [depth, n] int8 (codes
+   and per-row scales, int8.py's layout, rows being W_i's depth) or bf16 bits. Summed in float32;
+   the order differs from dequantize-then-matmul, so results agree to float32 rounding. Returns 0,
+   or -1 when out of memory. */
+int dense_gemv_t_items_f32(const float *const *x, const int64_t *m, const void *const *w, const float *const *scale,
+                           float *const *y, int64_t count, int64_t depth, int64_t n, int is_int8, int threads,
+                           int use_simd) {
+    int64_t weights;
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, n, n, is_int8, &weights);
+    if (!jobs) return -1;
+    for (int64_t i = 0; i < count; i++) jobs[i].depth = depth;
+    rows_fn fn = dense_gemv_t_cols_portable;
+    int64_t align = 1;
+#ifdef KERNELS_X86
+    if (use_simd && have_avx2_fma()) fn = dense_gemv_t_cols_avx2, align = T_COLS;
+#endif
+    (void)use_simd;
+    const int rc = run_dense_items(jobs, count, fn, n, weights / (n > 0 ? n : 1) * depth, align, threads);
+    free(jobs);
+    return rc;
 }
 
 static struct PyModuleDef module = {

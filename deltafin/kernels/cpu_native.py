@@ -1,7 +1,8 @@
 """Native CPU kernels for stored weights (_cpu_kernels.c), called through ctypes.
 
 ``mxfp4_gemv``, ``int8_gemv``, ``intq_gemv`` (int4, int6) and ``bf16_gemv`` multiply a few float32 rows of x by a stored
-weight without materializing it, at close to memory speed (AVX-512 where the CPU has it; the
+weight without materializing it (``dense_gemv_items`` many int8 or bf16 products in one call, and
+``dense_gemv_t_items`` the transposed products x @ W), at close to memory speed (AVX-512 where the CPU has it; the
 bf16 and MXFP4 gemvs also have an AVX2 path, bit-identical to their portable C, and the int8 gemv an AVX2+FMA
 path that differs from its portable C only in rounding order); ``mxfp4_dequant`` decodes MXFP4 rows
 bit-for-bit like ``mxfp4.mxfp4_dequantize``. The library is an optional part of the install (setup.py): when it
@@ -9,13 +10,16 @@ was not built, ``available()`` is False and callers use the torch references in 
 int8.py and intq.py (and a float32 conversion for bf16). It is loaded on first use, not at import.
 
 Every function releases the GIL while it runs (ctypes does) and splits the output rows over
-``threads`` threads, torch.get_num_threads() unless given.
+``threads`` threads: unless given, torch.get_num_threads(), or inside ``decode_threads()`` the
+count torch had when it was entered.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
+from collections.abc import Iterator
 
 import torch
 
@@ -25,7 +29,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 7
+ABI = 8
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -62,6 +66,9 @@ def _library() -> ctypes.CDLL | None:
         lib.intq_gemv_f32.restype = _int
         lib.bf16_gemv_f32.argtypes = [_p, _i64, _p, _i64, _i64, _p, _int, _int]
         lib.bf16_gemv_f32.restype = _int
+        for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
+            items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _int, _int]
+            items.restype = _int
     except (OSError, AttributeError):
         return None
     return lib
@@ -93,8 +100,36 @@ def _lib_or_raise() -> ctypes.CDLL:
     return lib
 
 
+# The native kernels' thread count while decode_threads() holds torch's at one (None outside it).
+_decode_threads: int | None = None
+
+
+@contextlib.contextmanager
+def decode_threads() -> Iterator[None]:
+    """A decode-sized pass on the CPU: torch's own ops run on one thread while these kernels keep
+    every compute thread torch had. A decode step's torch ops are small (norms, the KDA step, conv,
+    routing): on more threads they only wait on each other, and torch's OpenMP workers spin after
+    each of them on the cores these kernels' threads need. Measured on 2 cores (kl_medium, int8
+    spine and experts, in RAM): one token 236 against 1623 ms with both sharing two threads (and 209
+    with everything on one thread), on a loaded machine. Nested use keeps the outer counts."""
+    global _decode_threads
+    if _decode_threads is not None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    _decode_threads = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _decode_threads = None
+
+
 def _threads(threads: int | None) -> int:
-    return max(1, torch.get_num_threads() if threads is None else threads)
+    if threads is None:
+        threads = _decode_threads or torch.get_num_threads()
+    return max(1, threads)
 
 
 def _input(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -282,4 +317,77 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None,
                            _threads(threads), int(use_simd))
     if rc != 0:
         raise RuntimeError(f"bf16 gemv failed with code {rc}")
+    return y
+
+
+def _dense_kind(w: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """1 for int8 codes with their float32 row scale [rows, 1], 0 for a bf16 weight (no scale)."""
+    if w.dtype == torch.int8 and scale is not None:
+        int8_check_shapes(w, scale)
+        return 1
+    if w.dtype == torch.bfloat16 and scale is None and w.dim() == 2:
+        return 0
+    raise ValueError(f"a dense item needs int8 codes with a scale or a bf16 weight, got {w.dtype} "
+                     f"{tuple(w.shape)} with{'out' if scale is None else ''} a scale")
+
+
+def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
+                 x_width: int, y_width: int) -> tuple[torch.Tensor, list, int]:
+    """Checks the items (one weight shape and kind, contiguous CPU tensors, float32 x [M, x_width])
+    and returns y float32 [sum of M, y_width] (item i's rows after item i-1's), the ctypes arrays
+    (x, rows, weights, scales, y) and the kind."""
+    count = len(ws)
+    if not count == len(xs) == len(scales) or count == 0:
+        raise ValueError("dense items need one x and one scale (None for bf16) per weight, and at least one")
+    kind, shape = _dense_kind(ws[0], scales[0]), ws[0].shape
+    for x, w, s in zip(xs, ws, scales):
+        if w.shape != shape or _dense_kind(w, s) != kind:
+            raise ValueError(f"dense items need weights of one shape and kind: {tuple(w.shape)} {w.dtype} "
+                             f"and {tuple(shape)} {ws[0].dtype}")
+        if x.dim() != 2 or x.shape[1] != x_width or x.dtype != torch.float32:
+            raise ValueError(f"each x must be float32 [M, {x_width}], got {x.dtype} {tuple(x.shape)}")
+        if not (x.is_contiguous() and w.is_contiguous() and (s is None or s.is_contiguous())):
+            raise ValueError("dense items need contiguous tensors")
+        if x.device.type != "cpu" or w.device.type != "cpu" or (s is not None and s.device.type != "cpu"):
+            raise ValueError("the native dense items need CPU tensors")
+    rows = [x.shape[0] for x in xs]
+    y = torch.empty(sum(rows), y_width, dtype=torch.float32)
+    at, base, ys = 0, y.data_ptr(), []
+    for m in rows:
+        ys.append(base + at * y_width * 4)
+        at += m
+
+    def array(ctype, values):
+        return (ctype * count)(*values)
+    args = [array(_p, [x.data_ptr() for x in xs]), array(_i64, rows), array(_p, [w.data_ptr() for w in ws]),
+            array(_p, [0 if s is None else s.data_ptr() for s in scales]), array(_p, ys)]
+    return y, args, kind
+
+
+def dense_gemv_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
+                     threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """Many products of one weight shape in one native call (a MoE layer's chosen experts, a layer's
+    projections of one input): item i is xs[i] [M_i, in] float32 @ W_i^T for W_i [out, in] given as
+    int8 codes ws[i] with row scale scales[i] (int8.py's layout) or as a bf16 ws[i] (scale None).
+    Returns float32 [sum of M_i, out], item i's rows after item i-1's, each equal bit for bit to
+    ``int8_gemv`` / ``bf16_gemv`` of that item alone; the threads share every item's rows."""
+    lib = _lib_or_raise()
+    y, args, kind = _dense_items(xs, ws, scales, ws[0].shape[1] if ws else 0, ws[0].shape[0] if ws else 0)
+    out, n = ws[0].shape
+    if y.numel() and lib.dense_gemv_items_f32(*args, len(ws), out, n, kind, _threads(threads), int(use_simd)):
+        raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
+    return y
+
+
+def dense_gemv_t_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
+                       threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """The transposed products in one native call (every head of an attention layer applying a key
+    projection to its query): item i is xs[i] [M_i, depth] float32 @ W_i for W_i [depth, n], int8
+    codes with row scales (one per depth row) or bf16. Returns float32 [sum of M_i, n] as
+    ``dense_gemv_items``; equal to dequantize-then-matmul up to float32 rounding."""
+    lib = _lib_or_raise()
+    y, args, kind = _dense_items(xs, ws, scales, ws[0].shape[0] if ws else 0, ws[0].shape[1] if ws else 0)
+    depth, n = ws[0].shape
+    if y.numel() and lib.dense_gemv_t_items_f32(*args, len(ws), depth, n, kind, _threads(threads), int(use_simd)):
+        raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
     return y

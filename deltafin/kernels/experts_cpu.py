@@ -1,34 +1,41 @@
-"""A MoE layer's routed MXFP4 experts for a whole batch of rows, in two native calls on the CPU.
+"""A MoE layer's routed experts for a whole batch of rows, in two native calls on the CPU.
 
-The per-expert path costs three product calls and a few small torch ops per chosen expert, which
-for a batch of decoding sequences (the union of their choices: ~35 experts of 64 per layer for 8
-sequences of small-k3) cost more in Python than the products themselves. Here the (row, expert)
-pairs are sorted by expert, every expert's gate and up products for its rows run in one native
-call, the activation once over all pairs, every down product in a second call, and one
-``index_add_`` sums each row's experts weighted by the router. Each product is the one
-``mxfp4_gemv`` computes for that expert's rows alone, so a row's result does not depend on which
-other rows share the pass.
+The per-expert path costs three product calls and a few small torch ops per chosen expert: for
+one decoding sequence of kl_medium (8 experts of 64, 7 MoE layers) ~170 calls a token, each with
+tens of microseconds of Python around a product of ~7 MB; for a batch of decoding sequences (the
+union of their choices: ~35 experts of 64 per layer for 8 sequences of small-k3) the Python cost
+more than the products themselves. Here the (row, expert) pairs are sorted by expert, every
+expert's gate and up products for its rows run in one native call, the activation once over all
+pairs, every down product in a second call, and one ``index_add_`` sums each row's experts
+weighted by the router, in the order the per-expert path adds them. Each product is the one the
+single-product kernel computes for that expert's rows alone, so a row's result does not depend
+on which other rows share the pass, and equals the per-expert path's bit for bit.
+
+Experts in MXFP4 (K3) use ``mxfp4_gemv_items``; int8 experts (``convert --experts int8``) and bf16
+ones (Kimi Linear as published) use ``dense_gemv_items``.
 """
 from __future__ import annotations
 
 import torch
 
 from . import cpu_native
-from .linear import QWeight
+from .linear import QWeight, native_dense
 
 
 def applies(z: torch.Tensor, experts) -> bool:
-    """True for float32 rows on the CPU and MXFP4 experts there, with the native kernels built."""
+    """True for float32 rows on the CPU and MXFP4, int8 or bf16 experts there, with the native kernels
+    built."""
     if z.device.type != "cpu" or z.dtype != torch.float32 or not cpu_native.available():
         return False
     w1 = next(iter(experts.values()))[0] if isinstance(experts, dict) and experts else None
-    return isinstance(w1, QWeight) and w1.codec == "mxfp4" and w1.device.type == "cpu"
+    return _is_mxfp4(w1) or native_dense(w1) is not None
 
 
-def routed_mxfp4(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict) -> torch.Tensor | None:
+def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict) -> torch.Tensor | None:
     """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) as fp32 [T, H], or None when some expert has
-    more rows than the native gemv takes (a prompt: the per-expert path multiplies those faster).
-    ``glu(gate, up)`` is the model's activation; ``experts`` maps each chosen id to (w1, w3, w2)."""
+    more rows than the native gemvs take (a prompt: the per-expert path multiplies those faster) or
+    the chosen experts are not all of one kind the native calls take. ``glu(gate, up)`` is the model's
+    activation; ``experts`` maps each chosen id to (w1, w3, w2)."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
@@ -36,21 +43,51 @@ def routed_mxfp4(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     counts = counts.tolist()
     if max(counts) > cpu_native.GEMV_MAX_ROWS:
         return None
-    chosen = chosen.tolist()
-    starts = [0] * len(counts)
-    for i in range(1, len(counts)):
-        starts[i] = starts[i - 1] + counts[i - 1]
+    w = [experts[e] for e in chosen.tolist()]
     P = T * k
     rows = order // k
     x = z[rows]  # [P, H]: each pair's row, grouped by expert
-    w = [experts[e] for e in chosen]
+    if all(_is_mxfp4(m) for ws in w for m in ws):
+        out = _mxfp4_pairs(glu, x, w, counts)
+    else:
+        dense = [[native_dense(m) for m in ws] for ws in w]
+        if not all(d is not None for ds in dense for d in ds) or len({d[0].dtype for ds in dense for d in ds}) != 1:
+            return None
+        out = _dense_pairs(glu, x, dense, counts)
+    y = torch.zeros(T, out.shape[1], dtype=torch.float32)
+    return y.index_add_(0, rows, out * weights.reshape(-1)[order].float().unsqueeze(-1))
+
+
+def _is_mxfp4(w) -> bool:
+    return isinstance(w, QWeight) and w.codec == "mxfp4" and w.device.type == "cpu"
+
+
+def _starts(counts: list[int]) -> list[int]:
+    starts = [0] * len(counts)
+    for i in range(1, len(counts)):
+        starts[i] = starts[i - 1] + counts[i - 1]
+    return starts
+
+
+def _mxfp4_pairs(glu, x: torch.Tensor, w: list, counts: list[int]) -> torch.Tensor:
+    """Every pair's expert output [P, H] for MXFP4 experts (pairs grouped by expert, counts each)."""
+    P, starts = x.shape[0], _starts(counts)
     gate_up = cpu_native.mxfp4_gemv_items(
         x, [_parts(w1) for w1, _, _ in w] + [_parts(w3) for _, w3, _ in w],
         starts + starts, starts + [P + s for s in starts], counts + counts, 2 * P)
     act = glu(gate_up[:P], gate_up[P:])
-    out = cpu_native.mxfp4_gemv_items(act, [_parts(w2) for _, _, w2 in w], starts, starts, counts, P)
-    y = torch.zeros(T, out.shape[1], dtype=torch.float32)
-    return y.index_add_(0, rows, out * weights.reshape(-1)[order].float().unsqueeze(-1))
+    return cpu_native.mxfp4_gemv_items(act, [_parts(w2) for _, _, w2 in w], starts, starts, counts, P)
+
+
+def _dense_pairs(glu, x: torch.Tensor, dense: list, counts: list[int]) -> torch.Tensor:
+    """The same for int8 or bf16 experts, given as (weight, scale) per matrix (``native_dense``)."""
+    P, starts = x.shape[0], _starts(counts)
+    xs = [x[s:s + c] for s, c in zip(starts, counts)]
+    gate_up = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in dense] + [d[1][0] for d in dense],
+                                          [d[0][1] for d in dense] + [d[1][1] for d in dense])
+    act = glu(gate_up[:P], gate_up[P:])
+    return cpu_native.dense_gemv_items([act[s:s + c] for s, c in zip(starts, counts)],
+                                       [d[2][0] for d in dense], [d[2][1] for d in dense])
 
 
 def _parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,6 +153,22 @@ def quantize(w: torch.Tensor, codec: str, group_size: int = 32) -> QWeight:
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
 
 
+def native_dense(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The (weight, scale) a native dense product reads: an int8 QWeight's codes and row scales, or a
+    bf16 tensor and None; None for any other weight (or one not contiguous on the CPU)."""
+    if isinstance(w, QWeight):
+        if w.codec != "int8":
+            return None
+        codes, scale = w.tensors["weight"], w.tensors["weight_scale"]
+    elif isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2:
+        codes, scale = w, None
+    else:
+        return None
+    if codes.device.type != "cpu" or not codes.is_contiguous() or (scale is not None and not scale.is_contiguous()):
+        return None
+    return codes, scale
+
+
 def dequantize_rows(q: QWeight, r0: int, r1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows r0..r1-1 of W, decoded (every codec's tensors are row-major in the output dim)."""
     t = {k: v[r0:r1] for k, v in q.tensors.items()}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import cpu_native
+from ..kernels.linear import native_dense
 from .binding import Bindable
 from .ops import linear, plain, rms_norm
 from .state import MLAState, Rows
@@ -54,22 +56,19 @@ class MLAttention(Bindable):
         q = q.view(T, nh, nope + rope)
         kv = linear(x, self.kv_a_proj_with_mqa)
         ckv_new = rms_norm(kv[:, :r], self.kv_a_layernorm, LATENT_NORM_EPS)
-        wkv = plain(self.kv_b_proj)
-        wkv = wkv if isinstance(wkv, torch.Tensor) else _dequant(wkv)
-        wkv = wkv.to(x.dtype).view(nh, nope + dv, r)
-        w_k, w_v = wkv[:, :nope], wkv[:, nope:]  # [nh, nope, r], [nh, dv, r]
+        kv_b = KvB(plain(self.kv_b_proj), nh, nope, dv, x.dtype)
         outs, start = [], 0
         for st, n, _ in parts:  # MLA rolls back by length: nothing extra to keep
             rows = slice(start, start + n)
             st.append(ckv_new[rows], kv[rows, r:])
-            outs.append(self._attend(q[rows, :, :nope], q[rows, :, nope:], st, w_k, w_v))
+            outs.append(self._attend(q[rows, :, :nope], q[rows, :, nope:], st, kv_b))
             start += n
         out = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(T, nh * dv)
         if c.mla_output_gate:
             out = out * torch.sigmoid(linear(x, self.g_proj).float()).to(out.dtype)
         return linear(out, self.o_proj)
 
-    def _attend(self, q_nope, q_rot, st: MLAState, w_k, w_v) -> torch.Tensor:
+    def _attend(self, q_nope, q_rot, st: MLAState, kv_b: "KvB") -> torch.Tensor:
         """One sequence's T new queries against its cache (which already holds their own keys)."""
         T = q_nope.shape[0]
         if st.at is not None:  # a recorded decode step: the whole buffer, masked past the new row
@@ -81,20 +80,73 @@ class MLAttention(Bindable):
             pos_q = torch.arange(past, past + T, device=q_nope.device)
         mask = torch.arange(ckv.shape[0], device=q_nope.device)[None, :] > pos_q[:, None]  # [T, P+T]
         if past == 0 and T > 1:
+            w_k, w_v = kv_b.full()
             k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k)  # expand keys/values once for the prompt
             vals = torch.einsum("nr,hdr->hnd", ckv, w_v)
             scores = (torch.einsum("thd,hnd->htn", q_nope, k_nope)
                       + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
             probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_nope.dtype)
             return torch.einsum("htn,hnd->thd", probs, vals)
-        q_lat = torch.einsum("thd,hdr->htr", q_nope, w_k)  # absorb W_k into the query
+        q_lat = kv_b.absorb_query(q_nope)  # [nh, T, r]: W_k absorbed into the query
         scores = (torch.einsum("htr,nr->htn", q_lat, ckv)
                   + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_nope.dtype)
         lat = torch.einsum("htn,nr->htr", probs, ckv)
-        return torch.einsum("htr,hdr->thd", lat, w_v)  # absorb W_v on the way out
+        return kv_b.absorb_value(lat)  # W_v absorbed on the way out
 
 
-def _dequant(w):
-    from ..kernels.linear import dequantize
-    return dequantize(w)
+class KvB:
+    """kv_b_proj [nh * (nope + dv), r] as attention applies it: per head, W_k [nope, r] (its first
+    nope rows) and W_v [dv, r] (the rest).
+
+    Decoding multiplies by them without forming them: with float32 rows on the CPU, an int8 or bf16
+    weight and the native kernels, all heads' products run in one native call each (W_k from the
+    query's side, W_v from the latent's) on the stored bytes. A prompt, another codec or another
+    device decodes the weight once per layer and pass (``full``); doing that for every decode step
+    cost ~4 ms per MLA layer on kl_medium, more than the layer's products.
+    """
+
+    def __init__(self, w, nh: int, nope: int, dv: int, dtype: torch.dtype):
+        self.w, self.nh, self.nope, self.dv, self.dtype = w, nh, nope, dv, dtype
+        self._full = None
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_k [nh, nope, r] and W_v [nh, dv, r] in the compute dtype."""
+        if self._full is None:
+            w = self.w
+            if not isinstance(w, torch.Tensor):
+                from ..kernels.linear import dequantize
+                w = dequantize(w)
+            w = w.to(self.dtype).view(self.nh, self.nope + self.dv, -1)
+            self._full = w[:, :self.nope], w[:, self.nope:]
+        return self._full
+
+    def _native(self, rows: int):
+        """The stored (weight, scale) when the native kernels take this product, else None."""
+        if self.dtype != torch.float32 or rows > cpu_native.GEMV_MAX_ROWS or not cpu_native.available():
+            return None
+        return native_dense(self.w)
+
+    def _heads(self, dense, first: int, count: int) -> tuple[list, list]:
+        """Each head's rows first..first+count-1 of the stored weight (and of its scales)."""
+        w, s = dense
+        step = self.nope + self.dv
+        ws = [w[h * step + first:h * step + first + count] for h in range(self.nh)]
+        return ws, [None if s is None else s[h * step + first:h * step + first + count] for h in range(self.nh)]
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, nh, nope] -> [nh, T, r]: each head's query times its W_k."""
+        dense = self._native(q_nope.shape[0])
+        if dense is None:
+            return torch.einsum("thd,hdr->htr", q_nope, self.full()[0])
+        xs = list(q_nope.transpose(0, 1).contiguous().unbind(0))
+        y = cpu_native.dense_gemv_t_items(xs, *self._heads(dense, 0, self.nope))
+        return y.view(self.nh, q_nope.shape[0], -1)
+
+    def absorb_value(self, lat: torch.Tensor) -> torch.Tensor:
+        """lat [nh, T, r] -> [T, nh, dv]: each head's attended latent times W_v^T."""
+        dense = self._native(lat.shape[1])
+        if dense is None:
+            return torch.einsum("htr,hdr->thd", lat, self.full()[1])
+        y = cpu_native.dense_gemv_items(list(lat.contiguous().unbind(0)), *self._heads(dense, self.nope, self.dv))
+        return y.view(self.nh, lat.shape[1], self.dv).transpose(0, 1)

@@ -100,7 +100,7 @@ class MoE(Bindable):
     def _per_expert(self, z, ids, weights, experts) -> torch.Tensor:
         c = self.cfg
         if experts_cpu.applies(z, experts):
-            y = experts_cpu.routed_mxfp4(lambda g, u: glu(c, g, u), z, ids, weights, experts)
+            y = experts_cpu.routed(lambda g, u: glu(c, g, u), z, ids, weights, experts)
             if y is not None:
                 return y
         y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
