@@ -75,9 +75,22 @@ class Gauge:
         return [((), self.fn())]
 
 
+class ReadCounter:
+    """A count kept by its owner and read when the page is rendered: ``fn()`` gives the value, or,
+    with labels, a dict from the tuple of label values to the value."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, fn: Callable, labels: tuple[str, ...] = ()):
+        self.name, self.help, self.fn, self.labels = name, help, fn, tuple(labels)
+
+    def samples(self) -> list[tuple[tuple[str, ...], float]]:
+        return sorted(self.fn().items()) if self.labels else [((), self.fn())]
+
+
 class Registry:
     def __init__(self):
-        self._metrics: dict[str, Counter | Gauge] = {}
+        self._metrics: dict[str, Counter | Gauge | ReadCounter] = {}
         self._lock = threading.Lock()
 
     def counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -85,6 +98,9 @@ class Registry:
 
     def gauge(self, name: str, help: str, fn: Callable[[], float]) -> Gauge:
         return self._add(name, lambda: Gauge(name, help, fn), Gauge)
+
+    def read_counter(self, name: str, help: str, fn: Callable, labels: tuple[str, ...] = ()) -> ReadCounter:
+        return self._add(name, lambda: ReadCounter(name, help, fn, labels), ReadCounter)
 
     def _add(self, name: str, make, kind):
         with self._lock:

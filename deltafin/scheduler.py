@@ -10,15 +10,18 @@ any request is active:
 
 Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
 rows, and newcomers' prompts go in pieces sized by what passes have cost (``PassCosts``): a pass
-with a prompt piece may take at most PROMPT_COST_FACTOR times as long as one of the decoding
-sequences' tokens alone, so the streams already running keep their pace while a long prompt is
-read in (at least one prompt token per pass, earliest newcomer first; the allowance grows when
-more newcomers wait than sequences decode). The decoding sequences'
-drafts share the rows first (one kept for a newcomer), so speculation keeps going beside a
-newcomer. With nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator; pieces and
-draft lengths change speed only, so its output is the one it gets served alone (up to the
-rounding of products over a different number of rows, which leaves greedy tokens and seeded
-samples unchanged in the tests).
+with a prompt piece may take at most PROMPT_COST_FACTOR times as long as the decoding sequences'
+rows alone, (PROMPT_COST_FACTOR - 1) of that again for each further newcomer waiting, so the streams already
+running keep their pace while a long prompt is read in, and a crowd of newcomers is let in
+within a few passes (at least one prompt token per pass, earliest newcomer first). The decoding
+sequences' drafts share the rows first (one kept for a newcomer), so speculation keeps going
+beside a newcomer. With nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each
+request keeps its own drafts and sampling generator; pieces and draft lengths change speed only,
+so its output is the one it gets served alone (up to the rounding of products over a different
+number of rows, which leaves greedy tokens and seeded samples unchanged in the tests).
+
+The engine thread tallies what its passes carried and where their time went (``PassTally``;
+the server's /metrics and /health show it).
 
 What it holds: the waiting and active requests, each with its own ``DecodeState`` (handed in
 pre-filled, or a fresh one). Nothing else outlives a request.
@@ -41,37 +44,34 @@ log = logging.getLogger(__name__)
 # (kernels.cpu_native.GEMV_MAX_ROWS); past it every product pays for the extra rows, and the
 # running streams' inter-token time with it.
 PASS_ROWS = 16
-# How much longer than the decoding sequences' own pass a pass that also reads a newcomer's prompt
-# may take. Rows are not a measure of cost: in RAM, on small-k3, one decoding token plus 15 prompt
-# rows cost ~4x the token alone, while beside 8 decoding tokens 8 more rows cost ~1.3x. At 1.5 a
-# running stream's inter-token time grows by about half while a long prompt is read in.
+# How much longer than the decoding sequences' own pass a pass that also reads one newcomer's
+# prompt may take. Rows are not a measure of cost: in RAM, on small-k3, one decoding token plus 15
+# prompt rows cost ~4x the token alone, while beside 8 decoding tokens 8 more rows cost ~1.3x. At
+# 1.5 a running stream's inter-token time grows by about half while a long prompt is read in.
+# Each further newcomer waiting adds as much again (PROMPT_COST_FACTOR - 1 of the streams' pass):
+# their waits are latency users see too, and a newcomer let in a row or two per pass beside
+# several streams stays out of the shared passes for dozens of them (eight clients arriving
+# together decoded ~3 at a time on average, against ~6 with this allowance).
 PROMPT_COST_FACTOR = 1.5
-# The factor is for one newcomer per decoding sequence; with more requests waiting for their first
-# token than sequences decoding, the factor grows in proportion: their waits are then most of the
-# latency users see (eight clients arriving together would otherwise be let in a row or two per
-# pass, one after another, while one stream decodes at full pace).
 # Weight of the newest pass in the running mean of pass seconds per row count.
 COST_SMOOTHING = 0.3
 
 
 class PassCosts:
     """What passes have cost: a running mean of the seconds of a pass for each number of rows it
-    carried (1..PASS_ROWS), and of the decoding sequences' own passes (no prompt piece in them),
-    the pace the running streams keep. ``rows_for(d)`` is how many rows a pass with ``d`` decoding
-    rows may carry when it also reads a prompt: the most whose cost stays within PROMPT_COST_FACTOR
-    of that pace. A row count not measured yet is priced by straight lines between the nearest
+    carried. ``rows_for(d, w)`` is how many rows a pass with ``d`` decoding rows may carry when it
+    also reads the prompts of ``w`` waiting newcomers: the most whose cost stays within
+    1 + (PROMPT_COST_FACTOR - 1) * w times the cost of the ``d`` rows alone, the pace the running
+    streams keep. A row count not measured yet is priced by straight lines between the nearest
     measured ones (as the nearest below it when none is above), so the budget starts optimistic
     (streamed from disk, extra rows cost almost nothing) and finds this model's costs on this
     machine within a few passes, without trying every row count in turn."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
-        self.decoding_seconds: float | None = None
 
-    def record(self, rows: int, seconds: float, prompt: bool) -> None:
+    def record(self, rows: int, seconds: float) -> None:
         self.seconds[rows] = _mean(self.seconds.get(rows), seconds)
-        if not prompt:
-            self.decoding_seconds = _mean(self.decoding_seconds, seconds)
 
     def estimate(self, rows: int) -> float | None:
         """Seconds a pass of ``rows`` rows is expected to take (None: nothing measured yet)."""
@@ -85,13 +85,14 @@ class PassCosts:
         lo, hi = self.seconds[below], self.seconds[above]
         return lo + (hi - lo) * (rows - below) / (above - below)
 
-    def rows_for(self, decoding: int, crowd: float = 1.0) -> int:
-        """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus a prompt
-        piece; ``crowd``: newcomers waiting per decoding sequence (the factor grows with it above 1)."""
+    def rows_for(self, decoding: int, waiting: int = 1) -> int:
+        """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus the
+        prompt pieces of ``waiting`` newcomers."""
         least = decoding + 1
-        if self.decoding_seconds is None:
+        pace = self.estimate(decoding)
+        if pace is None:
             return PASS_ROWS
-        limit = PROMPT_COST_FACTOR * max(1.0, crowd) * self.decoding_seconds
+        limit = (1 + (PROMPT_COST_FACTOR - 1) * max(1, waiting)) * pace
         for rows in range(least, PASS_ROWS + 1):
             cost = self.estimate(rows)
             if cost is not None and cost > limit:
@@ -101,6 +102,31 @@ class PassCosts:
 
 def _mean(old: float | None, new: float) -> float:
     return new if old is None else old + COST_SMOOTHING * (new - old)
+
+
+@dataclass
+class PassTally:
+    """What the engine thread has done since it started (read from any thread; the engine thread
+    alone writes). Means per pass are these sums divided by ``passes``: ``sequences / passes`` is
+    how many requests a pass carried on average, ``decoding / passes`` how many of them were past
+    their prompt. The seconds split each pass's time: ``plan`` (what to feed: drafts, prompt
+    pieces), ``forward`` (the model), ``take`` (picking tokens, detokenizing, handing text to the
+    HTTP side)."""
+    passes: int = 0
+    sequences: int = 0
+    decoding: int = 0
+    rows: int = 0
+    prompt_rows: int = 0
+    plan_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    take_seconds: float = 0.0
+
+    def summary(self) -> dict:
+        n = max(self.passes, 1)
+        return {"passes": self.passes, "sequences_per_pass": self.sequences / n,
+                "decoding_per_pass": self.decoding / n, "rows_per_pass": self.rows / n,
+                "prompt_rows_per_pass": self.prompt_rows / n, "plan_ms_per_pass": 1e3 * self.plan_seconds / n,
+                "forward_ms_per_pass": 1e3 * self.forward_seconds / n, "take_ms_per_pass": 1e3 * self.take_seconds / n}
 
 
 @dataclass
@@ -121,7 +147,7 @@ class Scheduler:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: list[_Request] = []  # touched by the engine thread only
         self._closed = False
-        self.passes = 0
+        self.tally = PassTally()
         self.costs = PassCosts()
         self._thread = threading.Thread(target=self._run, name="deltafin-engine", daemon=True)
         self._thread.start()
@@ -129,6 +155,10 @@ class Scheduler:
     @property
     def active(self) -> int:
         return len(self._active)
+
+    @property
+    def passes(self) -> int:
+        return self.tally.passes
 
     def submit(self, prompt_ids, max_new_tokens: int | None = None, *, cancel: threading.Event | None = None,
                **options) -> Future:
@@ -187,24 +217,34 @@ class Scheduler:
         self._retire()
         if not self._active:
             return
+        t0 = time.perf_counter()
         batch = self._plan()
-        prompt = any(r.decoding.prefilling for r, _ in batch)
+        prompt_rows = sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
+        rows = sum(len(seq.ids) for _, seq in batch)
         try:
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             logits = self.model.forward_batch([seq for _, seq in batch])
-            self.costs.record(sum(len(seq.ids) for _, seq in batch), time.perf_counter() - t0, prompt)
+            t2 = time.perf_counter()
+            self.costs.record(rows, t2 - t1)
         except Exception as e:  # a failed pass leaves every state in it unusable
             log.exception("a forward pass over %d request(s) failed", len(self._active))
             for r in self._active:
                 r.future.set_exception(e)
             self._active.clear()
             return
-        self.passes += 1
+        decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
         for (r, _), out in zip(batch, logits):
             try:
                 r.decoding.take(out)
             except Exception as e:  # this request's own callback or checks: only it fails
                 r.future.set_exception(e)
+        t = self.tally  # counted before the finished requests are resolved, so their callers see it
+        t.sequences, t.decoding, t.rows, t.prompt_rows = (t.sequences + len(batch), t.decoding + decoding,
+                                                          t.rows + rows, t.prompt_rows + prompt_rows)
+        t.plan_seconds += t1 - t0
+        t.forward_seconds += t2 - t1
+        t.take_seconds += time.perf_counter() - t2
+        t.passes += 1
         self._retire()
 
     def _plan(self) -> list:
@@ -219,7 +259,7 @@ class Scheduler:
         spare = PASS_ROWS - (1 if prefilling else 0)
         batch = [(r, r.decoding.next_pass(max_draft=max(0, spare // len(decoding) - 1))) for r in decoding]
         used = sum(len(seq.ids) for _, seq in batch)
-        room = min(PASS_ROWS, self.costs.rows_for(used, crowd=len(prefilling) / len(decoding))) - used
+        room = min(PASS_ROWS, self.costs.rows_for(used, waiting=len(prefilling))) - used
         for r in prefilling:
             if room <= 0 and len(batch) > len(decoding):
                 break

@@ -248,6 +248,22 @@ class Service:
                 lambda: len(self.prefix_cache))
         m.gauge("deltafin_prefix_cache_bytes", "bytes of the decode states held by the prefix cache",
                 lambda: self.prefix_cache.nbytes)
+        # What the engine thread's passes carried and where their time went (divide by the passes
+        # for means per pass: requests batched together, rows, milliseconds in each part).
+        tally = lambda: self.scheduler.tally  # noqa: E731  (the scheduler is made after the metrics)
+        m.read_counter("deltafin_passes_total", "forward passes run by the engine thread", lambda: tally().passes)
+        m.read_counter("deltafin_pass_sequences_total", "requests carried by forward passes, summed over passes",
+                       lambda: tally().sequences)
+        m.read_counter("deltafin_pass_decoding_sequences_total", "requests past their prompt carried by forward "
+                       "passes, summed over passes", lambda: tally().decoding)
+        m.read_counter("deltafin_pass_rows_total", "token rows fed to forward passes, by kind (prompt: a "
+                       "newcomer's prompt piece; decode: tokens and drafts of decoding requests)",
+                       lambda: {("prompt",): tally().prompt_rows, ("decode",): tally().rows - tally().prompt_rows},
+                       ("kind",))
+        m.read_counter("deltafin_pass_seconds_total", "engine thread seconds per part of a pass (plan: what to "
+                       "feed; forward: the model; take: picking tokens, detokenizing, handing text on)",
+                       lambda: {("plan",): tally().plan_seconds, ("forward",): tally().forward_seconds,
+                                ("take",): tally().take_seconds}, ("part",))
 
     def _count_pass(self, stats) -> None:
         self.weight_bytes.inc(stats.bytes_read, source="disk")
@@ -270,7 +286,7 @@ class Service:
                                 "looping?)" if stuck else None)
         body = {"status": "degraded" if reason else "ok", "model": self.name, "busy": self.gate.busy,
                 "running": self.gate.running, "waiting": self.gate.waiting, "memo_entries": len(self.memo),
-                "prefix_cache": self.prefix_cache.stats()}
+                "prefix_cache": self.prefix_cache.stats(), "passes": self.scheduler.tally.summary()}
         if reason:
             body["reason"] = reason
         return (503 if reason else 200), body

@@ -166,6 +166,15 @@ def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
     if max_batch > 1:
         assert sched.passes < passes  # sequences shared passes
     assert sum(g.stats["accepted_draft_tokens"] for g in got) > 0  # speculation ran inside the batch
+    # The engine thread's tally against what each request counted itself: every prompt token fed
+    # once, one decoding row per decode pass plus its drafts.
+    t = sched.tally
+    assert t.passes == sched.passes and t.forward_seconds > 0
+    assert t.prompt_rows == sum(len(p) for p, _, _ in _requests(model))
+    assert t.decoding == sum(g.stats["passes"] for g in got)
+    assert t.rows - t.prompt_rows == sum(g.stats["passes"] + g.stats["drafted_tokens"] for g in got)
+    assert t.decoding + len(got) <= t.sequences <= max_batch * t.passes
+    assert t.summary()["sequences_per_pass"] == pytest.approx(t.sequences / t.passes)
 
 
 def test_scheduler_takes_a_prefilled_state_and_cancels(model, alone):
@@ -256,7 +265,8 @@ def test_server_answers_equal_each_request_served_alone(model, clients):
         assert [got[k] for k in range(len(requests))] == alone
         if clients > 1:  # the concurrent requests shared passes
             assert scheduler.passes - alone_passes < alone_passes
-        assert srv.request("GET", "/health")[1]["running"] == 0
+        health = srv.request("GET", "/health")[1]
+        assert health["running"] == 0 and health["passes"]["passes"] == scheduler.passes
 
 
 def test_load_tool_reports_a_run(model):
@@ -286,27 +296,36 @@ def test_load_tool_reports_a_run(model):
     assert r["clients"] == 3 and 0 < r["completion_tokens"] <= 3 * 2 * 4 and r["errors"] == []
     assert r["ttft"]["n"] == 6 and r["itl"]["n"] > 0 and r["itl"]["p95_ms"] >= r["itl"]["p50_ms"]
     assert r["join"]["prompt_tokens"] == 20 and r["join"]["ttft_s"] > 0
+    # how the server batched the run, from its /metrics: every prompt token fed once
+    b = r["passes"]
+    assert b["passes"] > 0 and round(b["prompt_rows_per_pass"] * b["passes"]) == 3 * 2 * 5 + 20
+    assert 1 <= b["sequences_per_pass"] <= 4 and b["decoding_per_pass"] <= b["sequences_per_pass"]
+    assert b["forward_ms_per_pass"] > 0 and 0 < b["busy"]
 
 
 def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost():
     costs = PassCosts()
     assert costs.rows_for(1) == PASS_ROWS  # nothing known yet: as many rows as a pass takes
-    costs.record(1, 0.100, prompt=False)  # the running stream's pace; limit 0.15 s
+    costs.record(1, 0.100)  # the running stream's pace; limit 0.15 s
     assert costs.rows_for(1) == PASS_ROWS  # nothing above one row measured: priced as one row
-    costs.record(PASS_ROWS, 0.100 + 0.010 * (PASS_ROWS - 1), prompt=True)  # 10 ms per extra row
+    costs.record(PASS_ROWS, 0.100 + 0.010 * (PASS_ROWS - 1))  # 10 ms per extra row
     assert costs.estimate(4) == pytest.approx(0.130)  # between measured counts: a straight line
     assert costs.rows_for(1) == 6  # 0.150 s: the most that fit
-    assert costs.rows_for(1, crowd=0.5) == 6  # fewer newcomers than streams: the same allowance
-    assert costs.rows_for(1, crowd=1.2) == 9  # 1.2 newcomers per stream: limit 1.5 x 1.2 x 0.1 = 0.18 s
-    assert costs.rows_for(1, crowd=7) == PASS_ROWS  # seven wait beside one stream: a full pass
-    costs.record(6, 0.200, prompt=True)  # six rows measured slower than the line said
+    assert costs.rows_for(1, waiting=0) == 6  # (nobody waiting is priced as one newcomer)
+    assert costs.rows_for(1, waiting=2) == 11  # two newcomers: limit (1 + 0.5 x 2) x 0.1 = 0.2 s
+    assert costs.rows_for(1, waiting=7) == PASS_ROWS  # seven wait beside one stream: a full pass
+    # The pace is that of the decoding rows this pass carries, not of one stream: beside four
+    # streams (0.13 s on the line) one newcomer may take the pass to 0.195 s.
+    assert costs.rows_for(4) == 10
+    assert costs.rows_for(4, waiting=4) == PASS_ROWS  # four newcomers: limit 3 x 0.13 s
+    costs.record(6, 0.200)  # six rows measured slower than the line said
     assert costs.rows_for(1) == 3  # the line from 1 row to 6 now crosses the limit after 3
-    costs.record(3, 0.110, prompt=True)
+    costs.record(3, 0.110)
     assert costs.rows_for(1) == 4  # 3 -> 0.110, 4 -> 0.140 on the line from 3 to 6
-    costs.record(3, 0.300, prompt=True)  # a running mean: one slow pass moves it part of the way
+    costs.record(3, 0.300)  # a running mean: one slow pass moves it part of the way
     assert costs.seconds[3] == pytest.approx(0.110 + COST_SMOOTHING * 0.190)
     assert costs.rows_for(1) == 2  # at least one prompt row whatever the costs
     for _ in range(30):
-        costs.record(1, 0.500, prompt=False)  # the streams slowed down (more of them): the budget follows
+        costs.record(1, 0.500)  # one stream's passes slowed down: the budget follows
     assert costs.rows_for(1) == PASS_ROWS
     assert costs.rows_for(PASS_ROWS + 3) == PASS_ROWS  # more decoding rows than a pass takes

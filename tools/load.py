@@ -12,6 +12,11 @@ inter-token latency of the running streams is reported separately for the window
 newcomer's prompt is being read (from its send to its first token) and for the time before
 (``--join-after`` tokens of every running stream).
 
+The record also says how the server batched the run (``passes``, from its /metrics before and
+after): the forward passes it ran, the requests they carried on average (all, and those past their
+prompt), their rows, and the engine thread's milliseconds per pass in planning, the model, and
+taking the tokens, and the share of the run it was busy. Another client using the server at the same time shows in these too.
+
     python tools/load.py --url http://127.0.0.1:8000/v1 --clients 4 --max-tokens 32
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import openai
@@ -67,6 +73,45 @@ def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens:
 def gaps(streams: list[Stream], start: float = float("-inf"), end: float = float("inf")) -> list[float]:
     """Inter-token gaps (seconds) of the given streams whose later chunk arrived in [start, end)."""
     return [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:]) if start <= b < end]
+
+
+def server_counts(url: str) -> dict[str, float] | None:
+    """The server's pass counters (name{labels} -> value) from /metrics, None when it has none."""
+    base = url.rstrip("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    counts = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("deltafin_pass"):
+            counts[name] = float(value)
+    return counts or None
+
+
+def batching(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """Means per pass over the run, from the pass counters before and after it; ``busy``: the
+    share of the run's wall time the engine thread spent in passes."""
+    if not before or not after:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = d.get("deltafin_passes_total", 0.0)
+    if n <= 0:
+        return {"passes": 0}
+    per = lambda k: d.get(k, 0.0) / n  # noqa: E731
+    return {
+        "passes": int(n),
+        "sequences_per_pass": per("deltafin_pass_sequences_total"),
+        "decoding_per_pass": per("deltafin_pass_decoding_sequences_total"),
+        "decode_rows_per_pass": per('deltafin_pass_rows_total{kind="decode"}'),
+        "prompt_rows_per_pass": per('deltafin_pass_rows_total{kind="prompt"}'),
+        "plan_ms_per_pass": 1e3 * per('deltafin_pass_seconds_total{part="plan"}'),
+        "forward_ms_per_pass": 1e3 * per('deltafin_pass_seconds_total{part="forward"}'),
+        "take_ms_per_pass": 1e3 * per('deltafin_pass_seconds_total{part="take"}'),
+        "busy": sum(v for k, v in d.items() if k.startswith("deltafin_pass_seconds_total")) / wall,
+    }
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -123,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = [threading.Thread(target=work, args=(c,)) for c in range(args.clients)]
     for t in threads:
         t.start()
+    before = server_counts(args.url)
     started.wait()
     t0 = time.perf_counter()
     joined = None
@@ -140,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    passes = batching(before, server_counts(args.url), wall)
     everything = [s for per in streams for s in per]
     tokens = sum(s.completion_tokens for s in everything)
     record = {
@@ -149,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "completion_tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall if wall > 0 else 0.0,
         "ttft": percentiles([s.first - s.sent for s in everything]),
         "itl": percentiles(gaps(everything)),
+        "passes": passes,
         "errors": errors,
     }
     if joined is not None:
