@@ -167,30 +167,35 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
 
     marks: dict[str, float] = {}
 
+    # On CUDA the first decode passes of a process compile and tune the GPU kernels (seconds) and
+    # record the decode graph; the figures are the steady state's, so those passes are not timed. A
+    # resident model decodes 3 tokens of its own first. A streamed one must not (they would fill its
+    # expert slots with the measured prompt's experts): its first decode pass is left out instead.
+    cuda = model.engine.device.type == "cuda"
+    warmup = 3 if cuda and not model.streaming else 0
+    untimed = 1 if cuda and model.streaming and tokens > 2 else 0  # decode passes before the timed ones
+
     def on_pass(index: int, stats) -> None:
-        if index == 0:  # prefill done: probe the disk, then decode is measured from disk, not from cache
+        if index == 0:
             marks["first_token"] = time.perf_counter()
+        if index == untimed:  # probe the disk, then decode is measured from disk, not from cache
             if probing:
                 probe()
             drop_file_cache(files)
             marks["decode_start"] = time.perf_counter()
 
-    # A resident model on CUDA: the first passes of a process compile and tune the GPU kernels and
-    # record the decode graph (one-time costs, about a second); they run here, untimed, so the
-    # figures are the steady state's. Streamed models skip this: it would fill their expert slots.
-    warmup = 3 if model.engine.device.type == "cuda" and not model.streaming else 0
     if warmup:
         _decode(PassRecorder(model), prompts[:1], warmup)
     rec = PassRecorder(model, on_pass)
     cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
     gen_stats = _decode(rec, prompts, tokens)
-    if len(rec.passes) < 2:
+    if len(rec.passes) < 2 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
     if probing:
         probe()
-    prefill, decode = rec.passes[0], rec.passes[1:]
+    prefill, decode = rec.passes[0], rec.passes[1 + untimed:]
     d = summarize(decode)
     s_per_tok = decode_seconds / d["tokens"]
 
@@ -256,7 +261,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         },
         "peak_rss_bytes": peak_rss_bytes(),
         "tokens_per_pass": gen_stats.get("tokens_per_pass", 1.0),
-        "warmup_tokens": warmup,
+        "warmup_tokens": warmup + untimed,
         "raw_read": raw,
         "cache_drop": cache_drop,
         "settings": dataclasses.asdict(settings),

@@ -57,6 +57,11 @@ class DecodeGraphs:
         dev = engine.device
         self.x = torch.zeros(1, engine.cfg.hidden_size, dtype=engine.dtype, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        # The pass's input row and position are written on the host into page-locked buffers, so
+        # their copies to the device are queued without waiting (a pageable copy waits, each time).
+        pin = dev.type == "cuda"
+        self.x_host = torch.zeros(1, engine.cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
+        self.pos_host = torch.zeros(1, dtype=torch.long, pin_memory=pin)
 
     @staticmethod
     def possible(engine) -> bool:
@@ -70,14 +75,16 @@ class DecodeGraphs:
                 and s.logits != "none")
 
     def run(self, seq, ids_t: torch.Tensor, stats) -> torch.Tensor:
-        """The pass of one sequence's one new token; float32 logits [1, vocab] on the host."""
+        """The pass of one sequence's one new token, queued; float32 logits [1, vocab] on the device."""
         t0 = time.perf_counter()
         state = seq.state
         n = state.num_tokens
         self._fit(n + 1)
         self._adopt(state)
-        self.pos.fill_(n)
-        self.x.copy_(self.engine.embed(ids_t))
+        self.pos_host[0] = n
+        self.x_host.copy_(self.engine.provider.globals()["embed"][ids_t])  # widened to fp32 here
+        self.pos.copy_(self.pos_host, non_blocking=True)
+        self.x.copy_(self.x_host, non_blocking=True)
         if self.graph is None:
             logits = self._recorded_mode(seq, stats, capture=False)
             if self.record:
@@ -87,10 +94,9 @@ class DecodeGraphs:
         else:
             self.graph.replay()
             self.replayed += 1
-            logits = self.out
+            logits = self.out.clone()  # the recorded output buffer is the next replay's
             for k, v in self.counts.items():
                 setattr(stats, k, getattr(stats, k) + v)
-        logits = logits.cpu()
         for st in state.layers:
             if isinstance(st, MLAState):
                 st.length += 1

@@ -101,7 +101,9 @@ class Engine:
         """One pass for several sequences: each consumes its ids after what its own state holds.
 
         Their rows are concatenated, so every weight is read once for all of them; attention runs
-        per sequence over its own state. Returns each sequence's logits as ``Seq.logits`` asks.
+        per sequence over its own state. Returns each sequence's float32 logits as ``Seq.logits``
+        asks, on the host, or on the compute device when every sequence asks for that
+        (``Seq.on_device``). Either way the pass has ended on the device when this returns.
         """
         ids_t = _check_batch(seqs, self.cfg.vocab_size)
         stats = PassStats(tokens=len(ids_t))
@@ -116,9 +118,12 @@ class Engine:
             small = self.device.type == "cpu" and len(ids_t) <= cpu_native.GEMV_MAX_ROWS
             with cpu_native.decode_threads() if small else contextlib.nullcontext():
                 logits = self.device_pass(self.embed(ids_t), seqs, stats)
-            c0 = time.perf_counter()
+        c0 = time.perf_counter()
+        if all(s.on_device for s in seqs):
+            _wait_for(self.device)  # the pass's time includes the device's work
+        else:
             logits = logits.cpu()
-            stats.compute_seconds += time.perf_counter() - c0
+        stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - t0
         for s in seqs:
             s.state.num_tokens += len(s.ids)
@@ -178,6 +183,17 @@ class Seq:
     state: DecodeState
     keep_states: bool = False  # record what a later rollback() needs (speculation)
     logits: str = "all"  # "all" positions | "last" position | "none" (a prompt chunk that is not the last)
+    # Leave the logits on the compute device: a caller that only picks tokens from them (greedy
+    # argmax) then reads back a few ids instead of a vocabulary-wide row per position.
+    on_device: bool = False
+
+
+def _wait_for(device: torch.device) -> None:
+    """Wait until the work queued on `device` so far is done."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _logit_count(s: Seq) -> int:
@@ -204,8 +220,9 @@ def _check_batch(seqs: list[Seq], vocab: int) -> torch.Tensor:
             raise ValueError(f"Seq.logits must be 'all', 'last' or 'none', got {s.logits!r}")
         if not s.ids:
             raise ValueError("forward() needs at least one token id")
-    ids_t = torch.as_tensor([t for s in seqs for t in s.ids], dtype=torch.long)
-    bad = ids_t[(ids_t < 0) | (ids_t >= vocab)]
-    if bad.numel():
-        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
-    return ids_t
+    ids = [t for s in seqs for t in s.ids]
+    # Checked on the host's list: a decode step has one id, and tensor ops here cost more than it.
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {vocab})")
+    return torch.as_tensor(ids, dtype=torch.long)

@@ -197,7 +197,7 @@ class Decoding:
             piece = self.prompt[self.fed:self.fed + n]
             last = self.fed + len(piece) == len(self.prompt)
             self._pass = (self.state.num_tokens, [])
-            return Seq(piece, self.state, False, "last" if last else "none")
+            return Seq(piece, self.state, False, "last" if last else "none", on_device=True)
         draft: list[int] = []
         if self.spec:
             # No point verifying more tokens than may still be produced (the bonus token is one).
@@ -207,7 +207,7 @@ class Decoding:
             if room > 0:
                 draft = _check_ids(list(self.drafter(self.context, room))[:room], self.vocab, "draft")
         self._pass = (self.state.num_tokens, draft)
-        return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all")
+        return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all", on_device=True)
 
     def take(self, logits: torch.Tensor | None) -> None:
         """The logits of the pass ``next_pass()`` asked for."""
@@ -269,6 +269,8 @@ class Decoding:
         return Generation(self.out.tokens, self.out.text(), self.finish, stats, self.generated, self.state)
 
     def _pick(self, logits: torch.Tensor) -> list[int]:
+        """The produced token(s): logits may be on the compute device (``next_pass`` asks for that),
+        where the argmax runs too, so only the chosen ids come back to the host."""
         if self.rng is not None:
             return [_sample(logits[-1], self.temperature, self.top_k, self.top_p, self.rng)]
         return logits.argmax(dim=-1).tolist()

@@ -130,3 +130,22 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
         assert (got - want).abs().max().item() < tol * want.abs().max().item()
     # a replay accounts the bytes the recorded pass read
     assert m.engine.last_pass.bytes_on_device == plain.engine.last_pass.bytes_on_device > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_logits_stay_on_the_device_when_asked(tiny_k3_path):
+    from deltafin.engine import Seq
+    m = deltafin.load(tiny_k3_path, device="cuda", stream="off", dtype="float32")
+    on_host, on_device = m.new_state(), m.new_state()
+    kept = []
+    # the prompt (plain pass), the recording pass, then replays; the two states take turns
+    for ids in (PROMPT, [5], [6], [7], [8]):
+        want = m.forward_batch([Seq(ids, on_host)])[0]
+        got = m.forward_batch([Seq(ids, on_device, on_device=True)])[0]
+        assert want.device.type == "cpu" and got.is_cuda
+        assert (got.cpu() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        kept.append((got, got.cpu()))
+    assert m.engine.graphs.replayed >= 4
+    # logits handed out earlier are not the replay's output buffer: later passes leave them alone
+    for got, copy in kept:
+        assert torch.equal(got.cpu(), copy)
