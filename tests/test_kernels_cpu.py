@@ -784,3 +784,25 @@ def test_dense_gemv_t_items_match_the_dequantized_transposed_product(kind, depth
     for threads in (2, 3):
         assert torch.equal(cpu_native.dense_gemv_t_items(xs, [w for w, _ in ws], [s for _, s in ws],
                                                          threads=threads, use_simd=use_simd), y)
+
+
+@native
+def test_linears_equal_one_linear_per_weight(monkeypatch):
+    """ops.linears: one native call for int8 or bf16 weights of one shape (decode-sized rows), the
+    plain per-weight products otherwise; the values are ops.linear's bit for bit either way."""
+    g = torch.Generator().manual_seed(9)
+    int8 = [quantize(torch.randn(48, 80, generator=g), "int8") for _ in range(3)]
+    bf16 = [torch.randn(48, 80, generator=g).bfloat16() for _ in range(2)]
+    other = [torch.randn(48, 80, generator=g), quantize(torch.randn(40, 80, generator=g), "int8")]
+    calls = []
+    real = cpu_native.dense_gemv_items
+    monkeypatch.setattr(cpu_native, "dense_gemv_items", lambda *a: calls.append(1) or real(*a))
+    for ws, native_call in [(int8, True), (bf16, True), (int8[:1] + bf16[:1], False), (int8[:1] + other[1:], False),
+                            (other[:1] * 2, False)]:
+        for shape in [(1, 80), (2, 3, 80), (cpu_native.GEMV_MAX_ROWS + 1, 80)]:
+            x = torch.randn(*shape, generator=g)
+            calls.clear()
+            got = ops.linears(x, ws)
+            assert len(calls) == int(native_call and x.numel() // 80 <= cpu_native.GEMV_MAX_ROWS)
+            want = [ops.linear(x, w) for w in ws]
+            assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)

@@ -8,7 +8,7 @@ import torch
 from ..kernels import experts_cpu
 from ..kernels.grouped import Stacked, grouped_mlp
 from .binding import Bindable
-from .ops import linear, rms_norm, silu_glu, situ_glu
+from .ops import linear, linears, rms_norm, silu_glu, situ_glu
 
 
 def glu(cfg, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def glu(cfg, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def mlp(cfg, x, w_gate, w_up, w_down) -> torch.Tensor:
-    return linear(glu(cfg, linear(x, w_gate), linear(x, w_up)), w_down)
+    return linear(glu(cfg, *linears(x, [w_gate, w_up])), w_down)
 
 
 class DenseMLP(Bindable):

@@ -53,6 +53,24 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return torch.cat([F.linear(x, w[r:r + rows].to(x.dtype)) for r in range(0, w.shape[0], rows)], dim=-1)
 
 
+def linears(x: torch.Tensor, ws: list) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws], the same values; decode-sized float32 rows on the CPU against int8
+    or bf16 weights of one shape (a KDA layer's q, k and v; an MLP's gate and up) run as one native
+    call instead of one per weight."""
+    if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1:
+        from ..kernels import cpu_native
+        from ..kernels.linear import native_dense
+        rows = x.reshape(-1, x.shape[-1])
+        dense = [native_dense(w) for w in ws]
+        if (rows.shape[0] <= cpu_native.GEMV_MAX_ROWS and all(d is not None for d in dense)
+                and len({(d[0].shape, d[0].dtype) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
+                and cpu_native.available()):
+            rows = rows.contiguous()
+            y = cpu_native.dense_gemv_items([rows] * len(ws), [d[0] for d in dense], [d[1] for d in dense])
+            return list(y.view(len(ws), *x.shape[:-1], -1).unbind(0))
+    return [linear(x, w) for w in ws]
+
+
 def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
     """x @ W^T with x rounded to w.dtype and the result rounded to it, on the fastest kernel here.
 
