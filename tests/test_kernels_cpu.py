@@ -624,32 +624,24 @@ def test_linear_float32_by_bf16_falls_back_to_torch_without_library(monkeypatch)
 
 @pytest.mark.skipif(cpu_native.simd() != "avx2",
                     reason="the AVX2 gemvs run only where AVX2 is the widest code")
-@pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (9, 300, 9)])
-def test_avx2_dense_gemvs_are_bit_identical_to_the_portable_code(out, n, m):
-    g = torch.Generator().manual_seed(out * n + m)
-    x = torch.randn(m, n, generator=g) * 3
-    w = _random_bf16(out, n, seed=n)
-    assert torch.equal(cpu_native.bf16_gemv(x, w), cpu_native.bf16_gemv(x, w, use_simd=False))
-    for threads in (1, 3):  # and the thread split changes nothing
-        assert torch.equal(cpu_native.bf16_gemv(x, w, threads=threads), cpu_native.bf16_gemv(x, w, use_simd=False))
-
-
-@pytest.mark.skipif(cpu_native.simd() != "avx2",
-                    reason="the AVX2 gemvs run only where AVX2 is the widest code")
-@pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (9, 300, 9), (4, 2304, 16)])
-def test_avx2_int8_gemv_fuses_products_and_ignores_the_thread_split(out, n, m):
-    """The int8 gemv's AVX2 code multiplies and adds in one rounding (FMA, ~2x the products per cycle):
-    within float rounding of the reference, whatever the row blocks, x blocks and thread split."""
+@pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (9, 300, 9), (12, 2304, 16)])
+def test_avx2_dense_gemvs_fuse_products_and_ignore_the_thread_split(out, n, m):
+    """The int8 and bf16 gemvs' AVX2 code multiplies and adds in one rounding (FMA, ~2x the products per
+    cycle): within float rounding of the reference, whatever the row blocks, x blocks and thread split."""
     g = torch.Generator().manual_seed(out * n + m)
     x = torch.randn(m, n, generator=g) * 3
     codes = torch.randint(-127, 128, (out, n), generator=g, dtype=torch.int8)
     scale = torch.rand(out, 1, generator=g) + 0.01
-    y = cpu_native.int8_gemv(x, codes, scale)
+    w = _random_bf16(out, n, seed=n)
+    y, yb = cpu_native.int8_gemv(x, codes, scale), cpu_native.bf16_gemv(x, w)
     _assert_int8_close(y, x, codes, scale)
+    _assert_bf16_close(yb, x, w)
     for threads in (2, 3):
         assert torch.equal(cpu_native.int8_gemv(x, codes, scale, threads=threads), y)
+        assert torch.equal(cpu_native.bf16_gemv(x, w, threads=threads), yb)
     for rows in range(m):  # a row of x gives the same result alone as among the others
         assert torch.equal(cpu_native.int8_gemv(x[rows:rows + 1], codes, scale), y[rows:rows + 1])
+        assert torch.equal(cpu_native.bf16_gemv(x[rows:rows + 1], w), yb[rows:rows + 1])
 
 
 @pytest.mark.skipif(cpu_native.simd() != "avx2",
