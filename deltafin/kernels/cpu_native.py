@@ -320,35 +320,35 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None,
     return y
 
 
-def _dense_kind(w: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """1 for int8 codes with their float32 row scale [rows, 1], 0 for a bf16 weight (no scale)."""
-    if w.dtype == torch.int8 and scale is not None:
-        int8_check_shapes(w, scale)
-        return 1
-    if w.dtype == torch.bfloat16 and scale is None and w.dim() == 2:
-        return 0
-    raise ValueError(f"a dense item needs int8 codes with a scale or a bf16 weight, got {w.dtype} "
-                     f"{tuple(w.shape)} with{'out' if scale is None else ''} a scale")
-
-
 def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
                  x_width: int, y_width: int) -> tuple[torch.Tensor, list, int]:
     """Checks the items (one weight shape and kind, contiguous CPU tensors, float32 x [M, x_width])
     and returns y float32 [sum of M, y_width] (item i's rows after item i-1's), the ctypes arrays
-    (x, rows, weights, scales, y) and the kind."""
+    (x, rows, weights, scales, y) and the kind (1 int8, 0 bf16). The checks are what keeps a wrong
+    pointer out of C; they run for every item of every call, so they use torch's cheapest queries."""
     count = len(ws)
     if not count == len(xs) == len(scales) or count == 0:
         raise ValueError("dense items need one x and one scale (None for bf16) per weight, and at least one")
-    kind, shape = _dense_kind(ws[0], scales[0]), ws[0].shape
+    w0, s0 = ws[0], scales[0]
+    if w0.dtype == torch.int8 and s0 is not None:
+        int8_check_shapes(w0, s0)
+        kind, scale_shape = 1, s0.shape
+    elif w0.dtype == torch.bfloat16 and s0 is None and w0.dim() == 2:
+        kind, scale_shape = 0, None
+    else:
+        raise ValueError(f"a dense item needs int8 codes with a scale or a bf16 weight, got {w0.dtype} "
+                         f"{tuple(w0.shape)} with{'out' if s0 is None else ''} a scale")
+    shape, dtype = w0.shape, w0.dtype
     for x, w, s in zip(xs, ws, scales):
-        if w.shape != shape or _dense_kind(w, s) != kind:
+        if w.shape != shape or w.dtype != dtype or (s is None) != (kind == 0) or \
+                (s is not None and (s.shape != scale_shape or s.dtype != torch.float32)):
             raise ValueError(f"dense items need weights of one shape and kind: {tuple(w.shape)} {w.dtype} "
-                             f"and {tuple(shape)} {ws[0].dtype}")
+                             f"and {tuple(shape)} {dtype}")
         if x.dim() != 2 or x.shape[1] != x_width or x.dtype != torch.float32:
             raise ValueError(f"each x must be float32 [M, {x_width}], got {x.dtype} {tuple(x.shape)}")
         if not (x.is_contiguous() and w.is_contiguous() and (s is None or s.is_contiguous())):
             raise ValueError("dense items need contiguous tensors")
-        if x.device.type != "cpu" or w.device.type != "cpu" or (s is not None and s.device.type != "cpu"):
+        if not (x.is_cpu and w.is_cpu and (s is None or s.is_cpu)):
             raise ValueError("the native dense items need CPU tensors")
     rows = [x.shape[0] for x in xs]
     y = torch.empty(sum(rows), y_width, dtype=torch.float32)
