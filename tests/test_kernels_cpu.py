@@ -798,3 +798,23 @@ def test_linears_equal_one_linear_per_weight(monkeypatch):
             assert len(calls) == int(native_call and x.numel() // 80 <= cpu_native.GEMV_MAX_ROWS)
             want = [ops.linear(x, w) for w in ws]
             assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+
+
+@native
+def test_a_decode_pass_gives_torch_one_thread_and_the_native_kernels_all(tiny_kl_path, monkeypatch):
+    """cpu_native.decode_threads around a decode-sized CPU pass: the native products split over every
+    compute thread while torch's own ops run on one; a prompt pass keeps torch's threads; both are
+    restored after the pass."""
+    import deltafin
+    m = deltafin.load(tiny_kl_path, device="cpu", stream="off", threads=2)
+    seen = []
+    real = cpu_native.dense_gemv_items
+    monkeypatch.setattr(cpu_native, "dense_gemv_items",
+                        lambda *a, **k: seen.append((torch.get_num_threads(), cpu_native._threads(None))) or real(*a, **k))
+    st = m.new_state()
+    m.forward(list(range(5, 5 + cpu_native.GEMV_MAX_ROWS + 8)), st)  # a prompt pass
+    assert all(s == (2, 2) for s in seen)
+    seen.clear()
+    m.forward([7], st)
+    assert seen and all(s == (1, 2) for s in seen)
+    assert torch.get_num_threads() == 2 and cpu_native._threads(None) == 2
