@@ -943,38 +943,51 @@ static void run_parallel(task_fn fn, void *args, size_t size, int t) {
     pthread_mutex_unlock(&pool.busy);
 }
 
-struct slice {
-    const struct job *jb;
+/* Rows 0..out-1 of every job, handed out in chunks that the threads claim as they come free: a thread
+   that starts late (woken late, or sharing its core with another process) takes fewer chunks, and no
+   thread waits at the end for another's fixed share. A chunk is `chunk` rows (a multiple of the
+   kernel's block); a row's result never depends on the chunk it falls in. */
+struct row_chunks {
+    const struct job *jobs;
     rows_fn fn;
-    int64_t r0, r1;
+    int64_t out, chunk, per_job, total;
+    int64_t next;  /* the next chunk to claim (atomic) */
 };
 
-static void *run_slice(void *arg) {
-    const struct slice *sl = (const struct slice *)arg;
-    sl->fn(sl->jb, sl->r0, sl->r1);
+static void *run_row_chunks(void *arg) {
+    struct row_chunks *rc = (struct row_chunks *)arg;
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(&rc->next, 1, __ATOMIC_RELAXED);
+        if (i >= rc->total) break;
+        const int64_t r0 = (i % rc->per_job) * rc->chunk;
+        rc->fn(&rc->jobs[i / rc->per_job], r0, r0 + rc->chunk < rc->out ? r0 + rc->chunk : rc->out);
+    }
     return NULL;
 }
 
-/* Split rows 0..out-1 into `threads` contiguous slices; the calling thread takes the first. */
-static int run_rows(const struct job *jb, rows_fn fn, int threads) {
-    const int64_t by_size = (jb->out * jb->n * (jb->m > 0 ? jb->m : 1)) / MIN_WEIGHTS_PER_THREAD;
-    int64_t t = threads;
+/* Run fn over rows 0..out-1 of `count` jobs on up to `threads` threads (fewer when there are fewer
+   than MIN_WEIGHTS_PER_THREAD weight-rows of work each); `weights` is the call's total (weights x rows
+   of x), `align` the rows a chunk is a multiple of. Returns 0. */
+static int run_chunked(const struct job *jobs, int64_t count, rows_fn fn, int64_t out, int64_t weights,
+                       int64_t align, int threads) {
+    int64_t t = threads, by_size = weights / MIN_WEIGHTS_PER_THREAD, by_rows = count * ((out + align - 1) / align);
     if (t > by_size) t = by_size;
-    if (t > jb->out) t = jb->out;
-    if (t < 1) t = 1;
-    if (t == 1) {
-        fn(jb, 0, jb->out);
+    if (t > by_rows) t = by_rows;
+    if (t <= 1) {
+        for (int64_t i = 0; i < count; i++) fn(&jobs[i], 0, out);
         return 0;
     }
-    struct slice *sl = malloc((size_t)t * sizeof *sl);
-    if (!sl) {
-        fn(jb, 0, jb->out);
-        return 0;
-    }
-    for (int64_t i = 0; i < t; i++) sl[i] = (struct slice){jb, fn, jb->out * i / t, jb->out * (i + 1) / t};
-    run_parallel(run_slice, sl, sizeof *sl, (int)t);
-    free(sl);
+    /* About four chunks per thread and job: even shares, while most rows still have the kernels'
+       prefetch of the rows after them. */
+    const int64_t want = (out + 4 * t - 1) / (4 * t), chunk = (want + align - 1) / align * align;
+    struct row_chunks rc = {jobs, fn, out, chunk, (out + chunk - 1) / chunk, 0, 0};
+    rc.total = count * rc.per_job;
+    run_parallel(run_row_chunks, &rc, 0, (int)t);
     return 0;
+}
+
+static int run_rows(const struct job *jb, rows_fn fn, int threads) {
+    return run_chunked(jb, 1, fn, jb->out, jb->out * jb->n * (jb->m > 0 ? jb->m : 1), ROW_BLOCK, threads);
 }
 
 static void fill_factors(struct job *jb) {
@@ -1181,41 +1194,6 @@ static rows_fn dense_rows_fn(int is_int8, int use_simd) {
     return dense_gemv_rows_portable;
 }
 
-/* The items of one call and the row (or column) slice one thread computes of every item. */
-struct items_slice {
-    const struct job *jobs;
-    int64_t count;
-    rows_fn fn;
-    int64_t r0, r1;
-};
-
-static void *run_item_slices(void *arg) {
-    const struct items_slice *sl = (const struct items_slice *)arg;
-    for (int64_t i = 0; i < sl->count; i++)
-        if (sl->r0 < sl->r1) sl->fn(&sl->jobs[i], sl->r0, sl->r1);
-    return NULL;
-}
-
-/* Run fn over rows 0..out-1 of every job, split into contiguous slices (bounds rounded to
-   `align`) over up to `threads` threads; every thread takes its slice of every item, so the work
-   is even however few the items are, and a row's result never depends on the split. */
-static int run_dense_items(const struct job *jobs, int64_t count, rows_fn fn, int64_t out, int64_t weights,
-                     int64_t align, int threads) {
-    int64_t t = threads, by_size = weights / MIN_WEIGHTS_PER_THREAD, by_rows = (out + align - 1) / align;
-    if (t > by_size) t = by_size;
-    if (t > by_rows) t = by_rows;
-    if (t < 1) t = 1;
-    struct items_slice *sl = malloc((size_t)t * sizeof *sl);
-    if (!sl) return -1;
-    for (int64_t i = 0; i < t; i++) {
-        int64_t r0 = (by_rows * i / t) * align, r1 = (by_rows * (i + 1) / t) * align;
-        sl[i] = (struct items_slice){jobs, count, fn, r0 < out ? r0 : out, r1 < out ? r1 : out};
-    }
-    run_parallel(run_item_slices, sl, sizeof *sl, (int)t);
-    free(sl);
-    return 0;
-}
-
 /* Fill jobs[i] for the dense items; NULL when out of memory. */
 static struct job *dense_jobs(const float *const *x, const int64_t *m, const void *const *w,
                               const float *const *scale, float *const *y, int64_t count, int64_t out,
@@ -1242,7 +1220,7 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
     int64_t weights;
     struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, &weights);
     if (!jobs) return -1;
-    const int rc = run_dense_items(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
+    const int rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
     free(jobs);
     return rc;
 }
@@ -1326,7 +1304,7 @@ int dense_gemv_t_items_f32(const float *const *x, const int64_t *m, const void *
     if (use_simd && have_avx2_fma()) fn = dense_gemv_t_cols_avx2, align = T_COLS;
 #endif
     (void)use_simd;
-    const int rc = run_dense_items(jobs, count, fn, n, weights / (n > 0 ? n : 1) * depth, align, threads);
+    const int rc = run_chunked(jobs, count, fn, n, weights / (n > 0 ? n : 1) * depth, align, threads);
     free(jobs);
     return rc;
 }
