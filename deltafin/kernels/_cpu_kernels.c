@@ -734,13 +734,16 @@ static AVX2 void mxfp4_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
 
 #ifdef KERNELS_X86
 #define AVX2_FMA __attribute__((target("avx2,fma")))
-/* Rows of x handled together by the AVX2+FMA gemvs: R = 4 output rows x MB <= 2 rows of x keeps
-   its 8 accumulators and the decoded weights within the 16 vector registers. */
-#define X_BLOCK_AVX2 2
+/* Rows of x handled together by the AVX2+FMA gemvs: R = 4 output rows x 2 accumulators (the 16 lanes
+   of a step, summed apart as the portable code sums them) x MB rows of x, with the decoded weights,
+   within the 16 vector registers. */
+#define X_BLOCK_AVX2 1
 
 /* Dense weights (int8 codes or bf16 bits) on AVX2 with FMA: output rows r..r+R-1 for rows m0..m0+MB-1
    of x. Each step widens 16 weights of a row exactly to two float vectors (the loads folded into the
-   widening instructions) and fuses them into one accumulator per (row, row of x); several output rows
+   widening instructions) and fuses them into two accumulators per (row, row of x), its 16 lanes
+   summed apart and then in order as the portable code sums them (one accumulator of 8 lanes, half
+   the partial sums, made the rounding of a 2304-long bf16 row visibly larger); several output rows
    share each load of x. Against the portable code's separate multiply and add (about half the
    products per cycle: int8 measured 11.6 against 23.3 G weights/s on one core of an AVX2 EPYC with the
    weights in L2) it differs only in rounding order, like the AVX-512 code. `next`, when >= 0, is the
@@ -756,9 +759,9 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
     const float *x = jb->x + m0 * n;
     const char *next_w = next < 0 ? NULL : BF16 ? (const char *)(jb->bf16 + next * n)
                                                 : (const char *)(jb->codes + next * n);
-    __m256 acc[ROW_BLOCK][X_BLOCK_AVX2];
+    __m256 acc[ROW_BLOCK][X_BLOCK_AVX2][2];
     for (int k = 0; k < R; k++)
-        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
+        for (int i = 0; i < MB; i++) acc[k][i][0] = acc[k][i][1] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
         if (next_w && ((k0 * R * elem) & 63) == 0) {  /* R * 16 * elem bytes of the next rows per step */
             _mm_prefetch(next_w + k0 * R * elem, _MM_HINT_T1);
@@ -775,18 +778,20 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
                 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
                 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
             }
-            for (int i = 0; i < MB; i++)
-                acc[k][i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i * n + k0 + 8),
-                                            _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i * n + k0), acc[k][i]));
+            for (int i = 0; i < MB; i++) {
+                acc[k][i][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i * n + k0), acc[k][i][0]);
+                acc[k][i][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i * n + k0 + 8), acc[k][i][1]);
+            }
         }
     }
     float *y = (float *)jb->y;
     for (int k = 0; k < R; k++)
         for (int i = 0; i < MB; i++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, acc[k][i]);
+            float lanes[DENSE_STEP];
+            _mm256_storeu_ps(lanes, acc[k][i][0]);
+            _mm256_storeu_ps(lanes + 8, acc[k][i][1]);
             float sum = 0.0f;
-            for (int j = 0; j < 8; j++) sum += lanes[j];
+            for (int j = 0; j < DENSE_STEP; j++) sum += lanes[j];
             for (int64_t j = body; j < n; j++) sum += dense_weight(jb, r + k, j) * x[i * n + j];
             y[(m0 + i) * jb->out + r + k] = BF16 ? sum : sum * jb->row_scale[r + k];
         }
