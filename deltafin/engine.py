@@ -157,7 +157,7 @@ class Engine:
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
                 parts = [Rows(s.state.layers[i], len(s.ids), s.keep_states) for s in seqs]
                 h = tmpl(i, h, blocks, parts, chunk,
-                         lambda ids, i=i: self.provider.experts(i, ids, stats))
+                         lambda ids, residual, i=i: self.provider.experts(i, ids, stats, residual))
                 # Waiting for routed experts happens inside the layer; it is I/O, not compute.
                 stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
                 unbind(tmpl)

@@ -62,9 +62,11 @@ class Settings:
                             "appears (a set budget does the same below its ceiling). 0 = no cache. Printed at "
                             "start")
     prefetch: str = _knob("off", "when streaming, read a MoE layer's likely experts before its router runs, at the "
-                          "lowest read priority (demand reads go first and cancel a prefetch still under "
-                          "way): prev = the experts the previous token chose at that layer; off = none",
-                          choices=("off", "prev"))
+                          "lowest read priority (demand reads go first; a guess the router confirms while it "
+                          "is still being read is waited for, not read again): early = the layer's router "
+                          "applied one layer ahead to the residual stream; prev = the experts the previous "
+                          "token chose at that layer; off = none",
+                          choices=("off", "early", "prev"))
     io_workers: int = _knob(8, "parallel pread workers for routed experts")
     read_mode: str = _knob("nocache", "how expert and spine bytes are read: nocache (O_DIRECT, else drop pages "
                            "after use; fastest when streaming), buffered (page cache), mmap",

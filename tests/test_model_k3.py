@@ -67,12 +67,12 @@ def _loop_forward(m, ids):
             experts = prov._experts[i]
 
             class Ready:
-                def __init__(self, ids):
+                def __init__(self, ids, residual):
                     self.chosen = chosen_experts(ids)
 
                 def result(self):
                     return {e: experts[e] for e in self.chosen}
-            out = tmpl.mlp(x, Ready)
+            out = tmpl.mlp(x, Ready, m_in)
         else:
             out = tmpl.mlp(x)
         h = partial + out

@@ -1,6 +1,7 @@
-"""Expert prefetch (prefetch prev): the same logits as the plain streamed path, with and without a
-host-RAM cache; prefetched bytes are accounted; demand reads go before prefetches, and a cancelled
-prefetch reads nothing more."""
+"""Expert prefetch (prefetch prev / early): the same logits as the plain streamed path, with and
+without a host-RAM cache; prefetched bytes are accounted; demand reads go before prefetches, a
+cancelled prefetch reads nothing more, and a guess confirmed while still being read is waited for,
+not read again."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from deltafin.io.reader import PREFETCH, URGENT, AlignedBuffer, Batch, Files, Ru
 from deltafin.io.stream import StreamProvider
 from deltafin.settings import Settings, SettingsError
 
+from conftest import KL_CODE_TINY
 from test_ram_cache import host
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 300]
@@ -43,25 +45,29 @@ def decode(path, settings, **provider_kwargs):
     return logits, stats
 
 
-def settings(prefetch, budget):
+def settings(prefetch, budget, pin_layers=0):
     return Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": budget, "prefetch": prefetch,
-                             "read_mode": "buffered"})
+                             "read_mode": "buffered", "pin_layers": pin_layers})
 
 
 @pytest.mark.parametrize("budget", ["0", "auto"])
 @pytest.mark.parametrize("model", ["skewed-k3", "kl"])
-def test_prefetched_logits_equal_plain_streamed(tmp_path, skewed_k3, tiny_kl_path, model, budget):
+@pytest.mark.parametrize("mode", ["prev", "early"])
+def test_prefetched_logits_equal_plain_streamed(tmp_path, skewed_k3, tiny_kl_path, model, budget, mode):
     path = skewed_k3 if model == "skewed-k3" else tiny_kl_path
     host(tmp_path, free=8 * GiB)
     kw = {"memory_root": str(tmp_path), "watch": False} if budget != "0" else {}
-    want, plain = decode(path, settings("off", budget), **kw)
-    got, stats = decode(path, settings("prev", budget), **kw)
+    # early guesses need the next layer's router in memory: pinned spines make that certain here
+    pin = 99 if mode == "early" else 0
+    want, plain = decode(path, settings("off", budget, pin), **kw)
+    got, stats = decode(path, settings(mode, budget, pin), **kw)
     for k, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"pass {k} differs"
     assert all(s.prefetch_bytes == 0 for s in plain)
     fetched = sum(s.prefetch_bytes for s in stats)
     used = sum(s.prefetch_used_bytes for s in stats)
-    assert stats[0].prefetch_bytes == 0  # nothing to go on before the first pass
+    if mode == "prev":
+        assert stats[0].prefetch_bytes == 0  # nothing to go on before the first pass
     if budget == "0":
         assert 0 < used <= fetched
         # every disk byte is either what the plain path read or a prefetch it did not need
@@ -95,5 +101,58 @@ def test_demand_reads_go_first_and_cancelled_prefetch_reads_nothing(tmp_path):
 def test_prefetch_setting():
     assert Settings.resolve({}).prefetch == "off"
     assert Settings.resolve({}, env={"DELTAFIN_PREFETCH": "prev"}).prefetch == "prev"
-    with pytest.raises(SettingsError, match="prefetch.*allowed: off, prev"):
+    assert Settings.resolve({}, env={"DELTAFIN_PREFETCH": "early"}).prefetch == "early"
+    with pytest.raises(SettingsError, match="prefetch.*allowed: off, early, prev"):
         Settings.resolve({"prefetch": "psychic"})
+
+
+@pytest.mark.skipif(not KL_CODE_TINY.exists(), reason="the trained kl-code-tiny checkpoint is not beside the repository")
+def test_early_guess_is_mostly_right_on_a_trained_model():
+    """The next layer's router on this layer's residual stream: most of what it reads ahead is then
+    routed to (random routers could not show this; the trained model's residual stream carries over)."""
+    _, stats = decode(KL_CODE_TINY, settings("early", "0", pin_layers=99))
+    fetched = sum(s.prefetch_bytes for s in stats[1:])
+    used = sum(s.prefetch_used_bytes for s in stats[1:])
+    assert fetched > 0 and used / fetched > 0.5
+
+
+def test_guess_confirmed_while_reading_is_waited_for_not_read_again(tmp_path):
+    """A prefetch the router confirms before its read finished is handed over (``Ahead``), its
+    bytes counted once as prefetched and used, and its weights come when the read completes."""
+    import threading
+
+    from deltafin.engine import PassStats
+    from deltafin.io.prefetch import Ahead, Prefetcher
+    from deltafin.io.reader import Layout
+
+    data = os.urandom(2 * 4096)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    files = Files("buffered")
+    layout = Layout((Run(str(f), 0, 8192),), (0,), (), 8192)
+    gate = threading.Event()
+
+    class HeldPool:  # reads with the real files, once the test lets it
+        def submit(self, jobs, priority, on_done=None):
+            batch = Batch(len(jobs), on_done)
+
+            def run():
+                gate.wait()
+                for job in jobs:
+                    files.read(*job)
+                    batch.job_done(None, job[0].nbytes)
+            threading.Thread(target=run, daemon=True).start()
+            return batch
+
+    decoded = []
+    pf = Prefetcher(HeldPool(), lambda i, e: layout, lambda i, e, v: decoded.append(e) or f"weights of {e}")
+    stats = PassStats()
+    pf.start(3, stats, [7, 9])
+    got = pf.take(3, 7, stats)
+    assert isinstance(got, Ahead) and not got.batch.done()
+    assert stats.prefetch_bytes == stats.prefetch_used_bytes == stats.bytes_read == 8192
+    gate.set()
+    assert Prefetcher.collect(got) == "weights of 7" and decoded == [7]
+    assert bytes(got.buf.mem[:8192]) == data
+    pf.close()
+    files.close()

@@ -252,7 +252,7 @@ class DeviceProvider:
         stats.bytes_to_device += self._spine_bytes[i]
         return moved
 
-    def experts(self, i: int, ids, stats) -> Future:
+    def experts(self, i: int, ids, stats, residual=None) -> Future:
         stack = self._stacks.get(i)
         if stack is not None:
             # Every expert is here: no need to read the routing back. Counted as ids.numel() experts,
@@ -275,7 +275,7 @@ class DeviceProvider:
         if not missing:
             return done(got)
         _wait(self._expert_copy)  # the streamer reuses its expert slots in this call
-        pending = self._host.experts(i, missing, stats)
+        pending = self._host.experts(i, missing, stats, residual)
         for s in self._host._slots:
             self._copier.pin(s)
         return _Arriving(self, i, pending, got, stats)

@@ -1,21 +1,30 @@
 """Expert prefetch for the streaming provider: read a layer's likely experts before its router runs.
 
-Prediction (``prefetch prev``): the experts the previous pass's last token chose at the same layer
-(trained routers repeat many of them from token to token; tools/routing_stats.py measures how many).
+Two predictions (setting ``prefetch``):
+
+- ``early``: the next MoE layer's router applied to this layer's residual stream (the input of
+  this layer's MoE, normalized with the next layer's norm). The residual changes little from one
+  layer to the next, so the guess is good (tools/routing_stats.py measures it: 0.75 of the
+  experts chosen on the kl_medium benchmark model, 0.77 on a trained model), and it is made a whole
+  layer ahead: the reads run while this layer's experts and the next layer's attention compute.
+  It needs the next layer's router in memory (held by the host-RAM cache or pinned, or its spine's
+  read-ahead already complete); otherwise that layer is not guessed.
+- ``prev``: the experts the previous pass's last token chose at the same layer, queued when the
+  layer's spine is asked for (trained routers repeat some of them from token to token).
+
 The experts the host-RAM cache holds are left out: they cost nothing anyway.
 
-When: at ``start(i)``, called as layer i's spine is asked for (layer i-1 has finished, so its
-buffers are free), the reads of layer i's predicted experts are queued at ``PREFETCH`` (with the
-read-ahead, before the next layer's spine): they fill the disk while layer i's attention computes,
-and every demand read (routed experts, at URGENT) still goes first.
+Reads are queued at ``PREFETCH`` priority, behind every demand read (routed experts, at URGENT).
+``take(i, e)``, asked by the demand path for every routed expert that the cache does not hold,
+returns the expert's weights when its prefetch has completed, or the prefetch itself when it is
+still under way (``Ahead``: the demand path waits for it instead of reading the same bytes again;
+``collect`` then gives its weights). Guesses the router did not confirm are cancelled when the
+next guesses are made (their queued pieces are skipped; at most one piece per worker is still
+read).
 
-What stays in memory: one buffer per predicted expert (at most top-k), reused layer after layer.
-Prefetches nobody took are cancelled at the next layer; while a cancelled one still has pieces
-queued (the disk is busy with reads that are certainly needed), nothing new is prefetched, so the
-buffers stay at about two layers' worth. ``take(i, e)``, asked by the demand path for every routed expert that the cache does
-not hold, returns the expert's weights when its prefetch has completed; a prefetch still under way
-is cancelled (its queued pieces are skipped, at most one piece per worker is still read) and the
-expert is read on demand as without prefetch, so a demand read never waits for a prefetch.
+What stays in memory: one buffer per guessed expert, reused layer after layer, and the buffers of
+cancelled guesses until their last piece is read; while more than one layer's worth of those is
+outstanding, nothing new is guessed, which bounds the buffers to about three layers' worth.
 Buffers whose expert the cache admits are handed to the cache (no copy) and replaced.
 
 Accounting (into the pass's ``PassStats``): bytes read by prefetch (also counted as disk bytes),
@@ -27,31 +36,38 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.moe import chosen_experts
+from ..model.moe import chosen_experts, route
+from ..model.ops import rms_norm
 from .reader import PREFETCH, AlignedBuffer, Batch, Layout, ReadPool, chunked, views
 
 PREFETCH_CHUNK = 1 << 20  # pieces small enough that a cancelled prefetch holds a worker only briefly
 
 
 @dataclass
-class _Ahead:
+class Ahead:
     expert: int
     buf: AlignedBuffer
     layout: Layout
     batch: Batch
+    weights: object = None  # decoded once its read completed
+    kept: bool = False  # its buffer went to the host-RAM cache
+    taken_for: int | None = None  # the layer whose demand path took it (it computes from the buffer)
 
 
 class Prefetcher:
-    def __init__(self, pool: ReadPool, layout_of, decode, cache=None):
-        """`layout_of(i, e)`: expert e of layer i's Layout; `decode(i, e, views)`: its weights."""
+    def __init__(self, pool: ReadPool, layout_of, decode, cache=None, guesses: int = 8):
+        """`layout_of(i, e)`: expert e of layer i's Layout; `decode(i, e, views)`: its weights;
+        `guesses`: the most experts one layer's guess holds buffers for (top-k)."""
         self._pool = pool
         self._layout_of = layout_of
         self._decode = decode
         self._cache = cache
+        self._guesses = guesses
         self._last: dict[int, list[int]] = {}  # layer -> what the last token of the previous pass chose
         self._layer: int | None = None  # the layer whose experts are being prefetched
-        self._ahead: dict[int, _Ahead] = {}
-        self._retiring: list[_Ahead] = []  # cancelled, with pieces still queued or in flight
+        self._ahead: dict[int, Ahead] = {}
+        self._retiring: list[Ahead] = []  # cancelled, with pieces still queued or in flight
+        self._taken: list[Ahead] = []  # taken while under way: the demand path waits for them
         self._free: list[AlignedBuffer] = []
 
     def observe(self, i: int, ids) -> None:
@@ -60,11 +76,13 @@ class Prefetcher:
         last = ids[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else ids
         self._last[i] = chosen_experts(last)
 
-    def start(self, i: int, stats) -> None:
-        """Queue the reads of layer i's predicted experts (the previous layer's are done with)."""
-        self._release(stats)
-        predicted = self._last.get(i)
-        if not predicted or self._retiring:
+    def start(self, i: int, stats, predicted: list[int] | None = None, computing: int | None = None) -> None:
+        """Queue the reads of layer i's guessed experts (`predicted`, else what the previous pass
+        chose there); the guesses for the layers before are done with, and so are the buffers of
+        what they took, except layer `computing`'s (it has yet to compute from them)."""
+        self._release(stats, computing)
+        predicted = self._last.get(i) if predicted is None else predicted
+        if not predicted or len(self._retiring) > self._guesses:
             return  # the disk has not caught up with the last guesses: no new ones (bounds memory)
         cache = self._cache
         self._layer = i
@@ -74,42 +92,55 @@ class Prefetcher:
             lay = self._layout_of(i, e)
             buf = self._buffer(lay.capacity, stats)
             jobs = [(run, buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
-            self._ahead[e] = _Ahead(e, buf, lay, self._pool.submit(chunked(jobs, PREFETCH_CHUNK), PREFETCH))
+            self._ahead[e] = Ahead(e, buf, lay, self._pool.submit(chunked(jobs, PREFETCH_CHUNK), PREFETCH))
 
     def take(self, i: int, e: int, stats):
-        """Expert e of layer i if its prefetch completed (then its weights), else None (a prefetch
-        still under way is cancelled: the caller reads it on demand)."""
+        """Expert e of layer i: its weights if its prefetch completed, the prefetch (an ``Ahead``
+        to wait for, then ``collect``) if it is under way, else None (read it on demand)."""
         a = self._ahead.get(e) if self._layer == i else None
-        if a is None:
-            return None
-        if not a.batch.done() or a.batch.failed() or a.batch.cancelled:
-            a.batch.cancel()
+        if a is None or a.batch.failed() or a.batch.cancelled:
             return None
         del self._ahead[e]
-        _count(stats, a.batch)
-        weights = self._decode(i, e, views(a.buf.mem, a.layout))
+        # Counted now, as read in full: nothing cancels it any more.
+        nbytes = sum(run.nbytes for run in a.layout.runs)
+        stats.prefetch_bytes += nbytes
+        stats.bytes_read += nbytes
         stats.prefetch_used_bytes += a.layout.nbytes
+        a.taken_for = i
+        self._taken.append(a)
+        a.batch.add_done_callback(lambda error, i=i, a=a: self._keep(i, a) if error is None else None)
+        return a.weights if a.batch.done() else a
+
+    @staticmethod
+    def collect(a: Ahead):
+        """The weights of a prefetch taken while under way, once its batch completed."""
+        a.batch.wait()
+        return a.weights
+
+    def _keep(self, i: int, a: Ahead) -> None:
+        """Decode a taken prefetch (in the thread that completed its read) and offer it to the cache."""
+        a.weights = self._decode(i, a.expert, views(a.buf.mem, a.layout))
         cache = self._cache
-        if cache is not None and cache.admit_expert(i, e, a.buf.nbytes):
-            cache.put_expert(i, e, a.buf, weights)  # the cache keeps the buffer; a new one replaces it
-        else:
-            self._free.append(a.buf)  # reused once layer i is done (the next start())
-        return weights
+        if cache is not None and cache.admit_expert(i, a.expert, a.buf.nbytes):
+            cache.put_expert(i, a.expert, a.buf, a.weights)  # the cache keeps the buffer; a new one replaces it
+            a.kept = True
 
     def resident_bytes(self) -> int:
-        return sum(b.nbytes for b in self._free) + sum(a.buf.nbytes for a in [*self._ahead.values(), *self._retiring])
+        return sum(b.nbytes for b in self._free) + \
+            sum(a.buf.nbytes for a in [*self._ahead.values(), *self._retiring, *self._taken] if not a.kept)
 
     def close(self) -> None:
         """Cancel everything and wait for the pieces in flight (the buffers must outlive them)."""
-        self._release(None)
-        for a in self._retiring:
+        self._release(None, None)
+        for a in [*self._retiring, *self._taken]:
             try:
                 a.batch.wait()
             except Exception:
                 pass
         self._retiring.clear()
+        self._taken.clear()
 
-    def _release(self, stats) -> None:
+    def _release(self, stats, computing: int | None) -> None:
         """Cancel the prefetches nobody took. Their queued pieces are skipped when a worker gets to
         them (after every read that is wanted), so their buffers come back later, not now."""
         for a in self._ahead.values():
@@ -126,12 +157,37 @@ class Prefetcher:
             else:
                 still.append(a)
         self._retiring = still
+        # A taken prefetch's buffer comes back once the layer that took it has computed.
+        busy = []
+        for a in self._taken:
+            if a.taken_for == computing or not a.batch.done():
+                busy.append(a)
+            elif not a.kept:
+                self._free.append(a.buf)
+        self._taken = busy
 
     def _buffer(self, nbytes: int, stats) -> AlignedBuffer:
         for k, b in enumerate(self._free):
             if b.nbytes >= nbytes:
                 return self._free.pop(k)
         return AlignedBuffer(nbytes)
+
+
+def early_guess(cfg, residual: torch.Tensor, spine: dict) -> list[int]:
+    """The experts layer j's router (in `spine`, layer j's weights) would choose for rows of an
+    earlier layer's residual stream: each row's top-k, the most often chosen first, at most 2k.
+    None for a long pass (a prefill), whose demand reads cover most experts anyway."""
+    rows, k = residual.shape[0], cfg.experts_per_token
+    if rows * k > cfg.num_experts // 2 or "mlp.gate" not in spine:
+        return []
+    gate = spine["mlp.gate"]
+    bias = spine.get("mlp.e_score_correction_bias")
+    x = residual.detach().to("cpu", torch.float32)
+    x = rms_norm(x, spine["post_attention_layernorm"].float(), cfg.rms_norm_eps)
+    ids, _ = route(cfg, x, gate, bias if bias is not None else torch.zeros(gate.shape[0]))
+    counts = torch.bincount(ids.flatten(), minlength=cfg.num_experts)
+    ranked = counts.argsort(descending=True, stable=True)
+    return [int(e) for e in ranked[:2 * k] if counts[e] > 0]
 
 
 def _count(stats, batch: Batch) -> None:

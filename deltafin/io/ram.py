@@ -47,7 +47,7 @@ class RAMProvider:
         stats.bytes_from_ram += self._spine_bytes[i]
         return self._spines[i]
 
-    def experts(self, i: int, ids, stats) -> Future:
+    def experts(self, i: int, ids, stats, residual=None) -> Future:
         t0 = time.perf_counter()
         got = {e: self._experts[i][e] for e in chosen_experts(ids)}
         stats.bytes_from_ram += sum(self._expert_bytes[i][e] for e in got)

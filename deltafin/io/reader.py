@@ -228,17 +228,33 @@ class Batch:
         self._error: BaseException | None = None
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._on_done = on_done
+        self._callbacks = [on_done] if on_done is not None else []
+        self._finished = False
         if count == 0:
             self._finish()
 
     def _finish(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks, self._finished = self._callbacks, [], True
+        for fn in callbacks:
+            self._call(fn)
+        self._event.set()
+
+    def _call(self, fn) -> None:
         try:
-            if self._on_done is not None:
-                self._on_done(self._error)
+            fn(self._error)
         except BaseException as e:  # keep the worker alive; the waiter sees the error
             self._error = self._error or e
-        self._event.set()
+
+    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call fn(error) once every job finished and every callback given before has run: in the
+        thread that finishes the last job, or in this one when that already happened."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(fn)
+                return
+        self._event.wait()  # the earlier callbacks may still be running in the finishing thread
+        self._call(fn)
 
     def cancel(self) -> None:
         """Skip the jobs no worker has started; the batch completes once those in flight finish."""

@@ -27,6 +27,7 @@ cache) into the engine's ``PassStats``.
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from concurrent.futures import Future
@@ -34,7 +35,7 @@ from concurrent.futures import Future
 from ..model.moe import chosen_experts
 from ..settings import Settings
 from .memory import WATCH_INTERVAL_S, MemoryBudget, Watcher
-from .prefetch import Prefetcher
+from .prefetch import Ahead, Prefetcher, early_guess
 from .ram import done
 from .ram_cache import RamCache
 from .reader import AHEAD, SPINE_CHUNK, URGENT, AlignedBuffer, Batch, Files, Layout, ReadPool, chunked, \
@@ -142,8 +143,9 @@ class StreamProvider:
             self.budget_line = ("ram budget 0: no cache (every streamed byte is read per token)" if ceiling == 0
                                 else "")
         self._cache_version = -1
-        if settings.prefetch == "prev" and any(cfg.is_moe(i) for i in range(L)):
-            self.prefetcher = Prefetcher(self.pool, self._expert_layout, source.decode_expert, self.cache)
+        if settings.prefetch != "off" and any(cfg.is_moe(i) for i in range(L)):
+            self.prefetcher = Prefetcher(self.pool, self._expert_layout, source.decode_expert, self.cache,
+                                         guesses=2 * cfg.experts_per_token)
 
     # -- the provider protocol ---------------------------------------------------------------
     def globals(self) -> dict:
@@ -171,7 +173,7 @@ class StreamProvider:
         for b in self._spine_bufs:
             if b.held:  # layer i-1 is done with it
                 b.settle()
-        if self.prefetcher is not None and self.config.is_moe(i):
+        if self.prefetcher is not None and self.settings.prefetch == "prev" and self.config.is_moe(i):
             self.prefetcher.start(i, stats)  # queued first: needed before the next spine
         self._plan_reads()
         cached = self._pinned[i] if i < self.pin_layers else self.cache.spine(i) if self.cache else None
@@ -202,8 +204,10 @@ class StreamProvider:
             return weights
         return self.source.decode_spine(i, views(b.buf.mem, lay))
 
-    def experts(self, i: int, ids, stats) -> Future:
-        """Read the experts routed to (``ids``: the router's tensor, or a list of expert ids)."""
+    def experts(self, i: int, ids, stats, residual=None) -> Future:
+        """Read the experts routed to (``ids``: the router's tensor, or a list of expert ids).
+        ``residual``: the layer's residual stream at its MoE (rows of this pass), from which the
+        ``early`` prefetch guesses the next MoE layer's experts."""
         fut = _TimedFuture(stats)
         chosen = chosen_experts(ids)
         stats.experts_loaded += len(chosen)
@@ -217,16 +221,18 @@ class StreamProvider:
                     got[e] = w
             stats.experts_cached += len(got)
             stats.bytes_from_ram += sum(self._expert_layout(i, e).nbytes for e in got)
+        under_way = {}  # prefetches of chosen experts still reading: waited for, not read again
         if self.prefetcher is not None:
-            self.prefetcher.observe(i, ids)
+            if self.settings.prefetch == "prev":
+                self.prefetcher.observe(i, ids)
             for e in chosen:
                 w = self.prefetcher.take(i, e, stats) if e not in got else None
-                if w is not None:
+                if isinstance(w, Ahead):
+                    under_way[e] = w
+                elif w is not None:
                     got[e] = w
-        missing = [e for e in chosen if e not in got]
-        if not missing:
-            return done(got)
-        if self._expert_batch is not None:  # normally long done; after an error it may not be
+        missing = [e for e in chosen if e not in got and e not in under_way]
+        if self._expert_batch is not None and missing:  # normally long done; after an error it may not be
             try:
                 self._expert_batch.wait()
             except Exception:
@@ -267,12 +273,46 @@ class StreamProvider:
                     out[e] = decode(i, e, views(b.mem, lay))
                     if mine is not None:
                         cache.put_expert(i, e, mine, out[e])
+                for e, a in under_way.items():
+                    out[e] = Prefetcher.collect(a)
                 fut.set_result(out)
             except Exception as e:
                 fut.set_exception(e)
 
-        self._expert_batch = self.pool.submit(jobs, URGENT, finish)
+        waits = [a.batch for a in under_way.values()]
+        if missing:
+            self._expert_batch = self.pool.submit(jobs, URGENT)
+            waits.append(self._expert_batch)
+        if self.settings.prefetch == "early" and residual is not None:
+            self._guess_next(i, residual, stats)  # queued behind this layer's demand reads
+        if not waits:
+            finish(None)
+        else:
+            _when_all(waits, finish)
         return fut
+
+    def _guess_next(self, i: int, residual, stats) -> None:
+        """Prefetch ``early``: the next MoE layer's router on this layer's residual stream."""
+        j = next((n for n in range(i + 1, self.config.num_layers) if self.config.is_moe(n)), None)
+        router = self._router(j) if j is not None else None
+        guess = early_guess(self.config, residual, router) if router is not None else None
+        if guess:
+            self.prefetcher.start(j, stats, guess, computing=i)
+
+    def _router(self, j: int) -> dict | None:
+        """Layer j's spine if it is in memory now (pinned, cached, or its read-ahead complete)."""
+        if j < self.pin_layers:
+            return self._pinned[j]
+        if j not in self._streamable:
+            return None
+        if self.cache is not None:
+            w = self.cache.spine(j)
+            if w is not None:
+                return w
+        for b in self._spine_bufs:
+            if b.layer == j and b.batch is not None and b.batch.done() and not b.batch.failed():
+                return self.source.decode_spine(j, views(b.buf.mem, self._spine_layouts[j]))
+        return None
 
     # -- introspection -----------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
@@ -374,6 +414,23 @@ class StreamProvider:
             lay = self._expert_layouts[(i, e)] = make_layout(self.source.expert_infos(i, e),
                                                              _extent(self.source, "expert_extent", i, e))
         return lay
+
+
+def _when_all(batches: list[Batch], fn) -> None:
+    """Call fn(first error or None) once every batch completed (in the thread completing the last)."""
+    left, errors, lock = [len(batches)], [], threading.Lock()
+
+    def one(error):
+        with lock:
+            if error is not None:
+                errors.append(error)
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn(errors[0] if errors else None)
+
+    for b in batches:
+        b.add_done_callback(one)
 
 
 def _count(stats, origin: str, nbytes: int) -> None:

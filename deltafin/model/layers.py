@@ -53,7 +53,7 @@ class DecoderLayer(Bindable):
         p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
         m_in = attn_res(p, blocks, self.mlp_res_proj, self.mlp_res_norm, eps) if B else p
         x = rms_norm(m_in, self.post_attention_layernorm, eps)
-        return p + (self.mlp(x, fetch) if isinstance(self.mlp, MoE) else self.mlp(x))
+        return p + (self.mlp(x, fetch, m_in) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 def layer_kind(cfg: ModelConfig, i: int) -> tuple[str, bool]:

@@ -52,10 +52,10 @@ def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tup
     return ids, w * cfg.routed_scaling_factor
 
 
-# fetch(ids [T, k]) -> a handle whose .result() is {expert_id: (w1, w3, w2)} for the chosen experts,
-# or an ExpertStack of all of them (every expert resident on the device); the handle lets the caller
-# compute the shared expert while the routed experts are being read.
-ExpertFetch = Callable[[torch.Tensor], "object"]
+# fetch(ids [T, k], residual [T, H]) -> a handle whose .result() is {expert_id: (w1, w3, w2)} for the
+# chosen experts, or an ExpertStack of all of them (every expert resident on the device); the handle
+# lets the caller compute the shared expert while the routed experts are being read.
+ExpertFetch = Callable[[torch.Tensor, torch.Tensor], "object"]
 
 
 def chosen_experts(ids) -> list[int]:
@@ -78,10 +78,12 @@ class MoE(Bindable):
             if cfg.latent_norm:
                 self.slots(routed_expert_norm=(L,))
 
-    def forward(self, x: torch.Tensor, fetch: ExpertFetch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fetch: ExpertFetch, residual: torch.Tensor) -> torch.Tensor:
+        """x: the router's input (normalized); residual: the residual stream it came from (a
+        provider may guess the next layer's experts from it)."""
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
-        pending = fetch(ids)  # reads start now ...
+        pending = fetch(ids, residual)  # reads start now ...
         shared = (mlp(c, x, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
                   if c.num_shared_experts else 0.0)  # ... while the shared expert computes
         z = linear(x, self.routed_expert_down_proj) if c.latent_size else x
