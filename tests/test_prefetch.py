@@ -152,7 +152,54 @@ def test_guess_confirmed_while_reading_is_waited_for_not_read_again(tmp_path):
     assert isinstance(got, Ahead) and not got.batch.done()
     assert stats.prefetch_bytes == stats.prefetch_used_bytes == stats.bytes_read == 8192
     gate.set()
-    assert Prefetcher.collect(got) == "weights of 7" and decoded == [7]
+    got.batch.wait()
+    assert got.weights == "weights of 7" and decoded == [7]
     assert bytes(got.buf.mem[:8192]) == data
     pf.close()
     files.close()
+
+
+def test_demand_path_waits_for_guesses_still_being_read(tmp_path, skewed_k3):
+    """Prefetch reads held back until the router has confirmed one of them while it is still under
+    way: the pass waits for it (no second read of it) and computes the same logits."""
+    import threading
+
+    from deltafin.io.prefetch import Ahead
+
+    want, _ = decode(skewed_k3, settings("off", "0", 99))
+    src = open_source(skewed_k3)
+    s = settings("early", "0", 99)
+    provider = StreamProvider(src, s)
+    pf = provider.prefetcher
+    gate, held = threading.Event(), []
+    real_submit, real_take = pf._pool.submit, pf.take
+
+    def submit(jobs, priority, on_done=None):  # prefetch reads start once the gate opens
+        batch = Batch(len(jobs), on_done)
+        def run():
+            gate.wait()
+            inner = real_submit(jobs, priority)
+            inner.wait()
+            for job in jobs:
+                batch.job_done(None, job[0].nbytes)
+        threading.Thread(target=run, daemon=True).start()
+        return batch
+
+    def take(i, e, stats):
+        got = real_take(i, e, stats)
+        if isinstance(got, Ahead):
+            held.append(e)
+            gate.set()
+        return got
+
+    pf._pool = type("HeldPool", (), {"submit": staticmethod(submit)})()
+    pf.take = take
+    engine = Engine(src.config, provider, s)
+    state = engine.new_state()
+    got = [engine.forward(PROMPT, state)]
+    for _ in range(STEPS):
+        got.append(engine.forward([int(got[-1][-1].argmax())], state))
+    provider.close()
+    assert held, "no guess was confirmed while under way"
+    for k, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"pass {k} differs"

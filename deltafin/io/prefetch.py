@@ -17,8 +17,8 @@ The experts the host-RAM cache holds are left out: they cost nothing anyway.
 Reads are queued at ``PREFETCH`` priority, behind every demand read (routed experts, at URGENT).
 ``take(i, e)``, asked by the demand path for every routed expert that the cache does not hold,
 returns the expert's weights when its prefetch has completed, or the prefetch itself when it is
-still under way (``Ahead``: the demand path waits for it instead of reading the same bytes again;
-``collect`` then gives its weights). Guesses the router did not confirm are cancelled when the
+still under way (``Ahead``: the demand path waits for its batch instead of reading the same bytes
+again; its ``weights`` are decoded by then). Guesses the router did not confirm are cancelled when the
 next guesses are made (their queued pieces are skipped; at most one piece per worker is still
 read).
 
@@ -96,7 +96,8 @@ class Prefetcher:
 
     def take(self, i: int, e: int, stats):
         """Expert e of layer i: its weights if its prefetch completed, the prefetch (an ``Ahead``
-        to wait for, then ``collect``) if it is under way, else None (read it on demand)."""
+        whose batch to wait for; its ``weights`` are set by then) if it is under way, else None (read
+        it on demand)."""
         a = self._ahead.get(e) if self._layer == i else None
         if a is None or a.batch.failed() or a.batch.cancelled:
             return None
@@ -110,12 +111,6 @@ class Prefetcher:
         self._taken.append(a)
         a.batch.add_done_callback(lambda error, i=i, a=a: self._keep(i, a) if error is None else None)
         return a.weights if a.batch.done() else a
-
-    @staticmethod
-    def collect(a: Ahead):
-        """The weights of a prefetch taken while under way, once its batch completed."""
-        a.batch.wait()
-        return a.weights
 
     def _keep(self, i: int, a: Ahead) -> None:
         """Decode a taken prefetch (in the thread that completed its read) and offer it to the cache."""

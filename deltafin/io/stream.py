@@ -274,7 +274,7 @@ class StreamProvider:
                     if mine is not None:
                         cache.put_expert(i, e, mine, out[e])
                 for e, a in under_way.items():
-                    out[e] = Prefetcher.collect(a)
+                    out[e] = a.weights  # decoded by the prefetch's own callback, which ran first
                 fut.set_result(out)
             except Exception as e:
                 fut.set_exception(e)
