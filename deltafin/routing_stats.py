@@ -50,14 +50,14 @@ def trace_routing(model, prompt: list[int], new_tokens: int) -> RoutingTrace:
         pending.append((x.detach().float().clone(), gate_w, bias))
         return route(c, x, gate_w, bias)
 
-    def recording_experts(i, ids, stats):
+    def recording_experts(i, ids, stats, residual=None):
         x, gate_w, bias = pending.pop()
         rows.setdefault(i, []).append(ids.detach().cpu().clone())
         xs.setdefault(i, []).append(x.cpu())
         if i not in trace.routers:
             norm = model.engine.provider.spine(i, type(stats)())["post_attention_layernorm"]
             trace.routers[i] = (gate_w.float().cpu().clone(), bias.float().cpu().clone(), norm.float().cpu().clone())
-        return experts(i, ids, stats)
+        return experts(i, ids, stats, residual)
 
     moe.route = recording_route
     model.engine.provider.experts = recording_experts

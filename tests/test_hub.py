@@ -55,9 +55,9 @@ def test_first_answer_fetches_what_it_touches_and_a_second_run_nothing(hub, tiny
     touched = set()
     inner = ref.engine.provider.experts
 
-    def experts(i, ids, stats):  # the routed experts the local run reads, layer by layer
+    def experts(i, ids, stats, residual=None):  # the routed experts the local run reads, layer by layer
         touched.update((i, e) for e in chosen_experts(ids))
-        return inner(i, ids, stats)
+        return inner(i, ids, stats, residual)
 
     ref.engine.provider.experts = experts
     ids = ref.encode(PROMPT)

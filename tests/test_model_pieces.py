@@ -210,7 +210,7 @@ def test_latent_moe_matches_loop():
                    torch.randn(L, I, generator=gen) / I ** .5) for e in range(cfg.num_experts)}
 
     class Ready:
-        def __init__(self, ids):
+        def __init__(self, ids, residual):
             self.chosen = chosen_experts(ids)
 
         def result(self):
@@ -222,7 +222,7 @@ def test_latent_moe_matches_loop():
     # CPU its torch reference, computes the same function.
     stack = ExpertStack.from_experts([experts[e] for e in range(cfg.num_experts)])
     class Held:
-        def __init__(self, ids):
+        def __init__(self, ids, residual):
             pass
 
         def result(self):
@@ -281,7 +281,7 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
     monkeypatch.setattr(experts_cpu, "routed", counted)
 
     class Ready:
-        def __init__(self, ids):
+        def __init__(self, ids, residual):
             self.chosen = chosen_experts(ids)
 
         def result(self):

@@ -41,9 +41,9 @@ def record(path: str, tokens: int, prompts: int, use_random: bool, seed: int) ->
     passes: list[list[tuple[int, list[int]]]] = []
     real = provider.experts
 
-    def experts(i, ids, stats):
+    def experts(i, ids, stats, residual=None):
         passes[-1].append((i, sorted(set(ids.flatten().tolist()))))
-        return real(i, ids, stats)
+        return real(i, ids, stats, residual)
 
     provider.experts = experts
     start = provider.start_pass

@@ -78,12 +78,12 @@ class MoE(Bindable):
             if cfg.latent_norm:
                 self.slots(routed_expert_norm=(L,))
 
-    def forward(self, x: torch.Tensor, fetch: ExpertFetch, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fetch: ExpertFetch, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: the router's input (normalized); residual: the residual stream it came from (a
-        provider may guess the next layer's experts from it)."""
+        provider may guess the next layer's experts from it; None: x stands for it)."""
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
-        pending = fetch(ids, residual)  # reads start now ...
+        pending = fetch(ids, x if residual is None else residual)  # reads start now ...
         shared = (mlp(c, x, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
                   if c.num_shared_experts else 0.0)  # ... while the shared expert computes
         z = linear(x, self.routed_expert_down_proj) if c.latent_size else x
