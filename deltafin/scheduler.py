@@ -9,7 +9,8 @@ any request is active:
     ->  resolve the finished ones, which leave
 
 Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
-rows, and newcomers' prompts go in pieces sized by what passes have cost (``PassCosts``): a pass
+rows (up to MAX_PASS_ROWS where the measured costs say extra rows are nearly free, as when the
+weights stream from disk), and newcomers' prompts go in pieces sized by what passes have cost (``PassCosts``): a pass
 with a prompt piece may take at most PROMPT_COST_FACTOR times as long as the decoding sequences'
 rows alone, (PROMPT_COST_FACTOR - 1) of that again for each further newcomer waiting, so the streams already
 running keep their pace while a long prompt is read in, and a crowd of newcomers is let in
@@ -39,11 +40,19 @@ from .generate import Decoding
 
 log = logging.getLogger(__name__)
 
-# Rows a pass carries while sequences are decoding (their tokens and drafts, plus a newcomer's
-# prompt piece). The native CPU products read each weight once for up to this many rows
+# Rows the decoding sequences' tokens and drafts may always take (one kept for a newcomer's prompt
+# piece). The native CPU products read each weight once for up to this many rows
 # (kernels.cpu_native.GEMV_MAX_ROWS); past it every product pays for the extra rows, and the
 # running streams' inter-token time with it.
 PASS_ROWS = 16
+# Rows a pass carries at most while sequences decode, where the measured costs allow: streamed
+# from disk a pass reads the same bytes for 8 rows or 40, so drafts and prompt pieces beyond
+# PASS_ROWS come almost free (k3-slice, 8 clients: 16 rows left each stream one draft token and
+# newcomers 16 prompt rows a pass, while the passes cost 7-9 s of reads each).
+MAX_PASS_ROWS = 64
+# Drafts take rows beyond PASS_ROWS while a pass is estimated to cost at most this much more than
+# the decoding sequences' tokens alone (a rejected draft row then costs next to nothing).
+FREE_ROWS_COST = 1.1
 # How much longer than the decoding sequences' own pass a pass that also reads one newcomer's
 # prompt may take. Rows are not a measure of cost: in RAM, on small-k3, one decoding token plus 15
 # prompt rows cost ~4x the token alone, while beside 8 decoding tokens 8 more rows cost ~1.3x. At
@@ -62,10 +71,13 @@ class PassCosts:
     carried. ``rows_for(d, w)`` is how many rows a pass with ``d`` decoding rows may carry when it
     also reads the prompts of ``w`` waiting newcomers: the most whose cost stays within
     1 + (PROMPT_COST_FACTOR - 1) * w times the cost of the ``d`` rows alone, the pace the running
-    streams keep. A row count not measured yet is priced by straight lines between the nearest
-    measured ones (as the nearest below it when none is above), so the budget starts optimistic
-    (streamed from disk, extra rows cost almost nothing) and finds this model's costs on this
-    machine within a few passes, without trying every row count in turn."""
+    streams keep. ``draft_rows(n)``: how many rows ``n`` decoding sequences may fill with their
+    tokens and drafts. A row count not measured yet is priced by straight lines between the
+    nearest measured ones, and beyond the largest on the line from the smallest to the largest (as
+    the one measured count while there is only one, and then no more than PASS_ROWS rows), so the
+    budget starts optimistic (streamed from
+    disk, extra rows cost almost nothing) and finds this model's costs on this machine within a
+    few passes, without trying every row count in turn."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
@@ -79,25 +91,44 @@ class PassCosts:
             return self.seconds[rows]
         below = max((r for r in self.seconds if r < rows), default=None)
         above = min((r for r in self.seconds if r > rows), default=None)
-        if below is None or above is None:
-            nearest = below if below is not None else above
-            return None if nearest is None else self.seconds[nearest]
+        if below is None:
+            return None if above is None else self.seconds[above]
+        if above is None:  # beyond the largest: the line through the smallest and the largest
+            above, below = below, min(self.seconds)
+            if above == below:
+                return self.seconds[above]
+            lo, hi = self.seconds[below], self.seconds[above]
+            return max(hi, lo + (hi - lo) * (rows - below) / (above - below))
         lo, hi = self.seconds[below], self.seconds[above]
         return lo + (hi - lo) * (rows - below) / (above - below)
 
     def rows_for(self, decoding: int, waiting: int = 1) -> int:
-        """Rows (at least decoding + 1, at most PASS_ROWS) for a pass of ``decoding`` rows plus the
-        prompt pieces of ``waiting`` newcomers."""
-        least = decoding + 1
+        """Rows (at least decoding + 1, at most MAX_PASS_ROWS) for a pass of ``decoding`` rows plus
+        the prompt pieces of ``waiting`` newcomers (PASS_ROWS while nothing is measured)."""
         pace = self.estimate(decoding)
         if pace is None:
             return PASS_ROWS
-        limit = (1 + (PROMPT_COST_FACTOR - 1) * max(1, waiting)) * pace
-        for rows in range(least, PASS_ROWS + 1):
-            cost = self.estimate(rows)
-            if cost is not None and cost > limit:
-                return max(least, rows - 1)
-        return PASS_ROWS
+        return max(decoding + 1, self._most_rows(decoding + 1,
+                                                 (1 + (PROMPT_COST_FACTOR - 1) * max(1, waiting)) * pace))
+
+    def draft_rows(self, sequences: int) -> int:
+        """Rows (at least PASS_ROWS, at most MAX_PASS_ROWS) that ``sequences`` decoding sequences'
+        tokens and drafts may fill: beyond PASS_ROWS while the pass costs at most FREE_ROWS_COST
+        times their tokens alone."""
+        pace = self.estimate(sequences)
+        if pace is None:
+            return PASS_ROWS
+        return max(PASS_ROWS, self._most_rows(sequences + 1, FREE_ROWS_COST * pace))
+
+    def _most_rows(self, start: int, limit: float) -> int:
+        """The most rows (from start - 1 up to MAX_PASS_ROWS) whose estimated cost stays within
+        limit; up to PASS_ROWS only until two row counts are measured (a line then says what more
+        rows cost)."""
+        top = MAX_PASS_ROWS if len(self.seconds) > 1 else PASS_ROWS
+        for rows in range(start, top + 1):
+            if self.estimate(rows) > limit:
+                return rows - 1
+        return top
 
 
 def _mean(old: float | None, new: float) -> float:
@@ -253,13 +284,13 @@ class Scheduler:
         prefilling = [r for r in self._active if r.decoding.prefilling]
         if not decoding:
             return [(r, r.decoding.next_pass()) for r in prefilling]
-        # The decoding sequences first, each with a draft of what PASS_ROWS leaves (one row kept
+        # The decoding sequences first, each with a draft of what their rows leave (one row kept
         # for a newcomer); then newcomers, earliest first, share the prompt rows the cost budget
         # allows beside those rows (at least one row for the earliest).
-        spare = PASS_ROWS - (1 if prefilling else 0)
+        spare = self.costs.draft_rows(len(decoding)) - (1 if prefilling else 0)
         batch = [(r, r.decoding.next_pass(max_draft=max(0, spare // len(decoding) - 1))) for r in decoding]
         used = sum(len(seq.ids) for _, seq in batch)
-        room = min(PASS_ROWS, self.costs.rows_for(used, waiting=len(prefilling))) - used
+        room = self.costs.rows_for(used, waiting=len(prefilling)) - used
         for r in prefilling:
             if room <= 0 and len(batch) > len(decoding):
                 break

@@ -16,7 +16,7 @@ import torch
 
 from deltafin.engine import Seq
 from deltafin.generate import generate
-from deltafin.scheduler import COST_SMOOTHING, PASS_ROWS, PassCosts, Scheduler
+from deltafin.scheduler import COST_SMOOTHING, MAX_PASS_ROWS, PASS_ROWS, PassCosts, Scheduler
 from deltafin.serve import create_app
 
 ROUNDING = 1e-4  # fp32 logits of magnitude ~10: a few ulps of accumulated rounding
@@ -305,19 +305,24 @@ def test_load_tool_reports_a_run(model):
 
 def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost():
     costs = PassCosts()
-    assert costs.rows_for(1) == PASS_ROWS  # nothing known yet: as many rows as a pass takes
+    assert costs.rows_for(1) == PASS_ROWS  # nothing known yet: as many rows as a pass always takes
+    assert costs.draft_rows(1) == PASS_ROWS
     costs.record(1, 0.100)  # the running stream's pace; limit 0.15 s
-    assert costs.rows_for(1) == PASS_ROWS  # nothing above one row measured: priced as one row
+    assert costs.rows_for(1) == PASS_ROWS  # one row count measured: priced as one row, up to PASS_ROWS
     costs.record(PASS_ROWS, 0.100 + 0.010 * (PASS_ROWS - 1))  # 10 ms per extra row
     assert costs.estimate(4) == pytest.approx(0.130)  # between measured counts: a straight line
+    assert costs.estimate(40) == pytest.approx(0.490)  # beyond the largest: the same line
     assert costs.rows_for(1) == 6  # 0.150 s: the most that fit
     assert costs.rows_for(1, waiting=0) == 6  # (nobody waiting is priced as one newcomer)
     assert costs.rows_for(1, waiting=2) == 11  # two newcomers: limit (1 + 0.5 x 2) x 0.1 = 0.2 s
-    assert costs.rows_for(1, waiting=7) == PASS_ROWS  # seven wait beside one stream: a full pass
+    assert costs.rows_for(1, waiting=7) == 36  # seven beside one stream: limit 0.45 s, past PASS_ROWS
+    assert costs.rows_for(1, waiting=20) == MAX_PASS_ROWS
     # The pace is that of the decoding rows this pass carries, not of one stream: beside four
     # streams (0.13 s on the line) one newcomer may take the pass to 0.195 s.
     assert costs.rows_for(4) == 10
-    assert costs.rows_for(4, waiting=4) == PASS_ROWS  # four newcomers: limit 3 x 0.13 s
+    assert costs.rows_for(4, waiting=4) == 30  # four newcomers: limit 3 x 0.13 s
+    # 10 ms per row is no longer free: drafts get what they always get
+    assert costs.draft_rows(4) == PASS_ROWS
     costs.record(6, 0.200)  # six rows measured slower than the line said
     assert costs.rows_for(1) == 3  # the line from 1 row to 6 now crosses the limit after 3
     costs.record(3, 0.110)
@@ -325,7 +330,15 @@ def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost()
     costs.record(3, 0.300)  # a running mean: one slow pass moves it part of the way
     assert costs.seconds[3] == pytest.approx(0.110 + COST_SMOOTHING * 0.190)
     assert costs.rows_for(1) == 2  # at least one prompt row whatever the costs
-    for _ in range(30):
-        costs.record(1, 0.500)  # one stream's passes slowed down: the budget follows
-    assert costs.rows_for(1) == PASS_ROWS
-    assert costs.rows_for(PASS_ROWS + 3) == PASS_ROWS  # more decoding rows than a pass takes
+    assert costs.rows_for(MAX_PASS_ROWS + 3) == MAX_PASS_ROWS + 4  # more decoding rows than a pass takes
+
+
+def test_rows_beyond_pass_rows_when_passes_cost_the_same_whatever_their_rows():
+    costs = PassCosts()  # streamed from disk: the pass reads the same bytes for 1 row or 16
+    costs.record(1, 5.0)
+    costs.record(PASS_ROWS, 5.2)
+    costs.record(8, 5.1)
+    # 8 streams' tokens cost 5.1 s; up to 5.61 s drafts may fill more rows: the line from 1 row to
+    # PASS_ROWS goes on at 0.2 / 15 s per row, within 5.61 s up to 46 rows
+    assert costs.draft_rows(8) == 46
+    assert costs.rows_for(8 * 5) == MAX_PASS_ROWS  # drafts and a newcomer's prompt fill a whole pass
