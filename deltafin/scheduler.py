@@ -10,16 +10,17 @@ any request is active:
 
 Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
 rows (up to MAX_PASS_ROWS where the measured costs say extra rows are nearly free, as when the
-weights stream from disk), and newcomers' prompts go in pieces sized by what passes have cost (``PassCosts``): a pass
-with a prompt piece may take at most PROMPT_COST_FACTOR times as long as the decoding sequences'
-rows alone, (PROMPT_COST_FACTOR - 1) of that again for each further newcomer waiting, so the streams already
-running keep their pace while a long prompt is read in, and a crowd of newcomers is let in
-within a few passes (at least one prompt token per pass, earliest newcomer first). The decoding
-sequences' drafts share the rows first (one kept for a newcomer), so speculation keeps going
-beside a newcomer. With nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each
-request keeps its own drafts and sampling generator; pieces and draft lengths change speed only,
-so its output is the one it gets served alone (up to the rounding of products over a different
-number of rows, which leaves greedy tokens and seeded samples unchanged in the tests).
+weights stream from disk), and newcomers' prompts go in pieces sized by what passes have cost
+(``PassCosts``): a pass with a prompt piece may take at most PROMPT_COST_FACTOR times as long as
+the decoding sequences' rows alone, and (PROMPT_COST_FACTOR - 1) of that again for each further
+newcomer waiting, so the streams already running keep their pace while a long prompt is read in,
+and a crowd of newcomers is let in within a few passes (at least one prompt token per pass,
+earliest newcomer first). The decoding sequences' drafts share the rows first (one kept for a
+newcomer), so speculation keeps going beside a newcomer. With nobody decoding, prompts go in
+pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator;
+pieces and draft lengths change speed only, so its output is the one it gets served alone (up to
+the rounding of products over a different number of rows, which leaves greedy tokens and seeded
+samples unchanged in the tests).
 
 The engine thread tallies what its passes carried and where their time went (``PassTally``;
 the server's /metrics and /health show it).
@@ -75,9 +76,8 @@ class PassCosts:
     tokens and drafts. A row count not measured yet is priced by straight lines between the
     nearest measured ones, and beyond the largest on the line from the smallest to the largest (as
     the one measured count while there is only one, and then no more than PASS_ROWS rows), so the
-    budget starts optimistic (streamed from
-    disk, extra rows cost almost nothing) and finds this model's costs on this machine within a
-    few passes, without trying every row count in turn."""
+    budget starts optimistic (streamed from disk, extra rows cost almost nothing) and finds this
+    model's costs on this machine within a few passes, without trying every row count in turn."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}

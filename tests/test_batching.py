@@ -177,6 +177,45 @@ def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
     assert t.summary()["sequences_per_pass"] == pytest.approx(t.sequences / t.passes)
 
 
+class _FlatCosts(PassCosts):
+    """Every pass costs the same whatever its rows (as when a pass streams its weights from disk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = {1: 1.0, PASS_ROWS: 1.0}
+
+    def record(self, rows, seconds):
+        pass
+
+
+class _Widest:
+    """The model, noting the most rows a pass carried."""
+
+    def __init__(self, model):
+        self.model, self.widest = model, 0
+
+    def forward_batch(self, seqs):
+        self.widest = max(self.widest, sum(len(s.ids) for s in seqs))
+        return self.model.forward_batch(seqs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_scheduler_output_is_unchanged_by_passes_wider_than_pass_rows(model, alone):
+    widest = _Widest(model)
+    sched = Scheduler(widest, 8, PREFILL_CHUNK)
+    sched.costs = _FlatCosts()  # drafts and prompt pieces may fill up to MAX_PASS_ROWS rows
+    try:
+        futures = [sched.submit(p, n, **o, **_drafts(model, k, p, want.generated))
+                   for k, ((p, n, o), want) in enumerate(zip(_requests(model), alone))]
+        got = [f.result(timeout=300) for f in futures]
+    finally:
+        sched.close()
+    assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
+    assert PASS_ROWS < widest.widest <= MAX_PASS_ROWS
+
+
 def test_scheduler_takes_a_prefilled_state_and_cancels(model, alone):
     prefix, rest = _ids(model, 10, 50), _ids(model, 6, 51)
     held = model.new_state()

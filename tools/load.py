@@ -14,10 +14,9 @@ newcomer's prompt is being read (from its send to its first token) and for the t
 
 The record also says how the server batched the run (``passes``, from its /metrics before and
 after): the forward passes it ran, the requests they carried on average (all, and those past their
-prompt), their rows, and the engine thread's milliseconds per pass in planning, the model, and
-taking the tokens, and the share of the run it was busy. Another client using the server at the same time shows in these too.
-
-    python tools/load.py --url http://127.0.0.1:8000/v1 --clients 4 --max-tokens 32
+prompt), their rows, the engine thread's milliseconds per pass in planning, the model, and taking
+the tokens, and the share of the run it was busy. Another client using the server at the same
+time shows in these too.
 """
 from __future__ import annotations
 
