@@ -189,13 +189,14 @@ class _FlatCosts(PassCosts):
 
 
 class _Widest:
-    """The model, noting the most rows a pass carried."""
+    """The model, noting the most rows a pass carried and how many sequences each pass carried."""
 
     def __init__(self, model):
-        self.model, self.widest = model, 0
+        self.model, self.widest, self.sequences = model, 0, []
 
     def forward_batch(self, seqs):
         self.widest = max(self.widest, sum(len(s.ids) for s in seqs))
+        self.sequences.append(len(seqs))
         return self.model.forward_batch(seqs)
 
     def __getattr__(self, name):
@@ -214,6 +215,20 @@ def test_scheduler_output_is_unchanged_by_passes_wider_than_pass_rows(model, alo
         sched.close()
     assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
     assert PASS_ROWS < widest.widest <= MAX_PASS_ROWS
+
+
+def test_requests_sent_together_to_an_idle_engine_start_in_one_pass(model, alone):
+    widest = _Widest(model)
+    sched = Scheduler(widest, 2, PREFILL_CHUNK)
+    sched.costs.record(1, 600.0)  # a pass costs ten minutes: the first of two waits for the second
+    try:
+        (p, n, o), (q, m, u) = _requests(model)[:2]
+        first, second = sched.submit(p, n, **o), sched.submit(q, m, **u)
+        assert first.result(timeout=300).tokens == alone[0].tokens
+        assert second.result(timeout=300).tokens == alone[1].tokens
+    finally:
+        sched.close()
+    assert widest.sequences[0] == 2  # both prompts in the first pass
 
 
 def test_scheduler_takes_a_prefilled_state_and_cancels(model, alone):
