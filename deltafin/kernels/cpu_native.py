@@ -371,12 +371,7 @@ def dense_gemv_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: lis
     int8 codes ws[i] with row scale scales[i] (int8.py's layout) or as a bf16 ws[i] (scale None).
     Returns float32 [sum of M_i, out], item i's rows after item i-1's, each equal bit for bit to
     ``int8_gemv`` / ``bf16_gemv`` of that item alone; the threads share every item's rows."""
-    lib = _lib_or_raise()
-    y, args, kind = _dense_items(xs, ws, scales, ws[0].shape[1] if ws else 0, ws[0].shape[0] if ws else 0)
-    out, n = ws[0].shape
-    if y.numel() and lib.dense_gemv_items_f32(*args, len(ws), out, n, kind, _threads(threads), int(use_simd)):
-        raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
-    return y
+    return _dense_call(False, xs, ws, scales, threads, use_simd)
 
 
 def dense_gemv_t_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -385,9 +380,16 @@ def dense_gemv_t_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: l
     projection to its query): item i is xs[i] [M_i, depth] float32 @ W_i for W_i [depth, n], int8
     codes with row scales (one per depth row) or bf16. Returns float32 [sum of M_i, n] as
     ``dense_gemv_items``; equal to dequantize-then-matmul up to float32 rounding."""
+    return _dense_call(True, xs, ws, scales, threads, use_simd)
+
+
+def _dense_call(transposed: bool, xs, ws, scales, threads: int | None, use_simd: bool) -> torch.Tensor:
     lib = _lib_or_raise()
-    y, args, kind = _dense_items(xs, ws, scales, ws[0].shape[0] if ws else 0, ws[0].shape[1] if ws else 0)
-    depth, n = ws[0].shape
-    if y.numel() and lib.dense_gemv_t_items_f32(*args, len(ws), depth, n, kind, _threads(threads), int(use_simd)):
+    if not ws or ws[0].dim() != 2:
+        raise ValueError("dense items need at least one weight, each 2-D")
+    rows, cols = ws[0].shape[0], ws[0].shape[-1]
+    y, args, kind = _dense_items(xs, ws, scales, rows if transposed else cols, cols if transposed else rows)
+    fn = lib.dense_gemv_t_items_f32 if transposed else lib.dense_gemv_items_f32
+    if y.numel() and fn(*args, len(ws), rows, cols, kind, _threads(threads), int(use_simd)):
         raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
     return y
