@@ -3,6 +3,7 @@ them in qlinear and ops.linear."""
 from __future__ import annotations
 
 import importlib.util
+import types
 
 import pytest
 import torch
@@ -818,3 +819,16 @@ def test_a_decode_pass_gives_torch_one_thread_and_the_native_kernels_all(tiny_kl
     m.forward([7], st)
     assert seen and all(s == (1, 2) for s in seen)
     assert torch.get_num_threads() == 2 and cpu_native._threads(None) == 2
+
+
+def test_a_library_built_from_other_source_is_ignored_with_a_warning(monkeypatch):
+    """A built library of another ABI (an older install) is not called, and the user is told why the
+    products are slow, once."""
+    if importlib.util.find_spec(cpu_native.LIBRARY) is None:
+        pytest.skip("native CPU kernels not built")
+
+    def abi():  # the stale library's answer (a function takes the restype ctypes sets)
+        return cpu_native.ABI - 1
+    monkeypatch.setattr(cpu_native.ctypes, "CDLL", lambda path: types.SimpleNamespace(cpu_kernels_abi=abi))
+    with pytest.warns(RuntimeWarning, match=f"ABI {cpu_native.ABI - 1}, this deltafin needs {cpu_native.ABI}"):
+        assert cpu_native._library.__wrapped__() is None

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -50,7 +51,12 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(spec.origin)
         lib.cpu_kernels_abi.restype = _int
-        if lib.cpu_kernels_abi() != ABI:
+        built = lib.cpu_kernels_abi()
+        if built != ABI:
+            # Said once: otherwise every product silently runs in torch, several times slower.
+            warnings.warn(f"the native CPU kernels at {spec.origin} were built from other source (ABI {built}, "
+                          f"this deltafin needs {ABI}); products run in torch, much slower, until deltafin is "
+                          "installed again (./run.sh does it)", RuntimeWarning, stacklevel=2)
             return None
         lib.cpu_kernels_has_avx512.restype = _int
         lib.cpu_kernels_simd.restype = _int
