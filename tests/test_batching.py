@@ -150,15 +150,21 @@ def alone(model):
     return [generate(model, p, n, prefill_chunk=PREFILL_CHUNK, **o) for p, n, o in _requests(model)]
 
 
-@pytest.mark.parametrize("max_batch", [1, 3, 8])
-def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
-    sched = Scheduler(model, max_batch, PREFILL_CHUNK)
+def _run_all(sched, model, alone) -> list:
+    """Every request of _requests submitted at once (some with their own drafters); the results,
+    with the scheduler closed."""
     try:
         futures = [sched.submit(p, n, **o, **_drafts(model, k, p, want.generated))
                    for k, ((p, n, o), want) in enumerate(zip(_requests(model), alone))]
-        got = [f.result(timeout=300) for f in futures]
+        return [f.result(timeout=300) for f in futures]
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
+    sched = Scheduler(model, max_batch, PREFILL_CHUNK)
+    got = _run_all(sched, model, alone)
     for g, want in zip(got, alone):
         assert (g.tokens, g.finish_reason) == (want.tokens, want.finish_reason)
         assert g.state.num_tokens == want.state.num_tokens
@@ -207,12 +213,7 @@ def test_scheduler_output_is_unchanged_by_passes_wider_than_pass_rows(model, alo
     widest = _Widest(model)
     sched = Scheduler(widest, 8, PREFILL_CHUNK)
     sched.costs = _FlatCosts()  # drafts and prompt pieces may fill up to MAX_PASS_ROWS rows
-    try:
-        futures = [sched.submit(p, n, **o, **_drafts(model, k, p, want.generated))
-                   for k, ((p, n, o), want) in enumerate(zip(_requests(model), alone))]
-        got = [f.result(timeout=300) for f in futures]
-    finally:
-        sched.close()
+    got = _run_all(sched, model, alone)
     assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
     assert PASS_ROWS < widest.widest <= MAX_PASS_ROWS
 
