@@ -14,9 +14,11 @@ from deltafin.checkpoint.synthetic import make_checkpoint
 from deltafin.kernels.linear import QWeight, dequantize
 from deltafin.model.binding import bind, unbind
 from deltafin.model.layers import attn_res, layer_kind
-from deltafin.model.moe import MoE, chosen_experts
+from deltafin.model.moe import MoE
 from deltafin.model.ops import linear, rms_norm
 from deltafin.model.state import Rows
+
+from test_model_pieces import fetch_from
 
 
 def _prompt(n, seed=0, vocab=500):
@@ -64,15 +66,7 @@ def _loop_forward(m, ids):
         m_in = attn_res(partial, blocks, w["mlp_res_proj"], w["mlp_res_norm"], cfg.rms_norm_eps)
         x = rms_norm(m_in, w["post_attention_layernorm"], cfg.rms_norm_eps)
         if isinstance(tmpl.mlp, MoE):
-            experts = prov._experts[i]
-
-            class Ready:
-                def __init__(self, ids, residual):
-                    self.chosen = chosen_experts(ids)
-
-                def result(self):
-                    return {e: experts[e] for e in self.chosen}
-            out = tmpl.mlp(x, Ready, m_in)
+            out = tmpl.mlp(x, fetch_from(prov._experts[i]), m_in)
         else:
             out = tmpl.mlp(x)
         h = partial + out

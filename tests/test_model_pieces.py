@@ -15,7 +15,14 @@ from deltafin.model.state import Rows
 from deltafin.kernels.grouped import ExpertStack
 from deltafin.model.moe import MoE, chosen_experts
 from deltafin.model.ops import situ_glu
+from deltafin.io.ram import done
 
+
+
+def fetch_from(experts: dict):
+    """A MoE layer's ``fetch`` that hands out the routed experts from `experts` at once (as an
+    in-RAM provider does)."""
+    return lambda ids, residual: done({e: experts[e] for e in chosen_experts(ids)})
 
 def k3_config(**over):
     text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=5, rms_norm_eps=1e-5, hidden_act="situ",
@@ -209,26 +216,12 @@ def test_latent_moe_matches_loop():
     experts = {e: (torch.randn(I, L, generator=gen) * 3 / L ** .5, torch.randn(I, L, generator=gen) / L ** .5,
                    torch.randn(L, I, generator=gen) / I ** .5) for e in range(cfg.num_experts)}
 
-    class Ready:
-        def __init__(self, ids, residual):
-            self.chosen = chosen_experts(ids)
-
-        def result(self):
-            return {e: experts[e] for e in self.chosen}
-
     x = torch.randn(4, cfg.hidden_size, generator=gen)
-    got = moe(x, Ready)
+    got = moe(x, fetch_from(experts))
     # Every expert held as one stack (a device provider's resident layer): the grouped path, on the
     # CPU its torch reference, computes the same function.
     stack = ExpertStack.from_experts([experts[e] for e in range(cfg.num_experts)])
-    class Held:
-        def __init__(self, ids, residual):
-            pass
-
-        def result(self):
-            return stack
-
-    stacked = moe(x, Held)
+    stacked = moe(x, lambda ids, residual: done(stack))
     assert (stacked - got).abs().max() < 1e-5
 
     def situ_vec(g, u):
@@ -280,20 +273,14 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
         return calls[-1]
     monkeypatch.setattr(experts_cpu, "routed", counted)
 
-    class Ready:
-        def __init__(self, ids, residual):
-            self.chosen = chosen_experts(ids)
-
-        def result(self):
-            return {e: experts[e] for e in self.chosen}
-
     x = torch.randn(7, cfg.hidden_size, generator=gen)
-    fused = moe(x, Ready)
+    fetch = fetch_from(experts)
+    fused = moe(x, fetch)
     assert len(calls) == 1 and calls[0] is not None  # the native path ran
-    alone = torch.cat([moe(x[t:t + 1], Ready) for t in range(7)])
+    alone = torch.cat([moe(x[t:t + 1], fetch) for t in range(7)])
     with monkeypatch.context() as m:
         m.setattr(experts_cpu, "applies", lambda z, e: False)
-        loop = moe(x, Ready)
+        loop = moe(x, fetch)
     if codec == "mxfp4":
         assert (fused - loop).abs().max() < 1e-4  # outputs ~20: float32 rounding
     else:  # the same products, activation and sums in the same order
@@ -303,8 +290,8 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
     long = torch.randn(60, cfg.hidden_size, generator=gen)  # 60 rows x 3 of 8 experts: > 16 rows each
     with monkeypatch.context() as m:
         m.setattr(experts_cpu, "applies", lambda z, e: False)
-        want = moe(long, Ready)
-    assert (moe(long, Ready) - want).abs().max() < 1e-4 and calls == [None]
+        want = moe(long, fetch)
+    assert (moe(long, fetch) - want).abs().max() < 1e-4 and calls == [None]
 
 
 def test_kda_steps_sequences_of_equal_length_together_like_each_alone():
