@@ -116,7 +116,7 @@ class Prefetcher:
         """Decode a taken prefetch (in the thread that completed its read) and offer it to the cache."""
         a.weights = self._decode(i, a.expert, views(a.buf.mem, a.layout))
         cache = self._cache
-        if cache is not None and cache.admit_expert(i, a.expert, a.buf.nbytes):
+        if cache is not None and cache.admit_expert(i, a.expert, a.buf.nbytes, a.buf):
             cache.put_expert(i, a.expert, a.buf, a.weights)  # the cache keeps the buffer; a new one replaces it
             a.kept = True
 

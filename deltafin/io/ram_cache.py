@@ -140,8 +140,9 @@ class RamCache:
             got = self._experts.get(i, e)
             return got[1] if got is not None else None
 
-    def admit_expert(self, i: int, e: int, capacity: int):
-        """The buffer to read expert e of layer i into, to keep it; None: not admitted.
+    def admit_expert(self, i: int, e: int, capacity: int, buf=None):
+        """The buffer to read expert e of layer i into, to keep it; None: not admitted. `buf`: the
+        expert is already read into a buffer of its own (a prefetch's), kept as it is when admitted.
 
         When the layer's slots are full, the coldest expert makes room and its buffer is reused
         (no allocation, no page faults): it is of the same layer, whose experts nobody reads while
@@ -157,9 +158,9 @@ class RamCache:
                 return None
             if old is not None and victim not in layer:
                 self._expert_held -= old.nbytes
-                if old.nbytes >= capacity:
+                if buf is None and old.nbytes >= capacity:
                     return old
-            return AlignedBuffer(capacity)
+            return buf if buf is not None else AlignedBuffer(capacity)
 
     def put_expert(self, i: int, e: int, buf, weights) -> None:
         with self._lock:
