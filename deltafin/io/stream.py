@@ -64,6 +64,7 @@ class _SpineBuffer:
         self.origin = "disk"  # where its bytes come from (see _count)
         self.batch: Batch | None = None
         self.held = False  # handed to the engine for the layer computing now
+        self.weights: dict | None = None  # its layer's weights, decoded once its read completed
 
     def settle(self) -> None:
         """Wait for an outstanding read (its result is no longer wanted) and forget it."""
@@ -72,7 +73,7 @@ class _SpineBuffer:
                 self.batch.wait()
             except Exception:
                 pass
-        self.layer, self.batch, self.held = None, None, False
+        self.layer, self.batch, self.held, self.weights = None, None, False, None
 
 
 class StreamProvider:
@@ -202,7 +203,7 @@ class StreamProvider:
             weights = self.source.decode_spine(i, views(keep.mem, lay))
             self.cache.put_spine(i, keep, weights)
             return weights
-        return self.source.decode_spine(i, views(b.buf.mem, lay))
+        return self._decoded(b)
 
     def experts(self, i: int, ids, stats, residual=None) -> Future:
         """Read the experts routed to (``ids``: the router's tensor, or a list of expert ids).
@@ -311,8 +312,14 @@ class StreamProvider:
                 return w
         for b in self._spine_bufs:
             if b.layer == j and b.batch is not None and b.batch.done() and not b.batch.failed():
-                return self.source.decode_spine(j, views(b.buf.mem, self._spine_layouts[j]))
+                return self._decoded(b)
         return None
+
+    def _decoded(self, b: _SpineBuffer) -> dict:
+        """The weights of the layer read into `b` (decoded once: a guess may have asked first)."""
+        if b.weights is None:
+            b.weights = self.source.decode_spine(b.layer, views(b.buf.mem, self._spine_layouts[b.layer]))
+        return b.weights
 
     # -- introspection -----------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
@@ -397,7 +404,7 @@ class StreamProvider:
             b.buf = None  # the old one goes first: the two never coexist
             b.buf = AlignedBuffer(max(self._ring_size, lay.capacity))
         jobs = [(run, b.buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
-        b.layer, b.held, b.origin = layer, False, self._where(lay)
+        b.layer, b.held, b.origin, b.weights = layer, False, self._where(lay), None
         self.files.prefetch(list(dict.fromkeys(run.file for run in lay.runs)))
         b.batch = self.pool.submit(chunked(jobs, SPINE_CHUNK), AHEAD)
         return b
