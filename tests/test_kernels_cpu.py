@@ -625,7 +625,7 @@ def test_linear_float32_by_bf16_falls_back_to_torch_without_library(monkeypatch)
 
 @pytest.mark.skipif(cpu_native.simd() != "avx2",
                     reason="the AVX2 gemvs run only where AVX2 is the widest code")
-@pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (9, 300, 9), (12, 2304, 16)])
+@pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (17, 200, 8), (9, 300, 9), (12, 2304, 16)])
 def test_avx2_dense_gemvs_fuse_products_and_ignore_the_thread_split(out, n, m):
     """The int8 and bf16 gemvs' AVX2 code multiplies and adds in one rounding (FMA, ~2x the products per
     cycle): within float rounding of the reference, whatever the row blocks, x blocks and thread split."""

@@ -734,10 +734,13 @@ static AVX2 void mxfp4_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
 
 #ifdef KERNELS_X86
 #define AVX2_FMA __attribute__((target("avx2,fma")))
-/* Rows of x handled together by the AVX2+FMA gemvs: R = 4 output rows x 2 accumulators (the 16 lanes
-   of a step, summed apart as the portable code sums them) x MB rows of x, with the decoded weights,
-   within the 16 vector registers. */
-#define X_BLOCK_AVX2 1
+/* Blocks of the AVX2+FMA dense gemvs, each within the 16 vector registers: every (output row, row of x)
+   pair takes 2 accumulators (the 16 lanes of a step, summed apart as the portable code sums them).
+   One row of x: 4 output rows (8 accumulators) share each load of x. Several rows of x: 2 output
+   rows x 3 rows of x (12 accumulators), so each widened weight feeds 3 rows' FMAs instead of one
+   (widening costs about as many instructions as the FMAs it feeds; x is read by the FMAs themselves). */
+#define X_BLOCK_AVX2 3
+#define ROW_BLOCK_AVX2_MULTI 2
 
 /* Dense weights (int8 codes or bf16 bits) on AVX2 with FMA: output rows r..r+R-1 for rows m0..m0+MB-1
    of x. Each step widens 16 weights of a row exactly to two float vectors (the loads folded into the
@@ -759,7 +762,7 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
     const float *x = jb->x + m0 * n;
     const char *next_w = next < 0 ? NULL : BF16 ? (const char *)(jb->bf16 + next * n)
                                                 : (const char *)(jb->codes + next * n);
-    __m256 acc[ROW_BLOCK][X_BLOCK_AVX2][2];
+    __m256 acc[ROW_BLOCK][X_BLOCK_AVX2][2];  /* R x MB of them used */
     for (int k = 0; k < R; k++)
         for (int i = 0; i < MB; i++) acc[k][i][0] = acc[k][i][1] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
@@ -797,20 +800,29 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
         }
 }
 
-/* Output rows r..r+R-1 for every row of x, X_BLOCK_AVX2 rows of x at a time. */
+/* Output rows r..r+R-1 for every row of x, X_BLOCK_AVX2 rows of x at a time (the last 1 or 2 apart);
+   the first block prefetches the next rows. */
 static inline __attribute__((always_inline)) AVX2_FMA void
 dense_fma_rows_block_avx2(const struct job *jb, int64_t r, const int R, int64_t next, const int BF16) {
     int64_t m0 = 0;
     for (; m0 + X_BLOCK_AVX2 <= jb->m; m0 += X_BLOCK_AVX2, next = -1)
         dense_fma_block_avx2(jb, r, m0, R, X_BLOCK_AVX2, next, BF16);
-    if (m0 < jb->m) dense_fma_block_avx2(jb, r, m0, R, 1, next, BF16);
+    if (jb->m - m0 == 2) dense_fma_block_avx2(jb, r, m0, R, 2, next, BF16);
+    else if (jb->m - m0 == 1) dense_fma_block_avx2(jb, r, m0, R, 1, next, BF16);
 }
 
+/* Rows r0..r1-1, R at a time (4 for one row of x, else ROW_BLOCK_AVX2_MULTI), each block prefetching
+   the next; leftover rows one by one. Every pair's sums run in the same order in any block shape, so
+   a result does not depend on how many rows of x share the call. */
 static inline __attribute__((always_inline)) AVX2_FMA void
 dense_fma_rows_avx2(const struct job *jb, int64_t r0, int64_t r1, const int BF16) {
     int64_t r = r0;
-    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
-        dense_fma_rows_block_avx2(jb, r, ROW_BLOCK, r + 2 * ROW_BLOCK <= r1 ? r + ROW_BLOCK : -1, BF16);
+    if (jb->m == 1)
+        for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
+            dense_fma_block_avx2(jb, r, 0, ROW_BLOCK, 1, r + 2 * ROW_BLOCK <= r1 ? r + ROW_BLOCK : -1, BF16);
+    else
+        for (const int R = ROW_BLOCK_AVX2_MULTI; r + R <= r1; r += R)
+            dense_fma_rows_block_avx2(jb, r, R, r + 2 * R <= r1 ? r + R : -1, BF16);
     for (; r < r1; r++) dense_fma_rows_block_avx2(jb, r, 1, -1, BF16);
 }
 
