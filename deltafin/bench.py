@@ -47,6 +47,7 @@ from pathlib import Path
 from .checkpoint import expert_codec
 from .io.reader import SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
 from .profile import SOURCES, PassRecorder, summarize
+from .scheduler import PASS_ROWS
 from .settings import Settings, add_arguments, from_args
 
 GB = 1e9
@@ -129,6 +130,10 @@ def machine_info(settings: Settings) -> dict:
     return info
 
 
+# Rows a batched prefill pass may carry even when one prompt is shorter: the server's pass size.
+PREFILL_PASS_ROWS = PASS_ROWS
+
+
 def peak_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
@@ -138,7 +143,9 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
               seed: int = 0, drop_cache: bool = True, batch: int = 1) -> dict:
     """Prefill `batch` random prompts, decode `tokens` tokens of each greedily (no speculation, one
     token of every sequence per pass) between two raw read probes when streaming; return one flat
-    record (see the module docstring). Token rates and bytes per token count every sequence's tokens."""
+    record (see the module docstring). Token rates and bytes per token count every sequence's tokens.
+    A batch's prompts are read together in pieces (``prefill_piece``), so a prefill pass carries no
+    more rows than batch 1's."""
     from .api import load
     if tokens < 2:
         raise ValueError("bench needs at least 2 tokens (the first comes from the prefill)")
@@ -174,11 +181,13 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     cuda = model.engine.device.type == "cuda"
     warmup = 3 if cuda and not model.streaming else 0
     untimed = 1 if cuda and model.streaming and tokens > 2 else 0  # decode passes before the timed ones
+    piece = prefill_piece(batch, prompt_tokens)
+    prefills = -(-prompt_tokens // piece)  # passes until every prompt is read (the last gives the first tokens)
 
     def on_pass(index: int, stats) -> None:
-        if index == 0:
+        if index == prefills - 1:
             marks["first_token"] = time.perf_counter()
-        if index == untimed:  # probe the disk, then decode is measured from disk, not from cache
+        if index == prefills - 1 + untimed:  # probe the disk, then decode is measured from disk, not from cache
             if probing:
                 probe()
             drop_file_cache(files)
@@ -189,13 +198,14 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     rec = PassRecorder(model, on_pass)
     cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
-    gen_stats = _decode(rec, prompts, tokens)
-    if len(rec.passes) < 2 + untimed:
+    gen_stats = _decode(rec, prompts, tokens, piece)
+    if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
     if probing:
         probe()
-    prefill, decode = rec.passes[0], rec.passes[1 + untimed:]
+    prefill, decode = rec.passes[:prefills], rec.passes[prefills + untimed:]
+    prefill_tokens = sum(p.tokens for p in prefill)
     d = summarize(decode)
     s_per_tok = decode_seconds / d["tokens"]
 
@@ -223,9 +233,10 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "threads": model.threads,
         "prompt_tokens": prompt_tokens,
         "batch": batch,
+        "prefill_passes": prefills,
         "decode_tokens": d["tokens"],
         "decode_tok_s": d["tokens"] / decode_seconds,
-        "prefill_tok_s": prefill.tokens / prefill.seconds,
+        "prefill_tok_s": prefill_tokens / sum(p.seconds for p in prefill),
         "ttft_s": marks["first_token"] - start,
         "load_seconds": load_seconds,
         "bytes_per_token": d["bytes_per_token"],
@@ -241,7 +252,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "limit_tier": "disk" if limit else None,
         "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
         "bytes_by_source_per_token": d["bytes_by_source_per_token"],
-        "prefill_bytes_by_source": {name: getattr(prefill, field) for name, field in SOURCES} | {"tokens": prefill.tokens},
+        "prefill_bytes_by_source": {name: sum(getattr(p, field) for p in prefill) for name, field in SOURCES}
+                                   | {"tokens": prefill_tokens},
         "prefetch": settings.prefetch,
         "prefetch_useful_rate": d["prefetch_useful_rate"],
         "raw_read_gbps": raw["gbps"] if raw else None,
@@ -349,13 +361,23 @@ def _expert_bytes(source) -> int:
     return sum(t.nbytes for t in source.expert_infos(moe[0], 0).values()) if moe else 0
 
 
-def _decode(rec: PassRecorder, prompts: list[list[int]], tokens: int) -> dict:
+def prefill_piece(batch: int, prompt_tokens: int) -> int:
+    """Prompt tokens of each sequence a batched prefill pass reads: the pass carries at most
+    max(prompt_tokens, PREFILL_PASS_ROWS) rows, what batch 1 carries. One pass of every prompt at
+    once multiplies the rows, and past 16 rows (GEMV_MAX_ROWS) the CPU products widen whole weights to
+    float32 for a matrix product (a k3-slice's 32768 x 7168 head alone: 0.94 GB), which is what
+    OOM-killed ``bench --batch 4`` and ``8`` of a k3-slice in a 6 GiB group."""
+    return max(1, max(prompt_tokens, PREFILL_PASS_ROWS) // batch)
+
+
+def _decode(rec: PassRecorder, prompts: list[list[int]], tokens: int, piece: int | None = None) -> dict:
     """Greedy decoding of `tokens` tokens per prompt, without speculation and without stopping at
-    EOS; the prompts run together, one token of each per pass."""
+    EOS; the prompts run together, `piece` tokens of each per prefill pass (all at once when None),
+    then one token of each per pass."""
     from .generate import Decoding
     runs = [Decoding(rec, p, tokens, speculate=False, eos_token_ids=[]) for p in prompts]
     while not runs[0].done:  # all of them end together
-        for d, logits in zip(runs, rec.forward_batch([d.next_pass() for d in runs])):
+        for d, logits in zip(runs, rec.forward_batch([d.next_pass(max_prompt=piece) for d in runs])):
             d.take(logits)
     return runs[0].result().stats
 

@@ -257,6 +257,11 @@ def test_bench_batch_shares_each_pass(tiny_k3_path, capsys):
     three = _bench_json(capsys, *common, "--batch", "3")
     assert three["batch"] == 3 and three["decode_tokens"] == 3 * one["decode_tokens"] == 6
     assert three["read_bytes_per_token"] < one["read_bytes_per_token"]
+    assert one["prefill_passes"] == three["prefill_passes"] == 1  # 12 prompt rows: one pass
+    # Longer prompts are read in pieces: no pass carries more rows than batch 1's whole prompt.
+    many = _bench_json(capsys, *common, "--batch", "6", "--prompt-tokens", "5")
+    assert many["prefill_passes"] == 3 and many["prefill_bytes_by_source"]["tokens"] == 30  # 2 + 2 + 1 each
+    assert many["decode_tokens"] == 12
     from deltafin.bench import add_cli
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
