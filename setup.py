@@ -9,7 +9,7 @@ import sys
 from setuptools import Extension, setup
 
 compile_args = [] if sys.platform == "win32" else ["-O3", "-std=c11", "-pthread"]
-link_args = [] if sys.platform == "win32" else ["-pthread"]
+link_args = [] if sys.platform == "win32" else ["-pthread", "-lm"]
 
 setup(ext_modules=[Extension("deltafin.kernels._cpu_kernels", ["deltafin/kernels/_cpu_kernels.c"],
                              extra_compile_args=compile_args, extra_link_args=link_args,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_native
 from .binding import Bindable
 from .ops import l2_normalize, linear, linears, rms_norm
 from .state import KDAState, Rows
@@ -125,6 +126,8 @@ class KDAttention(Bindable):
         c = self.cfg
         T = x.shape[0]
         nh, d = c.kda_num_heads, c.kda_head_dim
+        if _native_step_applies(x, parts, d):
+            return self._native_decode(x, parts)
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]))  # [3, T, D]
         g = self.decay(x)
         beta = torch.sigmoid(linear(x, self.b_proj).float())
@@ -133,12 +136,33 @@ class KDAttention(Bindable):
             B = len(states)
             o[rows] = self._recur(xin[:, rows].view(3, B, n, -1), g[rows].view(B, n, nh, d),
                                   beta[rows].view(B, n, nh), states, keep_states, chunk).reshape(B * n, nh, d)
-        if c.kda_full_rank_gate:
-            gate = linear(x, self.g_proj)
-        else:
-            gate = linear(linear(x, self.g_a_proj), self.g_b_proj)
+        gate = self._gate(x)
         o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
         return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output gate's logits [T, D]."""
+        if self.cfg.kda_full_rank_gate:
+            return linear(x, self.g_proj)
+        return linear(linear(x, self.g_a_proj), self.g_b_proj)
+
+    def _native_decode(self, x: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
+        """forward() for sequences of one new token each (decoding), everything between the
+        projections in one native call per sequence (cpu_native.kda_decode_step): the same
+        formulas as the torch code, in another summation order."""
+        c = self.cfg
+        T = x.shape[0]
+        xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
+        r = linear(linear(x, self.f_a_proj), self.f_b_proj)
+        b = linear(x, self.b_proj)
+        gate = self._gate(x)
+        conv_w = (self.q_conv, self.k_conv, self.v_conv)
+        o = torch.empty(T, c.kda_num_heads * c.kda_head_dim, dtype=torch.float32)
+        for t, (st, _, _) in enumerate(parts):
+            o[t] = cpu_native.kda_decode_step(xin[t], st.conv, conv_w, r[t], self.dt_bias, self.A_log, b[t],
+                                              c.kda_gate_lower_bound, gate[t], self.o_norm, c.rms_norm_eps,
+                                              st.S).view(-1)
+        return linear(o, self.o_proj)
 
     def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
         """B sequences of n new tokens each, stepped together: conv over their pre-conv inputs
@@ -181,6 +205,19 @@ class KDAttention(Bindable):
                 st.pending = dict(S0=S0[b], q=q[b], k=k[b], v=v[b], g=g[b], beta=beta[b], conv0=conv0[b],
                                   xin=xin[b])
         return o
+
+
+def _native_step_applies(x: torch.Tensor, parts: list[Rows], head_dim: int) -> bool:
+    """True when every sequence of the pass decodes one token without keeping states for a rollback,
+    in float32 on the CPU with the native kernels built (cpu_native.kda_decode_step)."""
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == len(parts)
+            and x.shape[0] <= cpu_native.GEMV_MAX_ROWS and head_dim <= cpu_native.KDA_MAX_HEAD_DIM):
+        return False
+    for st, n, keep in parts:
+        if n != 1 or keep or st.in_place or st.S.dtype != torch.float32 or st.conv.dtype != torch.float32 \
+                or not (st.S.is_contiguous() and st.conv.is_contiguous()):
+            return False
+    return cpu_native.available()
 
 
 def _groups(parts: list[Rows], device) -> list[tuple]:

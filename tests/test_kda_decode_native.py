@@ -1,0 +1,150 @@
+"""The native KDA decode step (cpu_native.kda_decode_step) against kda.py's torch code."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deltafin
+from conftest import KL_CODE_TINY
+from deltafin.config import parse_config
+from deltafin.kernels import cpu_native
+from deltafin.model import kda
+from deltafin.model.binding import bind
+from deltafin.model.kda import KDAttention
+from deltafin.model.state import Rows
+from test_model_pieces import k3_config, random_weights
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
+
+
+def kimi_linear_config(heads: int, head_dim: int):
+    """A Kimi Linear attention shape: low-rank gate, softplus decay (no lower bound)."""
+    return parse_config({"architectures": ["KimiLinearForCausalLM"], "vocab_size": 64, "hidden_size": 48,
+                         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                         "head_dim": 8, "intermediate_size": 32, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+                         "qk_rope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": None, "num_experts": 4,
+                         "num_experts_per_token": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+                         "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": heads,
+                                                "head_dim": head_dim, "short_conv_kernel_size": 4}})
+
+
+def torch_path(monkeypatch):
+    monkeypatch.setattr(kda, "_native_step_applies", lambda *a: False)
+
+
+def layer(cfg, seed: int, small_dtype: torch.dtype) -> KDAttention:
+    """A bound KDA layer; the conv weights, A_log and o_norm in `small_dtype` (a store keeps them bf16)."""
+    attn = KDAttention(cfg)
+    w = random_weights(attn, torch.Generator().manual_seed(seed))
+    for name in ("q_conv", "k_conv", "v_conv", "A_log", "o_norm"):
+        w[name] = w[name].to(small_dtype)
+    bind(attn, w)
+    return attn
+
+
+@pytest.mark.parametrize("cfg,small_dtype,threads", [
+    (k3_config(), torch.float32, 1),  # bounded gate, full-rank output gate
+    (kimi_linear_config(2, 16), torch.bfloat16, 1),  # softplus decay, low-rank gate, bf16 small weights
+    (kimi_linear_config(4, 128), torch.bfloat16, 2),  # S large enough for the heads to be split over threads
+])
+def test_native_decode_steps_match_the_torch_path(monkeypatch, cfg, small_dtype, threads):
+    """A prompt, then decode steps: the native step's outputs, S and conv tails follow the torch
+    recurrence's within float32 rounding, step after step."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    attn = layer(cfg, 3, small_dtype)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randn(6, cfg.hidden_size, generator=gen)
+    steps = [torch.randn(1, cfg.hidden_size, generator=gen) for _ in range(5)]
+
+    def run(native: bool):
+        with monkeypatch.context() as m:
+            if not native:
+                torch_path(m)
+            st = attn.new_state(torch.float32)
+            attn(prompt, [Rows(st, 6, False)], 4)
+            outs = [attn(x, [Rows(st, 1, False)], 4) for x in steps]
+        return torch.cat(outs), st
+    want, st_want = run(False)
+    got, st_got = run(True)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (st_got.S - st_want.S).abs().max() <= 1e-5 * st_want.S.abs().max()
+    assert torch.equal(st_got.conv, st_want.conv)  # the tails are copies of the inputs
+
+
+def test_native_step_is_taken_for_a_decode_pass_only(monkeypatch):
+    """One token per sequence without drafts takes the native step; a prompt piece or a pass that keeps
+    states for a rollback takes the torch code."""
+    cfg = kimi_linear_config(2, 16)
+    attn = layer(cfg, 5, torch.bfloat16)
+    calls = []
+    real = cpu_native.kda_decode_step
+    monkeypatch.setattr(cpu_native, "kda_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(3, cfg.hidden_size)
+    st = attn.new_state(torch.float32)
+    attn(x, [Rows(st, 3, False)], 4)
+    attn(x[:1], [Rows(st, 1, True)], 4)
+    assert calls == []
+    attn(x[:1], [Rows(st, 1, False)], 4)
+    assert calls == [1]
+
+
+def test_a_batch_of_decoding_sequences_equals_each_alone():
+    """Each sequence of a decode pass steps its own state (torch's float32 matmuls of the projections
+    may round a 3-row product differently from a 1-row one, hence the tolerance)."""
+    cfg = kimi_linear_config(2, 16)
+    attn = layer(cfg, 6, torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randn(2 + i, cfg.hidden_size, generator=gen) for i in range(3)]
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+
+    def warm(i):
+        st = attn.new_state(torch.float32)
+        attn(prompts[i], [Rows(st, len(prompts[i]), False)], 4)
+        return st
+    together = [warm(i) for i in range(3)]
+    out = attn(x, [Rows(st, 1, False) for st in together], 4)
+    for i in range(3):
+        st = warm(i)
+        alone = attn(x[i:i + 1], [Rows(st, 1, False)], 4)
+        assert (out[i:i + 1] - alone).abs().max() <= 1e-5 * alone.abs().max()
+        assert (together[i].S - st.S).abs().max() <= 1e-5 * st.S.abs().max()
+        assert (together[i].conv - st.conv).abs().max() <= 1e-5 * st.conv.abs().max()
+
+
+def test_native_step_refuses_bad_inputs():
+    nh, d, K = 2, 8, 4
+    D = nh * d
+    good = dict(xin=torch.zeros(3, D), conv=torch.zeros(3, K - 1, D), conv_w=(torch.zeros(D, K),) * 3,
+                r=torch.zeros(D), dt_bias=torch.zeros(D), a_log=torch.zeros(nh), b=torch.zeros(nh),
+                lower_bound=None, gate=torch.zeros(D), o_norm=torch.ones(d), eps=1e-5, S=torch.zeros(nh, d, d))
+    assert cpu_native.kda_decode_step(**good).shape == (nh, d)
+    bad = [dict(S=torch.zeros(nh, d, d, dtype=torch.float64)), dict(S=torch.zeros(nh, d, d + 1)),
+           dict(S=torch.zeros(1, 300, 300)), dict(conv=torch.zeros(3, K - 1, D + 1)),
+           dict(xin=torch.zeros(3, D, dtype=torch.bfloat16)), dict(r=torch.zeros(D + 1)),
+           dict(conv_w=(torch.zeros(D, K, dtype=torch.float16),) * 3),
+           dict(conv_w=(torch.zeros(D, K), torch.zeros(D, K, dtype=torch.bfloat16), torch.zeros(D, K))),
+           dict(o_norm=torch.ones(d + 1)), dict(a_log=torch.zeros(nh, 2)), dict(gate=torch.zeros(2 * D)[::2])]
+    for change in bad:
+        with pytest.raises(ValueError, match="KDA decode step"):
+            cpu_native.kda_decode_step(**{**good, **change})
+
+
+@pytest.mark.skipif(not (KL_CODE_TINY / "config.json").exists(), reason="kl-code-tiny is not on this machine")
+def test_trained_model_decodes_the_same_with_the_native_step(monkeypatch):
+    """16 greedy tokens of the trained kl-code-tiny: the same tokens, logits within float32 rounding."""
+    model = deltafin.load(KL_CODE_TINY, stream="off", ram_budget="0")
+    prompt = model.encode("def fibonacci(n):\n    ")
+
+    def greedy(native: bool):
+        with monkeypatch.context() as m:
+            if not native:
+                torch_path(m)
+            st = model.new_state()
+            rows = [model.forward(prompt, st, last_only=True)[-1]]
+            for _ in range(16):
+                rows.append(model.forward([int(rows[-1].argmax())], st, last_only=True)[-1])
+        return torch.stack(rows)
+    want, got = greedy(False), greedy(True)
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
