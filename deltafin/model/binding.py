@@ -19,15 +19,24 @@ class Bindable(nn.Module):
     def slots(self, **shapes: tuple[int, ...]) -> None:
         if "_slot_shapes" not in self.__dict__:
             self._slot_shapes = {}
+            self._slot_placeholders = {}  # one meta tensor per slot, put back by every unbind
         for name, shape in shapes.items():
             self._slot_shapes[name] = tuple(shape)
-            object.__setattr__(self, name, torch.empty(shape, device="meta"))
+            self._slot_placeholders[name] = torch.empty(shape, device="meta")
+            object.__setattr__(self, name, self._slot_placeholders[name])
 
 
-def _slot_owners(root: nn.Module):
-    for prefix, mod in root.named_modules():
-        for name, shape in getattr(mod, "_slot_shapes", {}).items():
-            yield (f"{prefix}.{name}" if prefix else name), mod, name, shape
+def _slot_owners(root: nn.Module) -> list[tuple[str, nn.Module, str, tuple[int, ...]]]:
+    """(full name, owning module, slot name, shape) of every slot under root. Listed once per root and
+    kept on it: a template's modules never change, and walking them for every bind and unbind (twice
+    per layer and pass) cost more than the binding itself."""
+    owners = root.__dict__.get("_slot_owner_list")
+    if owners is None:
+        owners = [((f"{prefix}.{name}" if prefix else name), mod, name, shape)
+                  for prefix, mod in root.named_modules()
+                  for name, shape in getattr(mod, "_slot_shapes", {}).items()]
+        object.__setattr__(root, "_slot_owner_list", owners)
+    return owners
 
 
 def slot_names(root: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -47,4 +56,4 @@ def bind(root: nn.Module, weights: dict) -> None:
 
 def unbind(root: nn.Module) -> None:
     for _, mod, name, shape in _slot_owners(root):
-        object.__setattr__(mod, name, torch.empty(shape, device="meta"))
+        object.__setattr__(mod, name, mod._slot_placeholders[name])
