@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import expert_codec
-from .io.reader import SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
+from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
 from .profile import SOURCES, PassRecorder, summarize
 from .scheduler import PASS_ROWS
 from .settings import Settings, add_arguments, from_args
@@ -84,16 +84,21 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
     # Which experts each token reads, chosen (and laid out) before any timing.
     picks = [[make_layout(source.expert_infos(i, e), _extent(source, "expert_extent", i, e))
               for i in moe for e in rng.sample(range(cfg.num_experts), k)] for _ in range(tokens)]
-    # One spine buffer and k expert slots: the bytes are not used, only the reads timed.
-    spine_buf = AlignedBuffer(max((s.size for s in spines), default=1))
-    slots = [AlignedBuffer(max((lay.size for p in picks for lay in p), default=1)) for _ in range(max(k, 1))]
-    spine_jobs = chunked([(r, spine_buf.mem, s) for lay in spines for r, s in zip(lay.runs, lay.starts)],
-                         SPINE_CHUNK)
+    # The bytes are not used, only the reads timed: every piece lands in one small scratch buffer
+    # (at its file offset's place in a page, as O_DIRECT needs), read in the pieces decode reads
+    # (spines in SPINE_CHUNK, experts in EXPERT_CHUNK). A buffer per spine and expert slot would
+    # take a dense layer's size besides (1.2 GB on k3-slice) just before and after the timed
+    # decode, forcing a capped run's RAM cache to shrink and read again.
+    scratch = AlignedBuffer(SPINE_CHUNK + 2 * ALIGN)
+
+    def pieces(layouts, chunk: int) -> list:
+        jobs = [(r, scratch.mem, s) for lay in layouts for r, s in zip(lay.runs, lay.starts)]
+        return [(run, scratch.mem, run.offset % ALIGN) for run, _, _ in chunked(jobs, chunk)]
+
+    spine_jobs = pieces(spines, SPINE_CHUNK)
     jobs = []
     for experts in picks:
-        jobs += spine_jobs
-        for n, lay in enumerate(experts):
-            jobs += [(r, slots[n % len(slots)].mem, s) for r, s in zip(lay.runs, lay.starts)]
+        jobs += spine_jobs + pieces(experts, EXPERT_CHUNK)
     nbytes = tokens * sum(lay.nbytes for lay in spines) + sum(lay.nbytes for p in picks for lay in p)
     files = Files(settings.read_mode)
     pool = ReadPool(files, settings.io_workers)

@@ -38,9 +38,8 @@ import torch
 
 from ..model.moe import chosen_experts, route
 from ..model.ops import rms_norm
-from .reader import PREFETCH, AlignedBuffer, Batch, Layout, ReadPool, chunked, views
+from .reader import EXPERT_CHUNK, PREFETCH, AlignedBuffer, Batch, Layout, ReadPool, chunked, views
 
-PREFETCH_CHUNK = 1 << 20  # pieces small enough that a cancelled prefetch holds a worker only briefly
 
 
 @dataclass
@@ -92,7 +91,7 @@ class Prefetcher:
             lay = self._layout_of(i, e)
             buf = self._buffer(lay.capacity, stats)
             jobs = [(run, buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
-            self._ahead[e] = Ahead(e, buf, lay, self._pool.submit(chunked(jobs, PREFETCH_CHUNK), PREFETCH))
+            self._ahead[e] = Ahead(e, buf, lay, self._pool.submit(chunked(jobs, EXPERT_CHUNK), PREFETCH))
 
     def take(self, i: int, e: int, stats):
         """Expert e of layer i: its weights if its prefetch completed, the prefetch (an ``Ahead``

@@ -38,7 +38,7 @@ from .memory import WATCH_INTERVAL_S, MemoryBudget, Watcher
 from .prefetch import Ahead, Prefetcher, early_guess
 from .ram import done
 from .ram_cache import RamCache
-from .reader import AHEAD, SPINE_CHUNK, URGENT, AlignedBuffer, Batch, Files, Layout, ReadPool, chunked, \
+from .reader import AHEAD, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Batch, Files, Layout, ReadPool, chunked, \
     make_layout, views, align_up
 
 
@@ -282,7 +282,7 @@ class StreamProvider:
 
         waits = [a.batch for a in under_way.values()]
         if missing:
-            self._expert_batch = self.pool.submit(jobs, URGENT)
+            self._expert_batch = self.pool.submit(chunked(jobs, EXPERT_CHUNK), URGENT)
             waits.append(self._expert_batch)
         if self.settings.prefetch == "early" and residual is not None:
             self._guess_next(i, residual, stats)  # queued behind this layer's demand reads
