@@ -11,7 +11,8 @@ import torch
 
 from deltafin.api import open_source
 from deltafin.engine import Engine
-from deltafin.io.memory import GiB, MemoryBudget, cgroup_levels, read_memory, read_meminfo, read_stall_us
+from deltafin.io.memory import FIXED_WINDOW_S, GROW_WINDOW_S, GiB, MemoryBudget, cgroup_levels, read_memory, read_meminfo, \
+    read_stall_us
 from deltafin.io.placement import ExpertSlots
 from deltafin.io.ram_cache import RamCache
 from deltafin.io.stream import StreamProvider
@@ -172,6 +173,33 @@ def test_pressure_shrinks_and_pauses_growth(tmp_path):
     assert t2 == t1 and "cooling" in why
     clock.t += 10.0
     assert b.check(held=t1, fixed=0, target=t1)[0] > t1
+
+
+def test_streamer_buffers_count_at_their_recent_peak(tmp_path):
+    """The streamer's own buffers going and coming back neither grow nor shrink the caches; once
+    they stayed away for the window, the caches grow into what they left."""
+    clock = Clock()
+    b = MemoryBudget(None, str(tmp_path), clock=clock)
+    host(tmp_path, free=4 * GiB)
+    t0, _ = b.check(held=0, fixed=GiB, target=0)
+    assert t0 > 0
+    clock.t += 0.2
+    host(tmp_path, free=5 * GiB)  # the streamer gave its 1 GiB back
+    t1, why = b.check(held=t0, fixed=0, target=t0)
+    assert t1 == t0 and "kept for the streamer" in why
+    clock.t += 0.2
+    host(tmp_path, free=4 * GiB)  # and took it again: nothing to give back
+    assert b.check(held=t0, fixed=GiB, target=t0)[0] == t0
+    for _ in range(int((FIXED_WINDOW_S + GROW_WINDOW_S) / 0.5) + 2):  # then stays away
+        clock.t += 0.5
+        host(tmp_path, free=5 * GiB)
+        t2, why = b.check(held=t0, fixed=0, target=t0)
+    assert t2 > t0 and "kept" not in why
+    # A set budget counts the streamer's buffers at their recent peak too.
+    c = MemoryBudget(2 * GiB, str(tmp_path), clock=clock)
+    c.check(0, GiB // 2, 0)
+    clock.t += 1.0
+    assert c.check(0, 0, 0)[0] == 2 * GiB - GiB // 2
 
 
 # -- the setting ---------------------------------------------------------------------------------

@@ -37,6 +37,13 @@ HEADROOM_FRACTION = 0.04
 PRESSURE_SHARE = 0.05
 COOLDOWN_S = 5.0
 GROW_WINDOW_S = 3.0
+# The streamer's own buffers come and go (the spine read-ahead buffers while some layer is not
+# cached, expert slots, prefetch buffers), and free memory counts them only while they exist.
+# Measured against their peak over this window, the caches do not give memory back each time
+# those buffers come and take it again when they go (k3-slice in a 6 GiB group: a spine went out
+# and back in every few tokens, read and copied each time, and its going out itself brought the
+# read-ahead buffers back).
+FIXED_WINDOW_S = 10.0
 WATCH_INTERVAL_S = 0.2
 # cgroup v1 writes "no limit" as a huge page-rounded number; anything above this is no limit.
 NO_LIMIT = 1 << 60
@@ -176,6 +183,7 @@ class MemoryBudget:
         self._last_stall: tuple[float, int] | None = None
         self._cooldown_until = 0.0
         self._seen: deque[tuple[float, int]] = deque()
+        self._fixed_seen: deque[tuple[float, int]] = deque()
         self.last: Reading | None = None
 
     def headroom(self, r: Reading) -> int:
@@ -189,21 +197,32 @@ class MemoryBudget:
             return 0.0
         return max(0, r.stall_us - prev[1]) / 1e6 / (now - prev[0])
 
+    def fixed_peak(self, fixed: int, now: float) -> int:
+        """The most the streamer's own buffers took over the last FIXED_WINDOW_S seconds."""
+        self._fixed_seen.append((now, fixed))
+        while self._fixed_seen[0][0] < now - FIXED_WINDOW_S:
+            self._fixed_seen.popleft()
+        return max(f for _, f in self._fixed_seen)
+
     def check(self, held: int, fixed: int, target: int) -> tuple[int, str]:
         """(new cache target in bytes, why) given what the caches hold now (`held`), the streamer's
-        fixed buffers (`fixed`) and the current target."""
+        own buffers now (`fixed`) and the current target."""
         r = self.last = read_memory(self.root)
-        top = None if self.ceiling is None else max(0, self.ceiling - fixed)
+        now = self.clock()
+        peak = self.fixed_peak(fixed, now)
+        top = None if self.ceiling is None else max(0, self.ceiling - peak)
         if r.free is None:  # nothing known about memory: only a set budget can be trusted
             return (top if top is not None else held), "free memory unknown"
         headroom = self.headroom(r)
-        room = r.free - headroom
+        free = r.free - (peak - fixed)  # as if the streamer's buffers were at their recent peak
+        room = free - headroom
         share = self.pressure_share(r)
-        now = self.clock()
-        self._seen.append((now, held + r.free))  # what the caches could reach now
+        self._seen.append((now, held + free))  # what the caches could reach now
         while self._seen[0][0] < now - GROW_WINDOW_S:
             self._seen.popleft()
         where = f"{r.where} free {r.free / GiB:.2f} GiB, headroom {headroom / GiB:.2f}"
+        if peak > fixed:
+            where += f", {(peak - fixed) / GiB:.2f} kept for the streamer's buffers"
         if share > PRESSURE_SHARE:
             self._cooldown_until = self.clock() + COOLDOWN_S
             new = min(target, held - max(held // 8, 1), held + room)
@@ -220,7 +239,7 @@ class MemoryBudget:
             new, why = (min(low, held + room) if low > target else min(target, held + room)), where
         if top is not None:
             new = min(new, top)
-            why += f", set budget {self.ceiling / 1e9:g} GB less the streamer's {fixed / 1e9:.2f}"
+            why += f", set budget {self.ceiling / 1e9:g} GB less the streamer's {peak / 1e9:.2f}"
         return max(0, new), why
 
     def describe(self, fixed: int) -> str:

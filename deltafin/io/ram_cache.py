@@ -50,7 +50,7 @@ class RamCache:
         self._lock = threading.Lock()
         self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
         self.target = 0
-        self.fixed_bytes = 0  # the streamer's own buffers (set by it), counted against a set budget
+        self.fixed_bytes = 0  # the streamer's own buffers now (set by it as they change)
         self._plan = plan(self._sizes, 0, "ram")
         self._spines: dict[int, tuple[object, dict]] = {}  # layer -> (buffer, decoded weights)
         self._spine_held = 0

@@ -135,7 +135,7 @@ class StreamProvider:
                                    else 0 for i in range(L)],
                                   [align_up(self._expert_layout(i, 0).capacity) if i in moe else 0
                                    for i in range(L)], cfg.num_experts)
-            self.cache.fixed_bytes = self.resident_bytes()["total"]
+            self._note_fixed()
             self._budget = MemoryBudget(ceiling, memory_root)
             self.budget_line = self._budget.describe(self.cache.fixed_bytes)
             self.watcher = Watcher(self._budget, self.cache, WATCH_INTERVAL_S if watch else None)
@@ -168,7 +168,7 @@ class StreamProvider:
             # Slots a larger pass (a prefill) needed go back to the budget; a decode pass keeps its own.
             del self._slots[max(self._slots_used, self.config.experts_per_token):]
             self._slots_used = 0
-            self.cache.fixed_bytes = self.resident_bytes()["total"]
+            self._note_fixed()
 
     def spine(self, i: int, stats) -> dict:
         for b in self._spine_bufs:
@@ -190,6 +190,7 @@ class StreamProvider:
         b.held = True
         if self._streamed:
             self._request(self._next_streamed(i))
+        self._note_fixed()
         t0 = time.perf_counter()
         b.batch.wait()
         stats.spine_wait_seconds += time.perf_counter() - t0
@@ -286,6 +287,7 @@ class StreamProvider:
             waits.append(self._expert_batch)
         if self.settings.prefetch == "early" and residual is not None:
             self._guess_next(i, residual, stats)  # queued behind this layer's demand reads
+        self._note_fixed()
         if not waits:
             finish(None)
         else:
@@ -360,6 +362,14 @@ class StreamProvider:
         self._finalizer()
 
     # -- internals ---------------------------------------------------------------------------
+    def _note_fixed(self) -> None:
+        """Tell the cache what the streamer's own buffers take now (the budget follows their
+        recent peak), without the extra expert slots of a long pass (a prefill), which
+        ``make_room`` already took from the cache and ``end_pass`` gives back."""
+        if self.cache is not None:
+            extra = sum(s.nbytes for s in self._slots[self.config.experts_per_token:])
+            self.cache.fixed_bytes = self.resident_bytes()["total"] - extra
+
     def _read_now(self, layout: Layout, buf: AlignedBuffer) -> None:
         jobs = [(run, buf.mem, s) for run, s in zip(layout.runs, layout.starts)]
         self.pool.submit(chunked(jobs, SPINE_CHUNK), URGENT).wait()
