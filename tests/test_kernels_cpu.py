@@ -589,13 +589,13 @@ def test_linear_float32_by_bf16_dispatches_to_native_kernel(monkeypatch, rows):
     w = _random_bf16(40, 160, seed=rows)
     x = torch.randn(1, rows, 160, generator=torch.Generator().manual_seed(1))
     calls = []
-    gemv = cpu_native.bf16_gemv
+    gemv = cpu_native.dense_gemv  # the per-token path (bf16_gemv's values, test_dense_gemv_equals_...)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return gemv(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_native, "bf16_gemv", counted)
+    monkeypatch.setattr(cpu_native, "dense_gemv", counted)
     y = ops.linear(x, w)
     assert y.shape == (1, rows, 40) and y.dtype == torch.float32
     # Decode-sized batches use the gemv; larger ones convert w and use a matmul.
@@ -799,6 +799,54 @@ def test_linears_equal_one_linear_per_weight(monkeypatch):
             assert len(calls) == int(native_call and x.numel() // 80 <= cpu_native.GEMV_MAX_ROWS)
             want = [ops.linear(x, w) for w in ws]
             assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+
+
+@native
+def test_products_equal_one_linear_per_input_and_weight(monkeypatch):
+    """ops.products: each input against its own weight (KDA's low-rank halves) in one native call when
+    inputs and weights each share a shape, bit for bit ops.linear's values either way."""
+    g = torch.Generator().manual_seed(10)
+    ws = [quantize(torch.randn(48, 80, generator=g), "int8") for _ in range(2)]
+    calls = []
+    real = cpu_native.dense_gemv_items
+    monkeypatch.setattr(cpu_native, "dense_gemv_items", lambda *a: calls.append(1) or real(*a))
+    for shapes, native_call in [([(1, 80), (1, 80)], True), ([(2, 80), (2, 80)], True), ([(1, 80), (2, 80)], False)]:
+        xs = [torch.randn(*s, generator=g) for s in shapes]
+        calls.clear()
+        got = ops.products(xs, ws)
+        assert len(calls) == int(native_call)
+        assert all(torch.equal(a, ops.linear(x, w)) for a, x, w in zip(got, xs, ws)) and len(got) == 2
+
+
+@native
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_dense_gemv_equals_the_general_wrappers(m, monkeypatch):
+    """cpu_native.dense_gemv (the lean per-token product ops.linear takes for int8 and bf16 weights) gives
+    int8_gemv's and bf16_gemv's values bit for bit, and ops.linear takes it for decode-sized rows."""
+    codes, scale = _random_int8(67, 100, seed=m)
+    w = torch.randn(67, 100).bfloat16()
+    x = torch.randn(m, 100)
+    assert torch.equal(cpu_native.dense_gemv(x, codes, scale), cpu_native.int8_gemv(x, codes, scale))
+    assert torch.equal(cpu_native.dense_gemv(x, w, None), cpu_native.bf16_gemv(x, w))
+    calls = []
+    real = cpu_native.dense_gemv
+    monkeypatch.setattr(cpu_native, "dense_gemv", lambda *a: calls.append(1) or real(*a))
+    q = quantize(torch.randn(67, 100), "int8")
+    assert torch.equal(ops.linear(x, q), cpu_native.int8_gemv(x, q.tensors["weight"], q.tensors["weight_scale"]))
+    assert torch.equal(ops.linear(x.view(1, m, 100), w), cpu_native.bf16_gemv(x, w).view(1, m, 67))
+    assert len(calls) == 2
+
+
+@native
+def test_dense_gemv_refuses_bad_inputs():
+    codes, scale = _random_int8(8, 16, seed=1)
+    x = torch.randn(2, 16)
+    bad = [(x.double(), codes, scale), (torch.randn(16, 2).T, codes, scale), (torch.randn(2, 17), codes, scale),
+           (x[0], codes, scale), (x, codes, None), (x, codes.bfloat16(), scale), (x, codes.half(), None),
+           (x, codes, scale[:4]), (x, codes, scale.double()), (x, codes.T.contiguous().T, scale)]
+    for args in bad:
+        with pytest.raises(ValueError, match="dense_gemv"):
+            cpu_native.dense_gemv(*args)
 
 
 @native

@@ -330,6 +330,35 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None,
     return y
 
 
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
+    """y [M, out] float32 = x [M, in] @ W^T for one int8 (codes w, row scales `scale`) or bf16 (scale None)
+    weight, the value ``int8_gemv`` / ``bf16_gemv`` give, for the per-token products of a resident
+    model: x must already be contiguous float32 on the CPU, and the checks are the few that keep a
+    wrong pointer out of C (the general wrappers' conversions and checks cost ~30 us a product)."""
+    lib = _lib_or_raise()
+    if not (x.dtype == torch.float32 and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
+            and x.is_contiguous() and w.is_contiguous() and x.is_cpu and w.is_cpu):
+        raise ValueError(f"dense_gemv needs contiguous CPU float32 x [M, {w.shape[-1]}] and a 2-D weight, got "
+                         f"{x.dtype} {tuple(x.shape)} and {tuple(w.shape)}")
+    out, n = w.shape
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if w.dtype == torch.int8 and scale is not None:
+        if not (scale.dtype == torch.float32 and scale.numel() == out and scale.is_contiguous() and scale.is_cpu):
+            raise ValueError(f"dense_gemv: int8 codes [{out}, {n}] need float32 row scales [{out}, 1], got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), scale.data_ptr(), out, n, y.data_ptr(),
+                               _threads(threads), 1) if y.numel() else 0
+    elif w.dtype == torch.bfloat16 and scale is None:
+        rc = lib.bf16_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(), _threads(threads),
+                               1) if y.numel() else 0
+    else:
+        raise ValueError(f"dense_gemv needs int8 codes with a scale or a bf16 weight, got {w.dtype} "
+                         f"with{'out' if scale is None else ''} a scale")
+    if rc != 0:
+        raise RuntimeError(f"dense gemv failed with code {rc}")
+    return y
+
+
 def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
                  x_width: int, y_width: int) -> tuple[torch.Tensor, list, int]:
     """Checks the items (one weight shape and kind, contiguous CPU tensors, float32 x [M, x_width])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_native
 from .binding import Bindable
-from .ops import l2_normalize, linear, linears, rms_norm
+from .ops import l2_normalize, linear, linears, products, rms_norm
 from .state import KDAState, Rows
 
 
@@ -153,9 +153,11 @@ class KDAttention(Bindable):
         c = self.cfg
         T = x.shape[0]
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
-        r = linear(linear(x, self.f_a_proj), self.f_b_proj)
         b = linear(x, self.b_proj)
-        gate = self._gate(x)
+        if c.kda_full_rank_gate:
+            r, gate = linear(linear(x, self.f_a_proj), self.f_b_proj), linear(x, self.g_proj)
+        else:  # the decay's and the gate's low-rank pairs: one native call for both halves of each
+            r, gate = products(linears(x, [self.f_a_proj, self.g_a_proj]), [self.f_b_proj, self.g_b_proj])
         conv_w = (self.q_conv, self.k_conv, self.v_conv)
         o = torch.empty(T, c.kda_num_heads * c.kda_head_dim, dtype=torch.float32)
         for t, (st, _, _) in enumerate(parts):

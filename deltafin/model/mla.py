@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import cpu_native
-from ..kernels.linear import native_dense
+from ..kernels.linear import QWeight, native_dense
 from .binding import Bindable
 from .ops import linear, plain, rms_norm
 from .state import MLAState, Rows
@@ -128,11 +128,16 @@ class KvB:
         return native_dense(self.w)
 
     def _heads(self, dense, first: int, count: int) -> tuple[list, list]:
-        """Each head's rows first..first+count-1 of the stored weight (and of its scales)."""
-        w, s = dense
-        step = self.nope + self.dv
-        ws = [w[h * step + first:h * step + first + count] for h in range(self.nh)]
-        return ws, [None if s is None else s[h * step + first:h * step + first + count] for h in range(self.nh)]
+        """Each head's rows first..first+count-1 of the stored weight (and of its scales). A quantized
+        weight keeps its lists (64 views a layer and token otherwise)."""
+        cache = self.w.__dict__.setdefault("_kv_b_heads", {}) if isinstance(self.w, QWeight) else {}
+        key = (self.nh, self.nope + self.dv, first, count)
+        if key not in cache:
+            w, s = dense
+            step = self.nope + self.dv
+            cache[key] = ([w[h * step + first:h * step + first + count] for h in range(self.nh)],
+                          [None if s is None else s[h * step + first:h * step + first + count] for h in range(self.nh)])
+        return cache[key]
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, nh, nope] -> [nh, T, r]: each head's query times its W_k."""

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_native
+from ..kernels.linear import native_dense, qlinear
+
 
 @dataclass(frozen=True)
 class HalfMatmul:
@@ -36,39 +39,53 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w.T for a plain weight tensor or a quantized weight (dequantized inside the product)."""
     if isinstance(w, HalfMatmul):
         return _half_linear(x, w)
+    if x.dtype == torch.float32 and x.is_cpu and (y := _native_product(x, w)) is not None:
+        return y
     if not isinstance(w, torch.Tensor):
-        from ..kernels.linear import qlinear
         return qlinear(x, w)
     if w.dtype == x.dtype:
         return F.linear(x, w)
-    if _native_bf16_gemv_applies(x, w):
-        # Decode-sized fp32 rows against a bf16 weight: the native gemv widens each weight as it
-        # reads it, at memory speed, where converting w to fp32 first runs at ~1 GB/s.
-        from ..kernels import cpu_native
-        y = cpu_native.bf16_gemv(x.reshape(-1, w.shape[1]), w)
-        return y.reshape(*x.shape[:-1], w.shape[0])
     if w.numel() <= CONVERT_BLOCK:
         return F.linear(x, w.to(x.dtype))
     rows = max(1, CONVERT_BLOCK // w.shape[1])
     return torch.cat([F.linear(x, w[r:r + rows].to(x.dtype)) for r in range(0, w.shape[0], rows)], dim=-1)
 
 
+def _native_product(x: torch.Tensor, w) -> torch.Tensor | None:
+    """x @ w.T by the native gemv for decode-sized float32 CPU rows against an int8 or bf16 weight, else
+    None. It reads the stored weight once, widening each element as it reads it (converting a bf16 w
+    to fp32 first runs at ~1 GB/s), and skips the general wrappers' per-call checks (~30 us a product,
+    ~50 products a token)."""
+    dense = native_dense(w)
+    if dense is None or x.dim() == 0 or dense[0].shape[1] != x.shape[-1] or x.shape[-1] == 0 \
+            or x.numel() // x.shape[-1] > cpu_native.GEMV_MAX_ROWS or not cpu_native.available():
+        return None
+    y = cpu_native.dense_gemv(x.reshape(-1, x.shape[-1]).contiguous(), *dense)
+    return y.view(*x.shape[:-1], dense[0].shape[0])
+
+
 def linears(x: torch.Tensor, ws: list) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws], the same values; decode-sized float32 rows on the CPU against int8
     or bf16 weights of one shape (a KDA layer's q, k and v; an MLP's gate and up) run as one native
     call instead of one per weight."""
+    return products([x] * len(ws), ws)
+
+
+def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
+    """[linear(x, w) for x, w in zip(xs, ws)], the same values; inputs of one shape against int8 or bf16
+    weights of one shape (KDA's two low-rank halves, each on its own input) run as one native call
+    when the rows are decode-sized float32 on the CPU."""
+    x = xs[0]
     if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1:
-        from ..kernels import cpu_native
-        from ..kernels.linear import native_dense
-        rows = x.reshape(-1, x.shape[-1])
         dense = [native_dense(w) for w in ws]
-        if (rows.shape[0] <= cpu_native.GEMV_MAX_ROWS and all(d is not None for d in dense)
+        if (x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS and all(d is not None for d in dense)
                 and len({(d[0].shape, d[0].dtype) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
+                and all(o.shape == x.shape and o.dtype == x.dtype and o.device == x.device for o in xs)
                 and cpu_native.available()):
-            rows = rows.contiguous()
-            y = cpu_native.dense_gemv_items([rows] * len(ws), [d[0] for d in dense], [d[1] for d in dense])
+            rows = [o.reshape(-1, x.shape[-1]).contiguous() for o in xs]
+            y = cpu_native.dense_gemv_items(rows, [d[0] for d in dense], [d[1] for d in dense])
             return list(y.view(len(ws), *x.shape[:-1], -1).unbind(0))
-    return [linear(x, w) for w in ws]
+    return [linear(x, w) for x, w in zip(xs, ws)]
 
 
 def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
@@ -88,9 +105,8 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
     step's small projections) runs the same arithmetic in one Triton launch (half_gemv_triton).
     """
     if isinstance(w.weight, torch.Tensor):
-        from ..kernels.cpu_native import GEMV_MAX_ROWS
         on_cpu = x.device.type == "cpu" and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
-        many_rows = x.numel() // max(1, x.shape[-1]) > GEMV_MAX_ROWS
+        many_rows = x.numel() // max(1, x.shape[-1]) > cpu_native.GEMV_MAX_ROWS
         if on_cpu and not (many_rows and cpu_16bit_gemm(w.dtype)):
             rounded = x.to(w.dtype).to(torch.float32)
             return linear(rounded, w.weight).to(w.dtype).to(x.dtype)
@@ -98,7 +114,6 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
                 and gemv.applies(x, w.weight):
             return gemv.half_gemv(x, w.weight)
         return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
-    from ..kernels.linear import qlinear
     return qlinear(x.to(w.dtype), w.weight).to(x.dtype)
 
 
@@ -121,17 +136,6 @@ def cpu_16bit_gemm(dtype: torch.dtype) -> bool:
         return bool(check()) if check is not None else False
     except RuntimeError:
         return False
-
-
-def _native_bf16_gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """True for float32 rows (at most GEMV_MAX_ROWS) times a 2-D bf16 weight, all on the CPU,
-    when the native library is built."""
-    if not (x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.dim() == 2
-            and x.dim() >= 1 and x.shape[-1] == w.shape[1] > 0
-            and x.device.type == "cpu" and w.device.type == "cpu"):
-        return False
-    from ..kernels import cpu_native
-    return x.numel() // w.shape[1] <= cpu_native.GEMV_MAX_ROWS and cpu_native.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
