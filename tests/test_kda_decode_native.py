@@ -148,3 +148,23 @@ def test_trained_model_decodes_the_same_with_the_native_step(monkeypatch):
     want, got = greedy(False), greedy(True)
     assert torch.equal(want.argmax(-1), got.argmax(-1))
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_native_step_gives_the_same_bits_on_any_number_of_threads():
+    """Each head is one thread's work from start to end, so the split cannot change a result."""
+    nh, d, K = 8, 128, 4  # S large enough to be shared between threads
+    D = nh * d
+    g = torch.Generator().manual_seed(11)
+    args = dict(xin=torch.randn(3, D, generator=g), conv_w=tuple(torch.randn(D, K, generator=g) for _ in range(3)),
+                r=torch.randn(D, generator=g), dt_bias=torch.randn(D, generator=g).bfloat16(),
+                a_log=torch.randn(nh, generator=g), b=torch.randn(nh, generator=g), lower_bound=None,
+                gate=torch.randn(D, generator=g), o_norm=torch.rand(d, generator=g).bfloat16(), eps=1e-5)
+    conv0, S0 = torch.randn(3, K - 1, D, generator=g), torch.randn(nh, d, d, generator=g)
+    results = []
+    for threads in (1, 2, 3):
+        conv, S = conv0.clone(), S0.clone()
+        o = cpu_native.kda_decode_step(**args, conv=conv, S=S, threads=threads)
+        results.append((o, conv, S))
+    for o, conv, S in results[1:]:
+        assert torch.equal(o, results[0][0]) and torch.equal(conv, results[0][1]) and torch.equal(S, results[0][2])
+    assert not torch.equal(results[0][2], S0)  # the state moved
