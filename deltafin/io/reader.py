@@ -138,11 +138,18 @@ def views(buf: memoryview, layout: Layout, base: int = 0) -> dict[str, torch.Ten
 
 
 class AlignedBuffer:
-    """Page-aligned, zero-filled memory (an anonymous mapping), allocated once and reused."""
+    """Page-aligned, zero-filled memory (a private anonymous mapping), allocated once and reused.
+
+    Private, not shared: a shared anonymous mapping is shmem, whose pages cost more to fault in
+    (an O_DIRECT read into a new buffer inserts each page into a shmem file) and to give back (the
+    file is truncated), and which a memory cgroup counts as page cache rather than as the process's
+    own memory. With the RAM cache admitting and evicting experts, kl_medium int8 store in a 3 GiB
+    cgroup: compute 0.121 / 0.125 s per token private against 0.130 / 0.156 shared, decode at 0.67 /
+    0.79 of the disk limit against 0.56 / 0.57 (alternated, one script)."""
 
     def __init__(self, nbytes: int):
         self.nbytes = align_up(max(nbytes, 1))
-        self._map = mmap.mmap(-1, self.nbytes)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mem = memoryview(self._map)
 
 
