@@ -369,9 +369,10 @@ def _expert_bytes(source) -> int:
 def prefill_piece(batch: int, prompt_tokens: int) -> int:
     """Prompt tokens of each sequence a batched prefill pass reads: the pass carries at most
     max(prompt_tokens, PREFILL_PASS_ROWS) rows, what batch 1 carries. One pass of every prompt at
-    once multiplies the rows, and past 16 rows (GEMV_MAX_ROWS) the CPU products widen whole weights to
-    float32 for a matrix product (a k3-slice's 32768 x 7168 head alone: 0.94 GB), which is what
-    OOM-killed ``bench --batch 4`` and ``8`` of a k3-slice in a 6 GiB group."""
+    once multiplies the rows, and the memory a pass needs grows with them (past
+    cpu_native.GEMV_MAX_ROWS rows the CPU products widen weights to float32 for a matrix product):
+    ``bench --batch 8`` of a k3-slice in a 6 GiB group ran at its limit, and was OOM-killed on a
+    smaller slice."""
     return max(1, max(prompt_tokens, PREFILL_PASS_ROWS) // batch)
 
 

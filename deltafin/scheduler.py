@@ -42,9 +42,9 @@ from .generate import Decoding
 log = logging.getLogger(__name__)
 
 # Rows the decoding sequences' tokens and drafts may always take (one kept for a newcomer's prompt
-# piece). The native CPU products read each weight once for up to this many rows
-# (kernels.cpu_native.GEMV_MAX_ROWS); past it every product pays for the extra rows, and the
-# running streams' inter-token time with it.
+# piece). Past it, where the weights are in RAM, every product pays for the extra rows (the native
+# CPU products widen or decode a weight once for a few rows only), and the running streams'
+# inter-token time with it.
 PASS_ROWS = 16
 # Rows a pass carries at most while sequences decode, where the measured costs allow: streamed
 # from disk a pass reads the same bytes for 8 rows or 40, so drafts and prompt pieces beyond

@@ -1,7 +1,7 @@
 """Batched passes: several sequences share every weight pass, and each gets what it gets alone.
 
 A sequence's logits in a batch differ from the same sequence run alone only by the rounding of
-matrix products over a different number of rows (the native gemv serves up to 16 rows, larger
+matrix products over a different number of rows (the native gemvs serve up to 64 rows, larger
 batches go through torch's sgemm; both sum in their own order). That difference is measured here
 and bounded by ROUNDING, the same budget as decode-with-cache against full recompute; greedy
 tokens and seeded samples must be identical.

@@ -169,7 +169,7 @@ def test_mxfp4_dequant_is_bit_exact(dtype, use_simd):
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+@pytest.mark.parametrize("rows", [1, 4, 64, 65])
 def test_qlinear_mxfp4_dispatches_to_native_kernel(monkeypatch, rows):
     w = torch.randn(40, 160, generator=torch.Generator().manual_seed(rows))
     q = quantize(w, "mxfp4")
@@ -297,7 +297,7 @@ def test_int8_gemv_rejects_mismatched_shapes():
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+@pytest.mark.parametrize("rows", [1, 4, 64, 65])
 def test_qlinear_int8_dispatches_to_native_kernel(monkeypatch, rows):
     q = quantize(torch.randn(40, 160, generator=torch.Generator().manual_seed(rows)), "int8")
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -442,7 +442,7 @@ def test_intq_gemv_rejects_bad_arguments():
 
 @native
 @INTQ
-@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+@pytest.mark.parametrize("rows", [1, 4, 16, 17])
 def test_qlinear_intq_dispatches_to_native_kernel(monkeypatch, codec, rows):
     q = quantize(torch.randn(40, 160, generator=torch.Generator().manual_seed(rows)), codec, group_size=32)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -457,7 +457,7 @@ def test_qlinear_intq_dispatches_to_native_kernel(monkeypatch, codec, rows):
     y = linear.qlinear(x.view(1, rows, 160), q)
     assert y.shape == (1, rows, 40) and y.dtype == torch.bfloat16
     # Decode-sized batches use the gemv; larger ones dequantize and use a matmul.
-    assert len(calls) == int(rows <= cpu_native.GEMV_MAX_ROWS)
+    assert len(calls) == int(rows <= cpu_native.INTQ_GEMV_MAX_ROWS)
     ref = x.float() @ linear.dequantize(q).T
     assert torch.allclose(y[0].float(), ref.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
     calls.clear()
@@ -584,7 +584,7 @@ def test_bf16_gemv_rejects_bad_arguments():
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 4, 16, 20])
+@pytest.mark.parametrize("rows", [1, 4, 64, 65])
 def test_linear_float32_by_bf16_dispatches_to_native_kernel(monkeypatch, rows):
     w = _random_bf16(40, 160, seed=rows)
     x = torch.randn(1, rows, 160, generator=torch.Generator().manual_seed(1))

@@ -287,7 +287,8 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
         assert torch.equal(fused, loop)
     assert (fused - alone).abs().max() < 1e-4
     calls.clear()
-    long = torch.randn(60, cfg.hidden_size, generator=gen)  # 60 rows x 3 of 8 experts: > 16 rows each
+    # 3 x GEMV_MAX_ROWS rows x 3 of 8 experts: some expert gets more rows than the native gemvs take
+    long = torch.randn(3 * cpu_native.GEMV_MAX_ROWS, cfg.hidden_size, generator=gen)
     with monkeypatch.context() as m:
         m.setattr(experts_cpu, "applies", lambda z, e: False)
         want = moe(long, fetch)

@@ -12,7 +12,8 @@
 
 The layouts are documented in int8.py, intq.py and mxfp4.py. ``qlinear(x, q)`` computes
 x @ W^T: on CUDA with at most ``TRITON_MAX_ROWS`` rows it runs the fused Triton kernel when
-Triton is installed; on the CPU with at most ``cpu_native.GEMV_MAX_ROWS`` rows, the native gemv
+Triton is installed; on the CPU with at most ``cpu_native.GEMV_MAX_ROWS`` rows (int4 / int6:
+``INTQ_GEMV_MAX_ROWS``), the native gemv
 (cpu_native.py) when the optional extension was built; otherwise a torch reference that
 dequantizes a block of output rows at a time (fp32 compute), so the whole weight is never
 materialized.
@@ -241,8 +242,9 @@ def qlinear(x: torch.Tensor, q: QWeight, use_triton: bool | None = None) -> torc
         if use_triton:
             raise ValueError(f"the Triton kernel cannot run here: device {x.device}, rows {x2.shape[0]}, "
                              f"codec {q.codec}, Triton {'present' if kernels else 'absent'}")
-    native_codec = q.codec in ("mxfp4", "int8") or cpu_native.intq_gemv_fits(q.codec, q.group_size)
-    if (use_triton is None and native_codec and x2.shape[0] <= cpu_native.GEMV_MAX_ROWS
+    native_rows = (cpu_native.GEMV_MAX_ROWS if q.codec in ("mxfp4", "int8")
+                   else cpu_native.INTQ_GEMV_MAX_ROWS if cpu_native.intq_gemv_fits(q.codec, q.group_size) else 0)
+    if (use_triton is None and x2.shape[0] <= native_rows
             and x2.device.type == "cpu" and q.device.type == "cpu" and cpu_native.available()):
         # Decode-sized batches on the CPU: the native gemv reads the stored weight once.
         if q.codec == "mxfp4":
