@@ -60,8 +60,11 @@ class PassStats:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, provider, settings: Settings):
+    def __init__(self, cfg: ModelConfig, provider, settings: Settings, row_threads: int | None = None):
+        """row_threads: the native products' threads in a CPU pass of several rows (a batch, drafts,
+        a prompt piece) when that differs from the run's threads (api.row_threads says when)."""
         self.cfg = cfg
+        self.row_threads = row_threads
         self.provider = provider
         self.settings = settings
         self.device = settings.torch_device()
@@ -116,7 +119,8 @@ class Engine:
             # A decode-sized pass on the CPU runs its products in the native kernels, on every
             # compute thread, and torch's small ops on one (see cpu_native.decode_threads).
             small = self.device.type == "cpu" and len(ids_t) <= cpu_native.GEMV_MAX_ROWS
-            with cpu_native.decode_threads() if small else contextlib.nullcontext():
+            native = self.row_threads if len(ids_t) > 1 else None
+            with cpu_native.decode_threads(native) if small else contextlib.nullcontext():
                 logits = self.device_pass(self.embed(ids_t), seqs, stats)
         c0 = time.perf_counter()
         if all(s.on_device for s in seqs):

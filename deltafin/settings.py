@@ -74,7 +74,8 @@ class Settings:
     threads: int = _knob(0, "compute threads; 0 = auto: every core when the model is in RAM; when streaming, "
                          "one fewer than the cores (at least 1), because the pread workers need a core and "
                          "compute threads that share one with them stall on every small op (2 cores, "
-                         "streaming: 1 thread measured faster than 2)")
+                         "streaming: 1 thread measured faster than 2); passes of several rows (a batch, "
+                         "drafts, a prompt piece) run their products on every core")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")

@@ -869,6 +869,36 @@ def test_a_decode_pass_gives_torch_one_thread_and_the_native_kernels_all(tiny_kl
     assert torch.get_num_threads() == 2 and cpu_native._threads(None) == 2
 
 
+@native
+def test_a_streamed_pass_of_several_rows_runs_its_products_on_every_core(tiny_kl_path, monkeypatch):
+    """Streaming with automatic threads leaves a core to the readers in one-token passes only: a pass
+    of several rows (drafts, a batch, a prompt piece) runs its native products on every core, torch's
+    own ops on one; a set thread count holds for every pass."""
+    import os
+    import deltafin
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("needs two cores to tell the counts apart")
+    seen = []
+    real = cpu_native.dense_gemv_items
+    monkeypatch.setattr(cpu_native, "dense_gemv_items",
+                        lambda *a, **k: seen.append((torch.get_num_threads(), cpu_native._threads(None))) or real(*a, **k))
+    try:
+        m = deltafin.load(tiny_kl_path, device="cpu", stream="on", threads=0)
+        st = m.new_state()
+        m.forward(list(range(5, 13)), st)  # 8 rows
+        assert seen and all(s == (1, cores) for s in seen)
+        seen.clear()
+        m.forward([7], st)
+        assert seen and all(s == (1, cores - 1) for s in seen)
+        m = deltafin.load(tiny_kl_path, device="cpu", stream="on", threads=1)
+        seen.clear()
+        m.forward(list(range(5, 13)), m.new_state())
+        assert seen and all(s == (1, 1) for s in seen)
+    finally:
+        torch.set_num_threads(1)  # process-wide; the other tests run with one
+
+
 def test_a_library_built_from_other_source_is_ignored_with_a_warning(monkeypatch):
     """A built library of another ABI (an older install) is not called, and the user is told why the
     products are slow, once."""

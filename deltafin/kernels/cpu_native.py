@@ -123,9 +123,9 @@ _decode_threads: int | None = None
 
 
 @contextlib.contextmanager
-def decode_threads() -> Iterator[None]:
+def decode_threads(native: int | None = None) -> Iterator[None]:
     """A decode-sized pass on the CPU: torch's own ops run on one thread while these kernels keep
-    every compute thread torch had. A decode step's torch ops are small (norms, the KDA step, conv,
+    every compute thread torch had (or ``native`` threads, when given). A decode step's torch ops are small (norms, the KDA step, conv,
     routing): on more threads they only wait on each other, and torch's OpenMP workers spin after
     each of them on the cores these kernels' threads need. Measured on 2 cores (kl_medium, int8
     spine and experts, in RAM): one token 236 against 1623 ms with both sharing two threads (and 209
@@ -135,7 +135,7 @@ def decode_threads() -> Iterator[None]:
         yield
         return
     threads = torch.get_num_threads()
-    _decode_threads = threads
+    _decode_threads = native or threads
     torch.set_num_threads(1)
     try:
         yield
