@@ -257,20 +257,11 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     x is converted to contiguous float32 first if it is not. use_simd=False runs the portable C
     code even where AVX-512 is present.
     """
-    lib = _lib_or_raise()
+    _lib_or_raise()  # "not built" before any complaint about the arguments
     out, n = int8_check_shapes(codes, scale)
     if codes.device.type != "cpu" or scale.device.type != "cpu":
         raise ValueError(f"the native int8 kernel needs CPU tensors, got {codes.device} and {scale.device}")
-    x = _input(x, n)
-    codes, scale = codes.contiguous(), scale.contiguous()
-    y = torch.empty(x.shape[0], out, dtype=torch.float32)
-    if y.numel() == 0:
-        return y
-    rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], codes.data_ptr(), scale.data_ptr(), out, n,
-                           y.data_ptr(), _threads(threads), int(use_simd))
-    if rc != 0:
-        raise RuntimeError(f"int8 gemv failed with code {rc}")
-    return y
+    return dense_gemv(_input(x, n), codes.contiguous(), scale.contiguous(), threads, use_simd)
 
 
 def intq_gemv_fits(codec: str, group_size: int) -> bool:
@@ -320,29 +311,21 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None,
     (weights read from a checkpoint are contiguous). x is converted to contiguous float32 first
     if it is not. use_simd=False runs the portable C code even where AVX-512 is present.
     """
-    lib = _lib_or_raise()
+    _lib_or_raise()
     if w.dim() != 2 or w.dtype != torch.bfloat16:
         raise ValueError(f"w must be a 2-D bfloat16 tensor, got {w.dtype} of shape {tuple(w.shape)}")
     if w.device.type != "cpu":
         raise ValueError(f"the native bf16 kernel needs a CPU weight, got {w.device}")
-    out, n = w.shape
-    x = _input(x, n)
-    w = w.contiguous()
-    y = torch.empty(x.shape[0], out, dtype=torch.float32)
-    if y.numel() == 0:
-        return y
-    rc = lib.bf16_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(),
-                           _threads(threads), int(use_simd))
-    if rc != 0:
-        raise RuntimeError(f"bf16 gemv failed with code {rc}")
-    return y
+    return dense_gemv(_input(x, w.shape[1]), w.contiguous(), None, threads, use_simd)
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, threads: int | None = None,
+               use_simd: bool = True) -> torch.Tensor:
     """y [M, out] float32 = x [M, in] @ W^T for one int8 (codes w, row scales `scale`) or bf16 (scale None)
-    weight, the value ``int8_gemv`` / ``bf16_gemv`` give, for the per-token products of a resident
-    model: x must already be contiguous float32 on the CPU, and the checks are the few that keep a
-    wrong pointer out of C (the general wrappers' conversions and checks cost ~30 us a product)."""
+    weight: the native call ``int8_gemv`` / ``bf16_gemv`` make after their conversions, called straight
+    by the per-token products of a resident model. x must already be contiguous float32 on the CPU,
+    and the checks are the few that keep a wrong pointer out of C (the general wrappers' conversions
+    and checks cost ~30 us a product)."""
     lib = _lib_or_raise()
     if not (x.dtype == torch.float32 and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
             and x.is_contiguous() and w.is_contiguous() and x.is_cpu and w.is_cpu):
@@ -355,10 +338,10 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, thr
             raise ValueError(f"dense_gemv: int8 codes [{out}, {n}] need float32 row scales [{out}, 1], got "
                              f"{scale.dtype} {tuple(scale.shape)}")
         rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), scale.data_ptr(), out, n, y.data_ptr(),
-                               _threads(threads), 1) if y.numel() else 0
+                               _threads(threads), int(use_simd)) if y.numel() else 0
     elif w.dtype == torch.bfloat16 and scale is None:
         rc = lib.bf16_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(), _threads(threads),
-                               1) if y.numel() else 0
+                               int(use_simd)) if y.numel() else 0
     else:
         raise ValueError(f"dense_gemv needs int8 codes with a scale or a bf16 weight, got {w.dtype} "
                          f"with{'out' if scale is None else ''} a scale")
