@@ -112,7 +112,7 @@ class KDAttention(Bindable):
         """Per-channel log decay g [T, H, Dk], fp32."""
         c = self.cfg
         nh, d = c.kda_num_heads, c.kda_head_dim
-        r = linear(linear(x, self.f_a_proj), self.f_b_proj).float() + self.dt_bias.float()
+        r = self._decay_input(x).float() + self.dt_bias.float()
         r = r.view(-1, nh, d)
         a = torch.exp(self.A_log.float()).view(1, nh, 1)
         if c.kda_gate_lower_bound is not None:  # K3's bounded ("safe") gate
@@ -140,6 +140,10 @@ class KDAttention(Bindable):
         o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
         return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
 
+    def _decay_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The decay's low-rank projection [T, D], before dt_bias."""
+        return linear(linear(x, self.f_a_proj), self.f_b_proj)
+
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         """The output gate's logits [T, D]."""
         if self.cfg.kda_full_rank_gate:
@@ -155,7 +159,7 @@ class KDAttention(Bindable):
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
         b = linear(x, self.b_proj)
         if c.kda_full_rank_gate:
-            r, gate = linear(linear(x, self.f_a_proj), self.f_b_proj), linear(x, self.g_proj)
+            r, gate = self._decay_input(x), self._gate(x)
         else:  # the decay's and the gate's low-rank pairs: one native call for both halves of each
             r, gate = products(linears(x, [self.f_a_proj, self.g_a_proj]), [self.f_b_proj, self.g_b_proj])
         conv_w = (self.q_conv, self.k_conv, self.v_conv)
