@@ -135,10 +135,6 @@ def machine_info(settings: Settings) -> dict:
     return info
 
 
-# Rows a batched prefill pass may carry even when one prompt is shorter: the server's pass size.
-PREFILL_PASS_ROWS = PASS_ROWS
-
-
 def peak_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
@@ -368,12 +364,12 @@ def _expert_bytes(source) -> int:
 
 def prefill_piece(batch: int, prompt_tokens: int) -> int:
     """Prompt tokens of each sequence a batched prefill pass reads: the pass carries at most
-    max(prompt_tokens, PREFILL_PASS_ROWS) rows, what batch 1 carries. One pass of every prompt at
-    once multiplies the rows, and the memory a pass needs grows with them (past
-    cpu_native.GEMV_MAX_ROWS rows the CPU products widen weights to float32 for a matrix product):
-    ``bench --batch 8`` of a k3-slice in a 6 GiB group ran at its limit, and was OOM-killed on a
-    smaller slice."""
-    return max(1, max(prompt_tokens, PREFILL_PASS_ROWS) // batch)
+    max(prompt_tokens, PASS_ROWS) rows (PASS_ROWS: the rows a server pass may always take), what batch
+    1 carries. One pass of every prompt at once multiplies the rows, and the memory a pass needs grows
+    with them (past cpu_native.GEMV_MAX_ROWS rows the CPU products widen weights to float32 for a
+    matrix product; a streamed pass holds a slot for every expert its rows route to): ``bench --batch 8``
+    of a k3-slice in a 6 GiB group ran at its limit, and was OOM-killed on a smaller slice."""
+    return max(1, max(prompt_tokens, PASS_ROWS) // batch)
 
 
 def _decode(rec: PassRecorder, prompts: list[list[int]], tokens: int, piece: int | None = None) -> dict:
