@@ -203,3 +203,31 @@ def test_demand_path_waits_for_guesses_still_being_read(tmp_path, skewed_k3):
     assert held, "no guess was confirmed while under way"
     for k, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"pass {k} differs"
+
+
+def test_first_moe_layer_is_guessed_and_guesses_stay_few(tmp_path, skewed_k3):
+    """With early guesses the first MoE layer (no MoE layer before it to guess from) is guessed
+    from the previous pass's last token when the pass starts; no layer's guess reads more than
+    top-k experts, and no more than top-k spare guess buffers are kept."""
+    src = open_source(skewed_k3)
+    s = settings("early", "0", 99)
+    provider = StreamProvider(src, s)
+    pf = provider.prefetcher
+    k = src.config.experts_per_token
+    first = next(i for i in range(src.config.num_layers) if src.config.is_moe(i))
+    started, real_start = [], pf.start
+
+    def start(i, stats, predicted=None, computing=None):
+        real_start(i, stats, predicted, computing)
+        started.append((i, len(pf._ahead)))
+        assert len(pf._ahead) <= k and len(pf._free) <= k
+
+    pf.start = start
+    engine = Engine(src.config, provider, s)
+    state = engine.new_state()
+    logits = engine.forward(PROMPT, state)
+    for _ in range(4):
+        started.clear()
+        logits = engine.forward([int(logits[-1].argmax())], state)
+        assert started[0][0] == first and started[0][1] > 0  # queued at the pass's start, before layer 0
+    provider.close()

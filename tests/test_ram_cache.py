@@ -225,17 +225,18 @@ class Buf:
 
 def test_cache_shrinks_experts_first_then_spines_from_the_last():
     lines = []
-    c = RamCache([100, 100, 100], [0, 10, 10], 4, log=lines.append)
-    c.set_target(300 + 2 * 20, "test")  # every spine and two expert slots
+    c = RamCache([30, 30, 30], [0, 10, 10], 4, log=lines.append)
+    # Every spine and two expert slots; on the way, two spines and two buffers of the third (120).
+    c.set_target(90 + 2 * 20, "test")
     for i in range(3):
         assert c.wants_spine(i)
-        c.put_spine(i, Buf(100), {"layer": i})
+        assert c.put_spine(i, Buf(30), {"layer": i})
     for i in (1, 2):
         c.routed(i, [0, 1])
         for e in (0, 1):
             assert c.admit_expert(i, e, 10) is not None
             c.put_expert(i, e, Buf(10), ("w", i, e))
-    assert c.held_bytes() == 340 and c.expert(1, 0) == ("w", 1, 0)
+    assert c.held_bytes() == 130 and c.expert(1, 0) == ("w", 1, 0)
     # A hotter expert takes the coldest one's slot, and its buffer (no new allocation).
     c.routed(1, [0, 1])
     c.routed(1, [1])
@@ -244,15 +245,55 @@ def test_cache_shrinks_experts_first_then_spines_from_the_last():
     c.routed(1, [3])
     c.routed(1, [3])
     victim = c._experts.held[1][0][0]
-    assert c.admit_expert(1, 3, 10) is victim and c.expert(1, 0) is None and c.held_bytes() == 330
+    assert c.admit_expert(1, 3, 10) is victim and c.expert(1, 0) is None and c.held_bytes() == 120
     c.put_expert(1, 3, victim, ("w", 1, 3))
-    assert c.held_bytes() == 340 and c.expert(1, 3) == ("w", 1, 3)
-    c.set_target(320, "less")
-    assert c.residency()["expert_slots_per_layer"] == 1 and c.held_bytes() == 320
-    c.set_target(250, "much less")
-    assert c.residency()["experts_held"] == 0 and c.spine(2) is None and c.spine(1) == {"layer": 1}
-    assert c.held_bytes() == 200
+    assert c.held_bytes() == 130 and c.expert(1, 3) == ("w", 1, 3)
+    c.set_target(110, "less")
+    assert c.residency()["expert_slots_per_layer"] == 1 and c.held_bytes() == 110
+    c.set_target(90, "every spine, no expert")
+    assert c.residency()["experts_held"] == 0 and c.held_bytes() == 90
+    c.set_target(89, "less")  # one spine and two buffers for the others: 90; the buffers alone: 60
+    assert c.held_bytes() == 0 and c.spine(0) is None
+    c.set_target(100, "a little more")  # one spine (90), not two (120 on the way to all three)
+    assert c.wants_spine(0) and not c.wants_spine(1)
     assert any("shrinks" in x for x in lines) and any("grows" in x for x in lines)
+
+
+def test_cache_plan_counts_the_read_ahead_buffers_the_spines_leave():
+    """Spine sizes of k3-slice (a large dense first layer, then smaller ones), in 10 MB units: the
+    plan takes the most spines whose bytes plus two buffers of the largest layer still read fit at
+    every step (none 234, one 243, two 306, three 327, four 285)."""
+    c = RamCache([117, 63, 63, 42], [0, 5, 5, 5], 8)
+    plans = {}
+    for target in (340, 327, 320, 300, 240):
+        c.set_target(target)
+        plans[target] = (sorted(c._plan.spine_layers), c._plan.expert_slots)
+    assert plans == {340: ([0, 1, 2, 3], 3), 327: ([0, 1, 2, 3], 2), 320: ([0, 1], 0), 300: ([0], 0),
+                     240: ([], 0)}
+    # What is charged: held spines and experts, and the streamer's read-ahead buffers now.
+    c.set_target(340)
+    c.ring_bytes = 84
+    assert c.put_spine(0, Buf(117), {})
+    assert c.held_bytes() == 117 and c.charged_bytes() == 201
+    # A spine the plan left out is not kept.
+    c.set_target(300)
+    assert c.put_spine(1, Buf(63), {}) is False and not c.holds_spine(1)
+
+
+def test_a_long_pass_borrows_from_the_target_and_gives_it_back():
+    lines = []
+    c = RamCache([100, 20], [0, 10], 8, log=lines.append)
+    c.set_target(300)
+    assert c.put_spine(0, Buf(100), {}) and c.put_spine(1, Buf(20), {})
+    assert c._plan.expert_slots == 8
+    c.make_room(150, "room for 15 more expert read buffers")
+    assert c.target == 150 and c._plan.expert_slots == 3 and c.held_bytes() == 120
+    c.make_room(1000, "more than there is")
+    assert c.target == 0 and c.held_bytes() == 0
+    c.repay()
+    assert c.target == 300 and c._plan.expert_slots == 8 and "given back" in lines[-1]
+    c.repay()  # nothing lent: nothing changes
+    assert c.target == 300
 
 
 def test_expert_slots_age_out_old_favourites():
@@ -345,4 +386,39 @@ def test_set_budget_caps_what_is_held(tmp_path, tiny_k3_path):
         p.watcher.check()
         assert p.cache.held_bytes() + p.resident_bytes()["total"] <= 1_200_000 + 4096 * 8
     assert p.cache.held_bytes() > 0 and "1.2 GB set" not in p.budget_line and "0.0012 GB set" in p.budget_line
+    p.close()
+
+
+def test_spines_are_kept_in_their_read_buffers_and_a_prompt_borrows_expert_room(tmp_path, tiny_k3_path):
+    """A spine enters the cache in the buffer it was read into (no copy, no buffer of its size
+    beside the read-ahead ones); once every spine is held the read-ahead buffers are gone. A
+    prompt's extra expert read buffers lower the target for its pass only: it is back at the end."""
+    host(tmp_path, free=8 * GiB)
+    src = open_source(tiny_k3_path)
+    auto = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "auto"})
+    first = StreamProvider(src, auto, memory_root=str(tmp_path), watch=False)
+    sizes, fixed = first.cache._sizes, first.cache.fixed_bytes
+    first.close()
+    # A set budget of the streamer's buffers (a decode's expert slots too), every spine and one
+    # expert of every MoE layer: a prompt needs more expert buffers than that.
+    budget = fixed + src.config.experts_per_token * max(sizes.expert_bytes) + sum(sizes.spine_bytes) \
+        + sum(sizes.expert_bytes) * 3 // 2
+    s = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": str(budget / 1e9)})
+    p = StreamProvider(src, s, memory_root=str(tmp_path), watch=False)
+    lines = []
+    p.cache._log = lines.append
+    engine = Engine(src.config, p, s)
+    state = engine.new_state()
+    before = p.cache.target
+    engine.forward(PROMPT, state)
+    assert any("more expert read buffers" in x for x in lines), "the prompt needed no extra buffers"
+    assert p.cache.target == before and "given back" in lines[-1]
+    engine.forward([3], state)
+    held = p.cache._spines
+    assert sorted(held) == p._streamable and p.resident_bytes()["spine_buffers"] == 0 and p.cache.ring_bytes == 0
+    for i, (buf, weights) in held.items():
+        assert buf.nbytes == p._spine_layouts[i].capacity
+        some = next(t for t in weights.values() if isinstance(t, torch.Tensor) and t.numel())
+        start = torch.frombuffer(buf.mem, dtype=torch.uint8).data_ptr()
+        assert start <= some.data_ptr() < start + buf.nbytes  # the weights view the kept buffer
     p.close()

@@ -37,12 +37,11 @@ HEADROOM_FRACTION = 0.04
 PRESSURE_SHARE = 0.05
 COOLDOWN_S = 5.0
 GROW_WINDOW_S = 3.0
-# The streamer's own buffers come and go (the spine read-ahead buffers while some layer is not
-# cached, expert slots, prefetch buffers), and free memory counts them only while they exist.
-# Measured against their peak over this window, the caches do not give memory back each time
-# those buffers come and take it again when they go (k3-slice in a 6 GiB group: a spine went out
-# and back in every few tokens, read and copied each time, and its going out itself brought the
-# read-ahead buffers back).
+# The streamer's own buffers come and go (expert slots, prefetch buffers), and free memory counts
+# them only while they exist. Measured against their peak over this window, the caches do not give
+# memory back each time those buffers come and take it again when they go. (The spine read-ahead
+# buffers, which made a spine go out and back in every few tokens on k3-slice in a 6 GiB group, are
+# planned with the spines instead: see ram_cache.)
 FIXED_WINDOW_S = 10.0
 WATCH_INTERVAL_S = 0.2
 # cgroup v1 writes "no limit" as a huge page-rounded number; anything above this is no limit.
@@ -269,7 +268,7 @@ class Watcher:
 
     def check(self) -> None:
         c = self.cache
-        target, why = self.budget.check(c.held_bytes(), c.fixed_bytes, c.target)
+        target, why = self.budget.check(c.charged_bytes(), c.fixed_bytes, c.target)
         c.set_target(target, why)
 
     def close(self) -> None:

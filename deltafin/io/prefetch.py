@@ -56,7 +56,7 @@ class Ahead:
 class Prefetcher:
     def __init__(self, pool: ReadPool, layout_of, decode, cache=None, guesses: int = 8):
         """`layout_of(i, e)`: expert e of layer i's Layout; `decode(i, e, views)`: its weights;
-        `guesses`: the most experts one layer's guess holds buffers for (top-k)."""
+        `guesses`: the most experts one layer's guess reads (top-k)."""
         self._pool = pool
         self._layout_of = layout_of
         self._decode = decode
@@ -85,9 +85,11 @@ class Prefetcher:
             return  # the disk has not caught up with the last guesses: no new ones (bounds memory)
         cache = self._cache
         self._layer = i
-        for e in predicted:
-            if cache is not None and cache.expert(i, e) is not None:
-                continue
+        # Only what the cache misses, and at most `guesses` of it (the best first): every guess
+        # holds a buffer, and in a tight budget those buffers come out of the cache (k3-slice in
+        # 6 GiB: 2 x top-k of them per layer left the cache no experts at all).
+        missing = [e for e in predicted if cache is None or cache.expert(i, e) is None][:self._guesses]
+        for e in missing:
             lay = self._layout_of(i, e)
             buf = self._buffer(lay.capacity, stats)
             jobs = [(run, buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
@@ -151,6 +153,7 @@ class Prefetcher:
             else:
                 still.append(a)
         self._retiring = still
+        del self._free[self._guesses:]  # more than one layer's guesses are never needed again
         # A taken prefetch's buffer comes back once the layer that took it has computed.
         busy = []
         for a in self._taken:

@@ -6,7 +6,7 @@ buffers, the expert slots):
 - spines of a fixed set of layers, from the first streamed layer on (``placement.plan`` decides,
   as for device memory): a pass walks the layers in order, so a recency-based cache would evict
   each layer just before it is needed again. A layer enters when it was read for a pass anyway
-  (one copy out of the read-ahead buffer, once); the layers outside the set keep being read
+  (the streamer reads it into a buffer the cache then keeps: no copy); the layers outside the set keep being read
   with nocache reads, so they never evict it;
 - routed experts, once every spine is held: the same number of slots in every MoE layer, filled
   by ``placement.ExpertSlots`` (scores of how often each expert was routed lately). An admitted
@@ -15,8 +15,13 @@ buffers, the expert slots):
 Everything held is page-aligned memory whose tensors (views, decoded once) are handed to the
 engine as they are: no copy per use.
 
-Sizing: ``target`` is the bytes the cache may hold; ``set_target`` (from ``memory.Watcher``, a few
-times a second) moves it. Shrinking happens at once, experts first (the coldest of each layer,
+Sizing: ``target`` is the bytes the cache may hold, together with the streamer's spine read-ahead
+buffers: those exist only while some layer is not held (two buffers of the largest layer still
+read), so holding a spine costs its bytes but can shrink them, and dropping one can bring them back
+(on k3-slice, dropping the last 0.42 GB spine brings back 2 x 0.42 GB of buffers). The plan picks
+the most spines whose bytes plus the buffers they leave fit (``_plan``); the streamer tells the
+cache what its read-ahead buffers take now (``ring_bytes``). ``set_target`` (from
+``memory.Watcher``, a few times a second) moves the target. Shrinking happens at once, experts first (the coldest of each layer,
 one slot of every layer at a time), then spines from the last held layer back: dropping an entry
 drops the cache's reference, and the memory goes back as soon as no layer computing now still uses
 it (at most one layer later). Growing is lazy: entries are admitted as the pass reads them. A
@@ -37,7 +42,7 @@ import sys
 import threading
 import time
 
-from .placement import GiB, ExpertSlots, ModelSizes, Placement, plan
+from .placement import GiB, ExpertSlots, ModelSizes, Placement
 from .reader import AlignedBuffer
 
 
@@ -50,9 +55,11 @@ class RamCache:
         self._lock = threading.Lock()
         self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
         self.target = 0
-        self.fixed_bytes = 0  # the streamer's own buffers now (set by it as they change)
-        self._plan = plan(self._sizes, 0, "ram")
+        self.fixed_bytes = 0  # the streamer's own buffers now, but for its spine read-ahead (set by it)
+        self.ring_bytes = 0  # the streamer's spine read-ahead buffers now (set by it; see _plan)
+        self._loan = 0  # lent to a pass's extra expert read buffers (make_room), back at its end
         self._spines: dict[int, tuple[object, dict]] = {}  # layer -> (buffer, decoded weights)
+        self._plan = self._make_plan(0)
         self._spine_held = 0
         self._experts = ExpertSlots(0)  # weights: (buffer, decoded weights)
         self._expert_held = 0
@@ -65,25 +72,81 @@ class RamCache:
         with self._lock:
             return self._spine_held + self._expert_held
 
+    def charged_bytes(self) -> int:
+        """What the target pays for now: what the cache holds and the spine read-ahead buffers."""
+        with self._lock:
+            return self._spine_held + self._expert_held + self.ring_bytes
+
+    def _ring_cost(self, spines) -> int:
+        """The read-ahead buffers the streamer needs while it holds `spines`: two of the largest
+        layer still read (none once every spine is held)."""
+        return 2 * max((self._sizes.spine_bytes[i] for i in self._cacheable if i not in spines), default=0)
+
+    def _make_plan(self, target: int) -> Placement:
+        """The most spines, from the first streamed layer on, whose bytes and the read-ahead buffers
+        they leave fit in `target`, also at every step of taking in those not held yet (a pass
+        admits them in layer order); experts in what is left once every spine is in (the same number
+        of slots in every MoE layer). More spines are not always dearer: the buffers follow the
+        largest layer still read, and go once none is (k3-slice, GB: none held 2.34 of buffers,
+        the first 1.17 + 1.26, three 2.43 + 0.84, all four 2.85 + 0)."""
+        s = self._sizes
+        layers = self._cacheable
+
+        def cost(n: int) -> int:
+            return sum(s.spine_bytes[i] for i in layers[:n]) + self._ring_cost(layers[:n])
+
+        held = 0
+        while held < len(layers) and layers[held] in self._spines:
+            held += 1
+        if cost(held) <= target:
+            n = held
+            while n < len(layers) and cost(n + 1) <= target:
+                n += 1
+        else:
+            n = max((m for m in range(held) if cost(m) <= target), default=0)
+        slots = 0
+        per_slot = sum(s.expert_bytes)
+        if n == len(layers) and per_slot:
+            slots = int(min(s.num_experts, max(0, target - cost(n)) // per_slot))
+        return Placement("ram", target, s, frozenset(layers[:n]), slots)
+
     def set_target(self, target: int, why: str = "") -> None:
         with self._lock:
-            old = self._plan
-            self.target = max(0, int(target))
-            self._plan = plan(self._sizes, self.target, "ram")
-            self._shrink_to(self._plan)
-            if (old.spine_layers, old.expert_slots) != (self._plan.spine_layers, self._plan.expert_slots):
-                verb = "grows" if self._plan.held_bytes > old.held_bytes else "shrinks"
-                now = self._clock()
-                # Every turn is told; more steps the same way at most one line a second.
-                if verb != self._last_verb or now - self._last_line >= 1.0:
-                    self._last_verb, self._last_line = verb, now
-                    self._log(f"deltafin: ram cache {verb} to {self.target / GiB:.2f} GiB ({why}): "
-                              f"{self._describe(self._plan)}")
+            self._set_target(target, why)
+
+    def _set_target(self, target: int, why: str) -> None:
+        old = self._plan
+        self.target = max(0, int(target))
+        self._plan = self._make_plan(self.target)
+        self._shrink_to(self._plan)
+        if (old.spine_layers, old.expert_slots) == (self._plan.spine_layers, self._plan.expert_slots):
+            return
+        verb = "grows" if self._plan.held_bytes > old.held_bytes else "shrinks"
+        now = self._clock()
+        # Every turn is told; more steps the same way at most one line a second.
+        if verb != self._last_verb or now - self._last_line >= 1.0:
+            self._last_verb, self._last_line = verb, now
+            self._log(f"deltafin: ram cache {verb} to {self.target / GiB:.2f} GiB ({why}): "
+                      f"{self._describe(self._plan)}")
 
     def make_room(self, nbytes: int, why: str) -> None:
-        """Lower the target so that `nbytes` more of the streamer's own buffers fit in what the
-        budget allowed (the watcher raises it again once they are given back)."""
-        self.set_target(self.target - nbytes, why)
+        """Lower the target so that `nbytes` more of the streamer's own buffers (a long pass's
+        extra expert read buffers) fit in what the budget allowed; ``repay`` gives it back when
+        they are freed, at the pass's end."""
+        with self._lock:
+            nbytes = max(0, min(nbytes, self.target))
+            self._loan += nbytes
+            self._set_target(self.target - nbytes, why)
+
+    def repay(self) -> None:
+        """The pass that needed ``make_room`` freed its buffers: the target gets their bytes back
+        now (not after the watcher saw memory stay free for a few seconds, which on k3-slice let
+        the first 10-15 tokens after a prefill run with the cache down to a spine or two); the
+        watcher still lowers it if memory says otherwise."""
+        with self._lock:
+            if self._loan:
+                loan, self._loan = self._loan, 0
+                self._set_target(self.target + loan, "a long pass's expert read buffers given back")
 
     def _set_slots(self, slots: int) -> None:
         for buf, _ in self._experts.resize(slots):
@@ -92,9 +155,14 @@ class RamCache:
     def _shrink_to(self, p: Placement) -> None:
         self._set_slots(p.expert_slots)
         for i in sorted(self._spines, reverse=True):
-            if i not in p.spine_layers or self._spine_held + self._expert_held > self.target:
+            if i not in p.spine_layers:
                 self._spine_held -= self._spines.pop(i)[0].nbytes
                 self.version += 1
+
+    def _over(self, more: int, spines=None) -> bool:
+        """Whether holding `more` bytes (and the spines `spines`, default those held) passes the target."""
+        spines = self._spines.keys() if spines is None else spines
+        return self._spine_held + self._expert_held + more + self._ring_cost(spines) > self.target
 
     def _describe(self, p: Placement) -> str:
         s = self._sizes
@@ -117,18 +185,22 @@ class RamCache:
         with self._lock:
             return i in self._plan.spine_layers and i not in self._spines and self._sizes.spine_bytes[i] > 0
 
-    def put_spine(self, i: int, buf, weights: dict) -> None:
+    def put_spine(self, i: int, buf, weights: dict) -> bool:
+        """Keep layer i's spine, read into `buf` (a buffer the caller gives away: the cache holds it
+        from now on, with the `weights` viewing it); False: not kept."""
         with self._lock:
             if i not in self._plan.spine_layers or i in self._spines:
-                return
-            if self._spine_held + buf.nbytes > self.target:
-                return
+                return False
+            spines = {*self._spines, i}
             # Spines come before experts: make room among the experts if they took it meanwhile.
-            while self._spine_held + self._expert_held + buf.nbytes > self.target and self._experts.slots:
+            while self._over(buf.nbytes, spines) and self._experts.slots:
                 self._set_slots(self._experts.slots - 1)
+            if self._over(buf.nbytes, spines):
+                return False
             self._spines[i] = (buf, weights)
             self._spine_held += buf.nbytes
             self.version += 1
+            return True
 
     # -- experts -----------------------------------------------------------------------------
     def routed(self, i: int, chosen) -> None:
@@ -150,7 +222,7 @@ class RamCache:
         with self._lock:
             layer = self._experts.held.get(i, {})
             full = len(layer) >= self._experts.slots
-            if not full and self._spine_held + self._expert_held + capacity > self.target:
+            if not full and self._over(capacity):
                 return None  # a slot is free but the bytes are not (buffers round up): only swaps
             victim = min(layer, key=lambda x: self._experts.score(i, x)) if full and layer else None
             old = layer[victim][0] if victim is not None else None
@@ -164,7 +236,7 @@ class RamCache:
 
     def put_expert(self, i: int, e: int, buf, weights) -> None:
         with self._lock:
-            if self._spine_held + self._expert_held + buf.nbytes > self.target:
+            if self._over(buf.nbytes):
                 return
             before = len(self._experts.held.get(i, {}))
             self._experts.put(i, e, (buf, weights))

@@ -152,6 +152,14 @@ class AlignedBuffer:
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mem = memoryview(self._map)
 
+    def trim(self, nbytes: int) -> None:
+        """Give the pages past the first `nbytes` back to the system (the mapping stays; nothing
+        may touch them again): a read-ahead buffer kept for a smaller layer than it was made for."""
+        keep = align_up(max(nbytes, 1))
+        if keep < self.nbytes:
+            self._map.madvise(mmap.MADV_DONTNEED, keep, self.nbytes - keep)
+            self.nbytes = keep
+
 
 class Files:
     """Open files of one read mode; thread-safe; each file opened (or mapped) once."""

@@ -146,7 +146,11 @@ class StreamProvider:
         self._cache_version = -1
         if settings.prefetch != "off" and any(cfg.is_moe(i) for i in range(L)):
             self.prefetcher = Prefetcher(self.pool, self._expert_layout, source.decode_expert, self.cache,
-                                         guesses=2 * cfg.experts_per_token)
+                                         guesses=cfg.experts_per_token)
+        self._first_moe = next((i for i in range(L) if cfg.is_moe(i)), None)
+        # How often each expert of each MoE layer was routed to (rows of every pass): bench's
+        # routing figures (what the best cache of a size would serve) read it.
+        self.routing_counts = {i: [0] * cfg.num_experts for i in range(L) if cfg.is_moe(i)}
 
     # -- the provider protocol ---------------------------------------------------------------
     def globals(self) -> dict:
@@ -157,6 +161,10 @@ class StreamProvider:
         for b in self._spine_bufs:
             if b.held:  # the previous pass is over
                 b.settle()
+        if self.prefetcher is not None:
+            # The first MoE layer has no MoE layer before it to guess from: the previous pass's
+            # last token's experts there, queued before the dense layers before it compute.
+            self.prefetcher.start(self._first_moe, stats)
         self._plan_reads()
         if self._streamed:
             first = self._streamed[0]
@@ -169,12 +177,14 @@ class StreamProvider:
             del self._slots[max(self._slots_used, self.config.experts_per_token):]
             self._slots_used = 0
             self._note_fixed()
+            self.cache.repay()
 
     def spine(self, i: int, stats) -> dict:
         for b in self._spine_bufs:
             if b.held:  # layer i-1 is done with it
                 b.settle()
-        if self.prefetcher is not None and self.settings.prefetch == "prev" and self.config.is_moe(i):
+        if self.prefetcher is not None and self.settings.prefetch == "prev" and self.config.is_moe(i) \
+                and i != self._first_moe:  # (the first's guess was queued when the pass started)
             self.prefetcher.start(i, stats)  # queued first: needed before the next spine
         self._plan_reads()
         cached = self._pinned[i] if i < self.pin_layers else self.cache.spine(i) if self.cache else None
@@ -197,14 +207,17 @@ class StreamProvider:
         lay = self._spine_layouts[i]
         _count(stats, b.origin, lay.nbytes)
         stats.spines_loaded += 1
+        weights = self._decoded(b)
         if self.cache is not None and self.cache.wants_spine(i):
-            # Kept from now on: one copy out of the read-ahead buffer, the only one this layer costs.
-            keep = AlignedBuffer(lay.capacity)
-            keep.mem[:lay.size] = b.buf.mem[:lay.size]
-            weights = self.source.decode_spine(i, views(keep.mem, lay))
-            self.cache.put_spine(i, keep, weights)
-            return weights
-        return self._decoded(b)
+            # Kept from now on in the buffer it was read into (no copy, no second buffer of its size
+            # while the read-ahead buffers still exist); the read-ahead makes a new one when it needs it.
+            buf = b.buf
+            buf.trim(lay.capacity)
+            if self.cache.put_spine(i, buf, weights):
+                b.buf = None
+                self._plan_reads()  # the last spine kept: the other read-ahead buffer goes now
+                self._note_fixed()
+        return weights
 
     def experts(self, i: int, ids, stats, residual=None) -> Future:
         """Read the experts routed to (``ids``: the router's tensor, or a list of expert ids).
@@ -224,8 +237,11 @@ class StreamProvider:
             stats.experts_cached += len(got)
             stats.bytes_from_ram += sum(self._expert_layout(i, e).nbytes for e in got)
         under_way = {}  # prefetches of chosen experts still reading: waited for, not read again
+        counts = self.routing_counts[i]
+        for e in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids):
+            counts[e] += 1
         if self.prefetcher is not None:
-            if self.settings.prefetch == "prev":
+            if self.settings.prefetch == "prev" or i == self._first_moe:
                 self.prefetcher.observe(i, ids)
             for e in chosen:
                 w = self.prefetcher.take(i, e, stats) if e not in got else None
@@ -365,10 +381,13 @@ class StreamProvider:
     def _note_fixed(self) -> None:
         """Tell the cache what the streamer's own buffers take now (the budget follows their
         recent peak), without the extra expert slots of a long pass (a prefill), which
-        ``make_room`` already took from the cache and ``end_pass`` gives back."""
+        ``make_room`` already took from the cache and ``end_pass`` gives back, and without the
+        spine read-ahead buffers, which the cache's plan counts with the spines (``ring_bytes``)."""
         if self.cache is not None:
             extra = sum(s.nbytes for s in self._slots[self.config.experts_per_token:])
-            self.cache.fixed_bytes = self.resident_bytes()["total"] - extra
+            held = self.resident_bytes()
+            self.cache.ring_bytes = held["spine_buffers"]
+            self.cache.fixed_bytes = held["total"] - extra - held["spine_buffers"]
 
     def _read_now(self, layout: Layout, buf: AlignedBuffer) -> None:
         jobs = [(run, buf.mem, s) for run, s in zip(layout.runs, layout.starts)]
