@@ -28,7 +28,8 @@ cache) and what it held (``ram_cache``). ``limit_tok_s`` is the tok/s the disk a
 a token read from it (raw read bandwidth of the probes / disk bytes per token; None when a token
 read nothing), and ``decode_vs_limit`` the share of it reached. With ``prefetch`` on,
 ``prefetch_useful_rate`` is the share of the bytes read ahead of the router that it then chose
-(prefetched bytes are disk bytes too). On CUDA the limit is the slowest
+(prefetched bytes are disk bytes too). ``expert_routing`` is what the decode's routers chose, and
+the hit rate the best fixed experts of the cache's size would have had (``routing_figures``). On CUDA the limit is the slowest
 tier's instead (see ``device_figures``).
 """
 from __future__ import annotations
@@ -174,6 +175,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
                                        evict=files))
 
     marks: dict[str, float] = {}
+    routed_before: dict[int, list[int]] = {}
 
     # On CUDA the first decode passes of a process compile and tune the GPU kernels (seconds) and
     # record the decode graph; the figures are the steady state's, so those passes are not timed. A
@@ -193,6 +195,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
                 probe()
             drop_file_cache(files)
             marks["decode_start"] = time.perf_counter()
+            routed_before.update(_routing_counts(model))
 
     if warmup:
         _decode(PassRecorder(model), prompts[:1], warmup)
@@ -249,6 +252,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "ram_budget_bytes": (residency.get("budget_bytes", 0 if settings.ram_budget_bytes() == 0 else None)
                              if model.streaming else None),
         "ram_cache": residency.get("cache"),
+        "expert_routing": routing_figures(routed_before, _routing_counts(model), residency.get("cache")),
         "limit_tok_s": limit,
         "limit_tier": "disk" if limit else None,
         "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
@@ -285,6 +289,35 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         out["provider_resident_bytes"] = resident()["total"]
     if model.engine.device.type == "cuda":
         out.update(device_figures(model, d, s_per_tok, raw))
+    return out
+
+
+def _routing_counts(model) -> dict[int, list[int]]:
+    """A copy of the streamer's routing counts (layer -> routings per expert), {} in RAM."""
+    return {i: list(c) for i, c in getattr(model.engine.provider, "routing_counts", {}).items()}
+
+
+def routing_figures(before: dict[int, list[int]], after: dict[int, list[int]], cache: dict | None) -> dict | None:
+    """What the decode's routers chose (``after`` less ``before``: routings per expert of each MoE
+    layer), and what the best fixed choice of experts would have served: ``best_hit_rate`` is the
+    share of the decode's routings that the `slots` most routed experts of each layer take (the
+    cache's slots per layer at the end; a cache that knew the decode's routing in advance), to set
+    ``expert_cache_hit_rate`` against. ``counts_by_rank``: each layer's counts, most routed first."""
+    if not after:
+        return None
+    ranked = {i: sorted((a - b for a, b in zip(after[i], before.get(i, [0] * len(after[i])))), reverse=True)
+              for i in after}
+    total = sum(sum(c) for c in ranked.values())
+    if total == 0:
+        return None
+    experts = len(next(iter(ranked.values())))
+    top = max(1, -(-experts // 10))
+    out = {"routings": total, "top10_share": sum(sum(c[:top]) for c in ranked.values()) / total,
+           "counts_by_rank": {str(i): c for i, c in ranked.items()}}
+    if cache:
+        slots = cache["expert_slots_per_layer"]
+        out["slots_per_layer"] = slots
+        out["best_hit_rate"] = sum(sum(c[:slots]) for c in ranked.values()) / total
     return out
 
 

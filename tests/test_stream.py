@@ -221,6 +221,10 @@ def test_bench_cli_json(tiny_k3_path, capsys):
     assert 0 < low <= r["io_efficiency"] <= high
     assert r["settings"]["io_workers"] == 2 and r["machine"]["cpu_count"] >= 1
     assert r["io_split"]["experts_per_token"] == 20  # 5 MoE layers x top-4
+    # What the decode's routers chose: 2 tokens x 5 MoE layers x top-4, by layer, most routed first.
+    rt = r["expert_routing"]
+    assert rt["routings"] == 40 and len(rt["counts_by_rank"]) == 5 and 0 < rt["top10_share"] <= 1
+    assert all(c == sorted(c, reverse=True) and sum(c) == 8 for c in rt["counts_by_rank"].values())
     # Which numerics produced the figures: the synthetic folder has only the exact bf16 spine.
     assert (r["spine"], r["spine_exact"], r["product_dtype"], r["threads"]) == ("bf16", True, "float32", 1)
     from deltafin.bench import format_table
@@ -268,3 +272,14 @@ def test_bench_batch_shares_each_pass(tiny_k3_path, capsys):
     args = parser.parse_args(["bench", "--model", str(tiny_k3_path), "--batch", "0"])
     with pytest.raises(ValueError, match="batch of at least 1"):
         args.func(args)
+
+
+def test_routing_figures_best_cache_of_the_slots():
+    """The best fixed choice of `slots` experts per layer serves the most routed ones' share."""
+    from deltafin.bench import routing_figures
+    before = {1: [1, 0, 0, 0], 3: [0, 0, 0, 0]}
+    after = {1: [7, 2, 1, 0], 3: [0, 5, 0, 5]}  # decode: layer 1 [6, 2, 1, 0], layer 3 [0, 5, 0, 5]
+    r = routing_figures(before, after, {"expert_slots_per_layer": 1})
+    assert r["routings"] == 19 and r["counts_by_rank"] == {"1": [6, 2, 1, 0], "3": [5, 5, 0, 0]}
+    assert r["best_hit_rate"] == (6 + 5) / 19 and r["top10_share"] == (6 + 5) / 19  # top 10% of 4 = 1
+    assert routing_figures({}, {}, None) is None and "best_hit_rate" not in routing_figures(before, after, None)
