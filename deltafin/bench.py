@@ -31,6 +31,14 @@ read nothing), and ``decode_vs_limit`` the share of it reached. With ``prefetch`
 (prefetched bytes are disk bytes too). ``expert_routing`` is what the decode's routers chose, and
 the hit rate the best fixed experts of the cache's size would have had (``routing_figures``). On CUDA the limit is the slowest
 tier's instead (see ``device_figures``).
+
+In RAM on the CPU (``--stream off``) nothing is read from disk per token; the bound is memory
+instead. ``ram_read_gbps`` is how fast the run's threads read the weights a token reads (every
+layer's spine, ``experts_per_token`` random experts per MoE layer, the head) where they lie, in one
+native call that only loads and sums their bytes (best of 3 passes, probed immediately before and
+immediately after the decode, like the disk; ``ram_read`` has both probes and their spread).
+``ram_limit_tok_s`` = ram_read_gbps / weight bytes per token is the tok/s that reading the
+weights alone allows, and ``decode_vs_ram_limit`` the share of it the decode reached.
 """
 from __future__ import annotations
 
@@ -115,6 +123,43 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
             "cache_drop": method, "tokens": tokens}
 
 
+def _tensors(w) -> list:
+    """The tensors of a provider's weight (a tensor, a stored QWeight, or tuples and dicts of them)."""
+    if hasattr(w, "data_ptr"):
+        return [w]
+    if hasattr(w, "tensors"):
+        return list(w.tensors.values())
+    if isinstance(w, dict):
+        w = list(w.values())
+    return [t for part in w for t in _tensors(part)] if isinstance(w, (list, tuple)) else []
+
+
+def measure_ram_read(model, threads: int, seed: int = 0, passes: int = 3) -> dict:
+    """How fast `threads` threads read, where they lie, the weights one decode token of a resident
+    CPU model reads: every spine, ``experts_per_token`` random experts per MoE layer and every global
+    but the embedding (of which a token reads one row). Best of `passes` reads, each one native call."""
+    from .engine import PassStats
+    from .kernels import cpu_native
+    provider, cfg = model.engine.provider, model.config
+    rng = random.Random(seed)
+    stats = PassStats()
+    weights = [w for name, w in provider.globals().items() if name != "embed"]
+    for i in range(cfg.num_layers):
+        weights.append(provider.spine(i, stats))
+        if cfg.is_moe(i):
+            k = min(cfg.experts_per_token, cfg.num_experts)
+            weights.append(provider.experts(i, rng.sample(range(cfg.num_experts), k), stats).result())
+    tensors = [t for t in _tensors(weights) if t.is_cpu and t.is_contiguous()]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        cpu_native.read_memory(tensors, threads)
+        best = min(best, time.perf_counter() - t0)
+    return {"bytes": nbytes, "seconds": best, "gbps": nbytes / best / GB if best > 0 else 0.0,
+            "threads": threads, "passes": passes}
+
+
 def raw_read_summary(probes: list[dict]) -> dict:
     """The probes' mean bandwidth and their spread ((fastest - slowest) / mean)."""
     rates = [p["gbps"] for p in probes]
@@ -170,9 +215,17 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     probe_tokens = min(tokens - 1, 4)
     probes: list[dict] = []
 
+    # A resident CPU model's bound is memory: probed the same way, before and after the decode.
+    from .kernels import cpu_native
+    ram_probing = not model.streaming and model.engine.device.type == "cpu" and cpu_native.available()
+    ram_probes: list[dict] = []
+
     def probe() -> None:
-        probes.append(measure_raw_read(model.source, settings, tokens=probe_tokens, seed=seed + len(probes),
-                                       evict=files))
+        if probing:
+            probes.append(measure_raw_read(model.source, settings, tokens=probe_tokens, seed=seed + len(probes),
+                                           evict=files))
+        if ram_probing:
+            ram_probes.append(measure_ram_read(model, model.threads, seed=seed + len(ram_probes)))
 
     marks: dict[str, float] = {}
     routed_before: dict[int, list[int]] = {}
@@ -191,8 +244,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         if index == prefills - 1:
             marks["first_token"] = time.perf_counter()
         if index == prefills - 1 + untimed:  # probe the disk, then decode is measured from disk, not from cache
-            if probing:
-                probe()
+            probe()
             drop_file_cache(files)
             marks["decode_start"] = time.perf_counter()
             routed_before.update(_routing_counts(model))
@@ -206,8 +258,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
-    if probing:
-        probe()
+    probe()
     prefill, decode = rec.passes[:prefills], rec.passes[prefills + untimed:]
     prefill_tokens = sum(p.tokens for p in prefill)
     d = summarize(decode)
@@ -222,6 +273,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     provider = model.engine.provider
     residency = provider.residency() if model.streaming and hasattr(provider, "residency") else {}
     limit = raw["gbps"] * GB / d["read_bytes_per_token"] if raw and d["read_bytes_per_token"] > 0 else None
+    ram = raw_read_summary(ram_probes) if ram_probes else None
+    ram_limit = ram["gbps"] * GB / d["bytes_per_token"] if ram and d["bytes_per_token"] > 0 else None
     expert_bytes = _expert_bytes(model.source)
     spine_bytes = sum(t.nbytes for i in range(cfg.num_layers) for t in model.source.spine_infos(i).values())
     out = {
@@ -256,6 +309,10 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "limit_tok_s": limit,
         "limit_tier": "disk" if limit else None,
         "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
+        "ram_read_gbps": ram["gbps"] if ram else None,
+        "ram_limit_tok_s": ram_limit,
+        "decode_vs_ram_limit": d["tokens"] / decode_seconds / ram_limit if ram_limit else None,
+        "ram_read": ram,
         "bytes_by_source_per_token": d["bytes_by_source_per_token"],
         "prefill_bytes_by_source": {name: sum(getattr(p, field) for p in prefill) for name, field in SOURCES}
                                    | {"tokens": prefill_tokens},
@@ -484,6 +541,12 @@ def format_table(r: dict) -> str:
              f"{r['decode_graph']['replayed']} passes replayed, {r['decode_graph']['recorded']} recorded"
              + (f" (failed: {r['decode_graph']['failed']})" if r["decode_graph"]["failed"] else "")),
         ]
+    elif r["ram_limit_tok_s"]:
+        ram = r["ram_read"]
+        rows.append(("limit", f"{r['ram_limit_tok_s']:.2f} tok/s set by memory: {r['threads']} threads read the "
+                              f"weights at {r['ram_read_gbps']:.1f} GB/s (probes before / after decode "
+                              + " / ".join(f"{p['gbps']:.1f}" for p in ram["probes"])
+                              + f"); decode reached {r['decode_vs_ram_limit'] * 100:.0f}%"))
     else:
         rows.append(("limit", f"{r['limit_tok_s']:.2f} tok/s set by the disk (decode reached "
                               f"{r['decode_vs_limit'] * 100:.0f}%)" if r["limit_tok_s"] else "-"))

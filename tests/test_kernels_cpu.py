@@ -704,6 +704,33 @@ def test_worker_threads_serve_concurrent_callers_and_forked_children():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_memory_reads_every_byte_once(threads):
+    """The warm bench's memory probe: every byte of every buffer is read once, whatever the split
+    (pieces of 1 MiB claimed by the threads; sizes around a piece, odd tails, an empty tensor)."""
+    import numpy as np
+    g = torch.Generator().manual_seed(threads)
+    sizes = [0, 1, 7, 8, 13, (1 << 20) - 3, (1 << 20) + 5, 3 << 20, 12345]
+    tensors = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in sizes]
+    tensors.append(torch.randn(300, 7, generator=g))  # any dtype: its bytes
+
+    def reference(t: torch.Tensor) -> int:
+        raw = t.numpy().tobytes()
+        body = len(raw) // 8 * 8
+        return int(np.frombuffer(raw[:body], dtype=np.uint64).sum(dtype=np.uint64)) + sum(raw[body:])
+    assert cpu_native.read_memory(tensors, threads) == sum(map(reference, tensors)) % 2**64
+    assert cpu_native.read_memory([], threads) == 0
+
+
+@native
+def test_read_memory_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        cpu_native.read_memory([torch.zeros(4, 4).t()])
+    with pytest.raises(ValueError, match="contiguous CPU tensors, got bytes"):
+        cpu_native.read_memory([b"1234"])
+
+
 # ---------------------------------------------------------------- many dense products in one call
 
 def _dense_weights(kind: str, count: int, out: int, n: int, seed: int) -> list[tuple]:

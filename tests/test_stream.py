@@ -13,6 +13,7 @@ import torch
 import deltafin
 from deltafin.checkpoint.hf import CheckpointError, TensorInfo
 from deltafin.checkpoint.synthetic import make_checkpoint
+from deltafin.engine import PassStats
 from deltafin.io.reader import ALIGN, URGENT, AlignedBuffer, Files, ReadPool, Run, chunked, make_layout, \
     merge_extents
 from deltafin.io.stream import StreamProvider
@@ -227,6 +228,7 @@ def test_bench_cli_json(tiny_k3_path, capsys):
     assert all(c == sorted(c, reverse=True) and sum(c) == 8 for c in rt["counts_by_rank"].values())
     # Which numerics produced the figures: the synthetic folder has only the exact bf16 spine.
     assert (r["spine"], r["spine_exact"], r["product_dtype"], r["threads"]) == ("bf16", True, "float32", 1)
+    assert r["ram_read"] is None and r["ram_read_gbps"] is r["ram_limit_tok_s"] is r["decode_vs_ram_limit"] is None
     from deltafin.bench import format_table
     assert "probes before / after decode" in format_table(r) and "spine bf16 (exact)" in format_table(r)
 
@@ -239,6 +241,48 @@ def test_bench_in_ram_neither_evicts_nor_probes_the_disk(tiny_k3_path, capsys):
     assert r["product_dtype"] == "bfloat16" and r["decode_tok_s"] > 0
     from deltafin.bench import format_table
     assert "in RAM: raw bandwidth not probed" in format_table(r) and "products bfloat16" in format_table(r)
+
+
+def test_bench_in_ram_bounds_decode_by_reading_the_weights(tiny_k3_path, capsys):
+    """In RAM the bound is memory: the run's threads read a token's weights (every spine, top-k random
+    experts per MoE layer, the head) before and after the decode; the limit is that rate over the
+    bytes a token read."""
+    from deltafin.kernels import cpu_native
+    if not cpu_native.available():
+        pytest.skip("the native CPU kernels are not built")
+    r = _bench_json(capsys, "--model", tiny_k3_path, "--stream", "off", "--threads", "2")
+    ram = r["ram_read"]
+    assert len(ram["probes"]) == 2 and all(p["threads"] == 2 and p["seconds"] > 0 for p in ram["probes"])
+    # A probe reads what a decode token reads, but the one embedding row.
+    src = deltafin.load(tiny_k3_path, device="cpu", stream="on").source
+    embed_row = src.global_infos()["model.embed_tokens.weight"].nbytes // src.config.vocab_size
+    assert all(p["bytes"] == r["bytes_per_token"] - embed_row for p in ram["probes"])
+    rates = [p["gbps"] for p in ram["probes"]]
+    assert r["ram_read_gbps"] == ram["gbps"] == pytest.approx(sum(rates) / 2) and ram["gbps"] > 0
+    assert r["ram_limit_tok_s"] == pytest.approx(r["ram_read_gbps"] * 1e9 / r["bytes_per_token"])
+    assert r["decode_vs_ram_limit"] == pytest.approx(r["decode_tok_s"] / r["ram_limit_tok_s"])
+    from deltafin.bench import format_table
+    assert "set by memory: 2 threads read the weights at" in format_table(r)
+
+
+def test_ram_provider_counts_the_head_once_per_pass(tiny_k3_path):
+    """A resident pass reads every global but the embedding (the head, the final norm) and one
+    embedding row per token, as a streamed pass counts them."""
+    model = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    cfg, src = model.config, model.source
+    state = model.new_state()
+    model.forward(PROMPT, state)
+    model.forward([3], state)
+    s = model.engine.last_pass
+    g = {k: t.nbytes for k, t in src.global_infos().items()}
+    embed = g.pop("model.embed_tokens.weight")
+    layers = PassStats()  # what the provider counts for every spine and top-k experts per MoE layer
+    for i in range(cfg.num_layers):
+        model.engine.provider.spine(i, layers)
+        if cfg.is_moe(i):
+            model.engine.provider.experts(i, list(range(cfg.experts_per_token)), layers)
+    assert s.bytes_read == 0 and s.experts_loaded == layers.experts_loaded > 0
+    assert s.bytes_from_ram == layers.bytes_from_ram + sum(g.values()) + embed // cfg.vocab_size
 
 
 def test_drop_file_cache_evicts_only_the_files_given(tmp_path):

@@ -23,6 +23,11 @@ class RAMProvider:
     def __init__(self, source, progress=None):
         cfg = self.config = source.config
         self._globals = source.read_globals()
+        embed = self._globals["embed"]
+        # Per pass every global but the embedding is read (the head, the final norm); of the
+        # embedding one row per token, as the streamer counts them.
+        self._embed_row_bytes = _nbytes(embed) // max(1, embed.shape[0])
+        self._global_pass_bytes = sum(_nbytes(w) for k, w in self._globals.items() if k != "embed")
         self._spines = []
         self._experts: list[dict] = []
         layers = range(cfg.num_layers)
@@ -38,7 +43,7 @@ class RAMProvider:
         return self._globals
 
     def start_pass(self, stats) -> None:
-        pass
+        stats.bytes_from_ram += self._global_pass_bytes + self._embed_row_bytes * stats.tokens
 
     def end_pass(self, stats) -> None:
         pass

@@ -48,7 +48,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 9
+#define KERNELS_ABI 10
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -1482,5 +1482,86 @@ int kda_decode_step_f32(const float *xin, float *conv, const void *const *conv_w
     if (t > nh) t = nh;
     if (nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* a small S: waking a thread costs more */
     run_parallel(run_kda_heads, &st, 0, t < 1 ? 1 : (int)t);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ memory read probe */
+
+/* Bytes of one claim: large enough that claiming costs nothing, small enough that a thread woken
+   late takes fewer. */
+#define READ_PIECE (1 << 20)
+
+struct mem_read {
+    const uint8_t *const *ptr;
+    const int64_t *len;
+    int64_t count, pieces;
+    const int64_t *first;  /* first[i]: the pieces before buffer i */
+    int64_t next;          /* the next piece to claim (atomic) */
+    uint64_t sum;          /* every thread's sum added here (atomic) */
+};
+
+/* The sum of bytes p[0..n-1] taken as unsigned 64-bit words in the machine's order (the last n % 8
+   bytes one by one): every byte is
+   loaded once, as a weight product loads it, and the sum keeps the loads from being dropped. */
+static uint64_t sum_bytes_portable(const uint8_t *p, int64_t n) {
+    uint64_t a = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t u;
+        memcpy(&u, p + i, 8);
+        a += u;
+    }
+    for (; i < n; i++) a += p[i];
+    return a;
+}
+
+#ifdef KERNELS_X86
+/* The same sum with 32-byte loads into four accumulators of 64-bit lanes (as many loads in flight
+   as the gemvs' row blocks keep). */
+static AVX2 uint64_t sum_bytes_avx2(const uint8_t *p, int64_t n) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128)
+        for (int q = 0; q < 4; q++) acc[q] = _mm256_add_epi64(acc[q], _mm256_loadu_si256((const __m256i *)(p + i + 32 * q)));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3])));
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + sum_bytes_portable(p + i, n - i);
+}
+#endif
+
+static void *run_mem_read(void *arg) {
+    struct mem_read *mr = (struct mem_read *)arg;
+    uint64_t (*sum)(const uint8_t *, int64_t) = sum_bytes_portable;
+#ifdef KERNELS_X86
+    if (have_avx2()) sum = sum_bytes_avx2;
+#endif
+    uint64_t total = 0;
+    int64_t buf = 0;
+    for (;;) {
+        const int64_t k = __atomic_fetch_add(&mr->next, 1, __ATOMIC_RELAXED);
+        if (k >= mr->pieces) break;
+        while (mr->first[buf + 1] <= k) buf++;  /* pieces are claimed in increasing order */
+        const int64_t at = (k - mr->first[buf]) * READ_PIECE, left = mr->len[buf] - at;
+        total += sum(mr->ptr[buf] + at, left < READ_PIECE ? left : READ_PIECE);
+    }
+    __atomic_fetch_add(&mr->sum, total, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+/* Reads `count` buffers (ptr[i], len[i] bytes) once, in 1 MiB pieces that up to `threads` threads
+   claim as they come free, and stores the sum of their 8-byte words in the machine's order (each
+   buffer's last len % 8 bytes added one by one) modulo 2^64 in *sum: a probe of how fast these threads read this
+   memory. Returns 0, or -1 when out of memory. */
+int read_memory(const uint8_t *const *ptr, const int64_t *len, int64_t count, int threads, uint64_t *sum) {
+    int64_t *first = malloc((size_t)(count + 1) * sizeof *first);
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t i = 0; i < count; i++) first[i + 1] = first[i] + (len[i] + READ_PIECE - 1) / READ_PIECE;
+    struct mem_read mr = {ptr, len, count, first[count], first, 0, 0};
+    int64_t t = threads < 1 ? 1 : threads;
+    if (t > mr.pieces) t = mr.pieces > 0 ? mr.pieces : 1;
+    run_parallel(run_mem_read, &mr, 0, (int)t);
+    *sum = mr.sum;
+    free(first);
     return 0;
 }

@@ -31,7 +31,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 9
+ABI = 10
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -87,6 +87,8 @@ def _library() -> ctypes.CDLL | None:
         lib.kda_decode_step_f32.argtypes = [_p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float, _p,
                                             _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
         lib.kda_decode_step_f32.restype = _int
+        lib.read_memory.argtypes = [_p, _p, _i64, _int, _p]
+        lib.read_memory.restype = _int
     except (OSError, AttributeError):
         return None
     return lib
@@ -477,3 +479,22 @@ def kda_decode_step(xin: torch.Tensor, conv: torch.Tensor, conv_w: tuple[torch.T
     if rc != 0:
         raise RuntimeError(f"KDA decode step failed with code {rc}")
     return o
+
+
+def read_memory(tensors: list[torch.Tensor], threads: int | None = None) -> int:
+    """Reads every byte of the tensors once, on ``threads`` threads that claim 1 MiB pieces as they
+    come free (how fast the products could read these weights at best), and returns the sum of each
+    tensor's bytes as 8-byte words in the machine's order, its last ``nbytes % 8`` bytes added one by
+    one, modulo 2**64 (the sum keeps the reads from being skipped, and lets a test check them)."""
+    lib = _lib_or_raise()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"read_memory needs contiguous CPU tensors, got "
+                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else f'{t.device} {t.dtype}'}")
+    count = len(tensors)
+    ptrs = (_p * max(count, 1))(*(t.data_ptr() for t in tensors))
+    lens = (_i64 * max(count, 1))(*(t.numel() * t.element_size() for t in tensors))
+    total = ctypes.c_uint64(0)
+    if lib.read_memory(ptrs, lens, count, _threads(threads), ctypes.byref(total)) != 0:
+        raise MemoryError(f"read_memory could not allocate its index of {count} buffers")
+    return total.value
