@@ -25,10 +25,9 @@
    left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
 
    Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
-   library itself needs no -march flag) and portable C; the MXFP4 gemv has a third, AVX2,
-   bit-identical to the portable code, and the int8 and bf16 gemvs an AVX2+FMA one (differing from
-   the portable code only in rounding order, like their AVX-512 code; a plain AVX2 one,
-   bit-identical, remains for CPUs without FMA). The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
+   library itself needs no -march flag) and portable C; the MXFP4, int8 and bf16 gemvs have a
+   third, AVX2+FMA (differing from the portable code only in rounding order, like their AVX-512
+   code; for int8 and bf16 a plain AVX2 one, bit-identical, remains for CPUs without FMA). The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
    thread is one of them); a row's result never depends on the split.
 
    The functions are called through ctypes (cpu_native.py); PyInit exists only so that the file
@@ -99,7 +98,7 @@ struct job {
     int64_t m, out, n;
     int64_t depth;           /* transposed dense products: the rows of W summed over (W is [depth, n]) */
     int kind;                /* enum out_kind, dequant only */
-    float factor[256];       /* E8M0 byte -> factor (MXFP4 only) */
+    const float *factor;     /* E8M0 byte -> factor (MXFP4 only): e8m0_factors() */
 };
 
 typedef void (*rows_fn)(const struct job *, int64_t r0, int64_t r1);
@@ -676,60 +675,6 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
     }
 }
 
-/* The 32 weights of one MXFP4 group in element order, 8 per register. Every E2M1 value doubled is a
-   small integer (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), so one byte shuffle per 16 codes looks
-   them up, and each weight is that integer as a float times half the group's factor: a power of two
-   times a value of at most 4 bits, as exact as the portable decode_group's E2M1 * factor, hence the
-   same weights (the one difference, +0 for the code -0, changes no sum: the sums start at +0). Half
-   the instructions of looking each code up in an 8-float table and setting its sign. */
-static AVX2 inline void mxfp4_decode_group_avx2(const uint8_t *p, float f, __m256 w[4]) {
-    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m256 half = _mm256_set1_ps(f * 0.5f);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    const __m128i nib = _mm_set1_epi8(15);
-    const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, nib));
-    const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-    /* Element 2j is the low nibble of byte j, element 2j+1 its high nibble. */
-    const __m128i v[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-    for (int h = 0; h < 2; h++)
-        for (int q = 0; q < 2; q++)
-            w[2 * h + q] = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q ? _mm_srli_si128(v[h], 8) : v[h])), half);
-}
-
-/* The portable MXFP4 gemv with its GROUP lanes held in four AVX2 registers per row of x: the
-   same weights, products and sums in the same order (multiply then add, no FMA), hence the same
-   bits, for processors with AVX2 but not AVX-512. */
-static AVX2 void mxfp4_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
-    const int64_t n = jb->n, groups = n / GROUP;
-    float *y = (float *)jb->y;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *p = jb->packed + r * (n / 2);
-        const uint8_t *s = jb->scale + r * groups;
-        for (int64_t m0 = 0; m0 < jb->m; m0 += X_BLOCK) {
-            const int64_t mb = jb->m - m0 < X_BLOCK ? jb->m - m0 : X_BLOCK;
-            __m256 acc[X_BLOCK][4];
-            for (int i = 0; i < X_BLOCK; i++)
-                for (int q = 0; q < 4; q++) acc[i][q] = _mm256_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                __m256 w[4];
-                mxfp4_decode_group_avx2(p + g * (GROUP / 2), jb->factor[s[g]], w);
-                for (int64_t i = 0; i < mb; i++) {
-                    const float *xg = jb->x + (m0 + i) * n + g * GROUP;
-                    for (int q = 0; q < 4; q++)
-                        acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(w[q], _mm256_loadu_ps(xg + 8 * q)));
-                }
-            }
-            for (int64_t i = 0; i < mb; i++) {
-                float lanes[GROUP];
-                for (int q = 0; q < 4; q++) _mm256_storeu_ps(lanes + 8 * q, acc[i][q]);
-                float sum = 0.0f;
-                for (int k = 0; k < GROUP; k++) sum += lanes[k];
-                y[(m0 + i) * jb->out + r] = sum;
-            }
-        }
-    }
-}
 #endif
 
 #ifdef KERNELS_X86
@@ -800,38 +745,140 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
         }
 }
 
+/* MXFP4 on AVX2 with FMA. A group's 32 codes decode straight to the float32 bits of their E2M1 values:
+   those have two zero low bytes, so two byte shuffles look up the upper two bytes (sign and exponent,
+   exponent and mantissa) and two interleaves with zero place them; each weight is then that value
+   times the group's factor, the very product the portable decode_group computes (same bits). The
+   lanes come out in the order the shuffles leave them, not in element order: register q holds
+   elements 8q, 8q+2, 8q+4, 8q+6 (the low nibbles of bytes 4q..4q+3) then 8q+1, .., 8q+7 (their high
+   nibbles), and x is copied once per call into that order (mxfp4_lanes_avx2). Against the decode
+   through int8 -> float conversions it replaced (bit-identical to the portable code, multiply then
+   add), this is about half the instructions per group; the FMAs round once per product, so a
+   result differs from the portable code's by summation rounding only (like the AVX-512 code). */
+#define MXFP4_KIND 2
+
+/* Element of a group that lane l of register q holds. */
+static inline int64_t mxfp4_lane_element(int64_t q, int64_t l) { return 8 * q + (l < 4 ? 2 * l : 2 * (l - 4) + 1); }
+
+/* x [m, n] with every group's 32 inputs in the decoded lanes' order, into xs [m, n]. */
+static void mxfp4_lanes_avx2(const float *x, int64_t m, int64_t n, float *xs) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < n; g += GROUP)
+            for (int64_t j = 0; j < GROUP; j++) xs[i * n + g + j] = x[i * n + g + mxfp4_lane_element(j / 8, j % 8)];
+}
+
+static AVX2_FMA inline void mxfp4_decode_group_fma(const uint8_t *p, const float f, __m256 w[4]) {
+    /* Byte 3 (sign, exponent) and byte 2 (exponent low bit, mantissa) of 0, .5, 1, 1.5, 2, 3, 4, 6
+       and their negatives, in both 128-bit lanes (vpshufb looks up within a lane). */
+    const __m256i top = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                         (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF,
+                                         (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
+                                         0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                         (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF,
+                                         (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0);
+    const __m256i next = _mm256_setr_epi8(0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0,
+                                          0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0,
+                                          0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0,
+                                          0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0);
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    /* Lane 0: the low nibbles (even elements), lane 1: the high nibbles (odd elements). */
+    const __m256i codes = _mm256_and_si256(_mm256_blend_epi32(bytes, _mm256_srli_epi16(bytes, 4), 0xF0),
+                                           _mm256_set1_epi8(15));
+    const __m256i hi = _mm256_shuffle_epi8(top, codes), lo = _mm256_shuffle_epi8(next, codes);
+    const __m256i h0 = _mm256_unpacklo_epi8(lo, hi), h1 = _mm256_unpackhi_epi8(lo, hi), z = _mm256_setzero_si256();
+    const __m256 fv = _mm256_set1_ps(f);
+    w[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h0)), fv);
+    w[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h0)), fv);
+    w[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h1)), fv);
+    w[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h1)), fv);
+}
+
+/* The sum of the 8 lanes, in one fixed order. */
+static AVX2_FMA inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* MXFP4 output rows r..r+R-1 for rows m0..m0+MB-1 of x (in the lanes' order), as the dense block: two
+   accumulators per (row, row of x), registers 0 and 2 of a group into one, 1 and 3 into the other,
+   the same in every block shape. `next` (>= 0): the rows handled next, whose packed bytes and scales
+   are prefetched one cache line per 64 bytes. */
+static inline __attribute__((always_inline)) AVX2_FMA void
+mxfp4_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
+    const int64_t n = jb->n, half = n / 2, groups = n / GROUP;
+    const float *x = jb->x + m0 * n;
+    const char *next_packed = next >= 0 ? (const char *)(jb->packed + next * half) : NULL;
+    const char *next_scale = next >= 0 ? (const char *)(jb->scale + next * groups) : NULL;
+    __m256 acc[ROW_BLOCK][X_BLOCK_AVX2][2];  /* R x MB of them used */
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i][0] = acc[k][i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if (next_packed && ((g * R * 16) & 63) == 0) {
+            _mm_prefetch(next_packed + g * R * 16, _MM_HINT_T1);
+            if (((g * R) & 63) == 0) _mm_prefetch(next_scale + g * R, _MM_HINT_T1);
+        }
+        for (int k = 0; k < R; k++) {
+            __m256 w[4];
+            mxfp4_decode_group_fma(jb->packed + (r + k) * half + g * 16, jb->factor[jb->scale[(r + k) * groups + g]], w);
+            for (int i = 0; i < MB; i++) {
+                const float *xg = x + i * n + g * GROUP;
+                acc[k][i][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[k][i][0]);
+                acc[k][i][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), acc[k][i][1]);
+                acc[k][i][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc[k][i][0]);
+                acc[k][i][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), acc[k][i][1]);
+            }
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = hsum_avx2(_mm256_add_ps(acc[k][i][0], acc[k][i][1]));
+}
+
+/* One block of the AVX2+FMA gemvs: KIND 0 int8, 1 bf16, MXFP4_KIND (a constant at every call site). */
+static inline __attribute__((always_inline)) AVX2_FMA void
+fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next,
+               const int KIND) {
+    if (KIND == MXFP4_KIND) mxfp4_fma_block_avx2(jb, r, m0, R, MB, next);
+    else dense_fma_block_avx2(jb, r, m0, R, MB, next, KIND);
+}
+
 /* Output rows r..r+R-1 for every row of x, X_BLOCK_AVX2 rows of x at a time (the last 1 or 2 apart);
    the first block prefetches the next rows. */
 static inline __attribute__((always_inline)) AVX2_FMA void
-dense_fma_rows_block_avx2(const struct job *jb, int64_t r, const int R, int64_t next, const int BF16) {
+fma_rows_block_avx2(const struct job *jb, int64_t r, const int R, int64_t next, const int KIND) {
     int64_t m0 = 0;
     for (; m0 + X_BLOCK_AVX2 <= jb->m; m0 += X_BLOCK_AVX2, next = -1)
-        dense_fma_block_avx2(jb, r, m0, R, X_BLOCK_AVX2, next, BF16);
-    if (jb->m - m0 == 2) dense_fma_block_avx2(jb, r, m0, R, 2, next, BF16);
-    else if (jb->m - m0 == 1) dense_fma_block_avx2(jb, r, m0, R, 1, next, BF16);
+        fma_block_avx2(jb, r, m0, R, X_BLOCK_AVX2, next, KIND);
+    if (jb->m - m0 == 2) fma_block_avx2(jb, r, m0, R, 2, next, KIND);
+    else if (jb->m - m0 == 1) fma_block_avx2(jb, r, m0, R, 1, next, KIND);
 }
 
 /* Rows r0..r1-1, R at a time (4 for one row of x, else ROW_BLOCK_AVX2_MULTI), each block prefetching
    the next; leftover rows one by one. Every pair's sums run in the same order in any block shape, so
    a result does not depend on how many rows of x share the call. */
 static inline __attribute__((always_inline)) AVX2_FMA void
-dense_fma_rows_avx2(const struct job *jb, int64_t r0, int64_t r1, const int BF16) {
+fma_rows_avx2(const struct job *jb, int64_t r0, int64_t r1, const int KIND) {
     int64_t r = r0;
     if (jb->m == 1)
         for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
-            dense_fma_block_avx2(jb, r, 0, ROW_BLOCK, 1, r + 2 * ROW_BLOCK <= r1 ? r + ROW_BLOCK : -1, BF16);
+            fma_block_avx2(jb, r, 0, ROW_BLOCK, 1, r + 2 * ROW_BLOCK <= r1 ? r + ROW_BLOCK : -1, KIND);
     else
         for (const int R = ROW_BLOCK_AVX2_MULTI; r + R <= r1; r += R)
-            dense_fma_rows_block_avx2(jb, r, R, r + 2 * R <= r1 ? r + R : -1, BF16);
-    for (; r < r1; r++) dense_fma_rows_block_avx2(jb, r, 1, -1, BF16);
+            fma_rows_block_avx2(jb, r, R, r + 2 * R <= r1 ? r + R : -1, KIND);
+    for (; r < r1; r++) fma_rows_block_avx2(jb, r, 1, -1, KIND);
 }
 
 static AVX2_FMA void int8_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
-    dense_fma_rows_avx2(jb, r0, r1, 0);
+    fma_rows_avx2(jb, r0, r1, 0);
 }
 
 static AVX2_FMA void bf16_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
-    dense_fma_rows_avx2(jb, r0, r1, 1);
+    fma_rows_avx2(jb, r0, r1, 1);
+}
+
+static AVX2_FMA void mxfp4_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    fma_rows_avx2(jb, r0, r1, MXFP4_KIND);
 }
 #endif
 
@@ -1007,8 +1054,16 @@ static int run_rows(const struct job *jb, rows_fn fn, int threads) {
     return run_chunked(jb, 1, fn, jb->out, jb->out * jb->n * (jb->m > 0 ? jb->m : 1), ROW_BLOCK, threads);
 }
 
-static void fill_factors(struct job *jb) {
-    for (unsigned s = 0; s < 256; s++) jb->factor[s] = e8m0_factor(s);
+/* The E8M0 byte -> factor table, filled once (it was filled per call: 256 entries for every
+   expert of a batched MoE layer, whose products are small). */
+static float factor_table[256];
+static void fill_factor_table(void) {
+    for (unsigned s = 0; s < 256; s++) factor_table[s] = e8m0_factor(s);
+}
+static const float *e8m0_factors(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, fill_factor_table);
+    return factor_table;
 }
 
 /* ------------------------------------------------------------------ exported */
@@ -1021,90 +1076,92 @@ int cpu_kernels_has_avx512(void) { return have_avx512(); }
 /* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8, bf16, MXFP4; the others portable), 0 portable. */
 int cpu_kernels_simd(void) { return simd_level(); }
 
+/* The MXFP4 gemv's rows function for this CPU, with the m rows of x put into jb in the layout it
+   reads (x as given; split into even and odd inputs for AVX-512; the lanes' order for AVX2). *scratch
+   is the copy made for it (NULL: none), to be freed after the call. NULL when it cannot be allocated. */
+static rows_fn mxfp4_setup(struct job *jb, const float *x, int64_t m, int64_t n, int use_simd, float **scratch) {
+    jb->x = x;
+    jb->factor = e8m0_factors();
+    *scratch = NULL;
+#ifdef KERNELS_X86
+    const int avx512 = use_simd && have_avx512(), avx2 = use_simd && !avx512 && have_avx2_fma();
+    if (avx512 || avx2) {
+        float *xs = malloc((size_t)(m * n > 0 ? m * n : 1) * sizeof *xs);
+        if (!xs) return NULL;
+        *scratch = xs;
+        if (avx2) {
+            mxfp4_lanes_avx2(x, m, n, xs);
+            jb->x = xs;
+            return mxfp4_gemv_rows_avx2;
+        }
+        /* De-interleaved once per call so that each decoded half of a group meets its inputs. */
+        const int64_t half = n / 2;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < half; j++) {
+                xs[i * half + j] = x[i * n + 2 * j];
+                xs[(m + i) * half + j] = x[i * n + 2 * j + 1];
+            }
+        jb->x_even = xs;
+        jb->x_odd = xs + m * half;
+        return mxfp4_gemv_rows_avx512;
+    }
+#endif
+    (void)use_simd;
+    return mxfp4_gemv_rows_portable;
+}
+
 /* MXFP4: y [m, out] = x [m, n] @ W^T. use_simd = 0 forces the portable code.
    Returns 0, or -1 when scratch memory cannot be allocated. */
 int mxfp4_gemv_f32(const float *x, int64_t m, const uint8_t *packed, const uint8_t *scale,
                    int64_t out, int64_t n, float *y, int threads, int use_simd) {
-    struct job jb = {.x = x, .packed = packed, .scale = scale, .y = y, .m = m, .out = out, .n = n};
-    fill_factors(&jb);
-    rows_fn fn = mxfp4_gemv_rows_portable;
-    float *split = NULL;
-#ifdef KERNELS_X86
-    if (use_simd && have_avx512()) {
-        /* De-interleave x once per call so that each decoded half of a group meets its inputs. */
-        const int64_t half = n / 2;
-        split = malloc((size_t)(2 * m * half) * sizeof *split);
-        if (!split) return -1;
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < half; j++) {
-                split[i * half + j] = x[i * n + 2 * j];
-                split[(m + i) * half + j] = x[i * n + 2 * j + 1];
-            }
-        jb.x_even = split;
-        jb.x_odd = split + m * half;
-        fn = mxfp4_gemv_rows_avx512;
-    } else if (use_simd && have_avx2()) {
-        fn = mxfp4_gemv_rows_avx2;
-    }
-#endif
-    (void)use_simd;
-    int rc = run_rows(&jb, fn, threads);
-    free(split);
+    struct job jb = {.packed = packed, .scale = scale, .y = y, .m = m, .out = out, .n = n};
+    float *scratch;
+    const rows_fn fn = mxfp4_setup(&jb, x, m, n, use_simd, &scratch);
+    if (!fn) return -1;
+    const int rc = run_rows(&jb, fn, threads);
+    free(scratch);
     return rc;
 }
 
 /* Many MXFP4 products of one weight shape in one call (a MoE layer's routed experts for a batch):
    item i computes y[y_row[i] : y_row[i] + m[i]] = x[x_row[i] : x_row[i] + m[i]] @ W_i^T, where
-   x is [*, n] and y [*, out]. Each item is computed exactly as mxfp4_gemv_f32 computes it alone.
-   With several threads the items are shared out whole (a small expert is not worth splitting);
-   a lone item splits its rows as mxfp4_gemv_f32 does. Returns 0, or -1 when scratch memory
-   cannot be allocated. */
-struct items_job {
-    const float *x;
-    const uint8_t *const *packed, *const *scale;
-    const int64_t *x_row, *y_row, *m;
-    int64_t count, out, n;
-    float *y;
-    int use_simd;
-    int64_t next;  /* the next item to take (shared, atomic) */
-    int rc;
-};
-
-static void *run_items(void *arg) {
-    struct items_job *ij = (struct items_job *)arg;
-    for (;;) {
-        const int64_t i = __atomic_fetch_add(&ij->next, 1, __ATOMIC_RELAXED);
-        if (i >= ij->count) break;
-        if (mxfp4_gemv_f32(ij->x + ij->x_row[i] * ij->n, ij->m[i], ij->packed[i], ij->scale[i], ij->out,
-                           ij->n, ij->y + ij->y_row[i] * ij->out, 1, ij->use_simd) != 0)
-            __atomic_store_n(&ij->rc, -1, __ATOMIC_RELAXED);
-    }
-    return NULL;
-}
-
+   x is [*, n] and y [*, out]. Each item is computed exactly as mxfp4_gemv_f32 computes it alone;
+   x is laid out for the kernel once for all items, whose rows the threads share out in chunks
+   (as for the dense items). Returns 0, or -1 when scratch memory cannot be allocated. */
 int mxfp4_gemv_items_f32(const float *x, const uint8_t *const *packed, const uint8_t *const *scale,
                          const int64_t *x_row, const int64_t *y_row, const int64_t *m, int64_t count,
                          int64_t out, int64_t n, float *y, int threads, int use_simd) {
-    if (count == 1 || threads <= 1) {
-        for (int64_t i = 0; i < count; i++)
-            if (mxfp4_gemv_f32(x + x_row[i] * n, m[i], packed[i], scale[i], out, n, y + y_row[i] * out,
-                               threads, use_simd) != 0)
-                return -1;
-        return 0;
+    int64_t rows = 0, weights = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (x_row[i] + m[i] > rows) rows = x_row[i] + m[i];
+        weights += out * n * (m[i] > 0 ? m[i] : 1);
     }
-    struct items_job ij = {.x = x, .packed = packed, .scale = scale, .x_row = x_row, .y_row = y_row,
-                           .m = m, .count = count, .out = out, .n = n, .y = y, .use_simd = use_simd};
-    const int t = threads < count ? threads : (int)count;
-    run_parallel(run_items, &ij, 0, t);  /* the calling thread works too */
-    return ij.rc;
+    struct job base = {.out = out, .n = n};
+    float *scratch;
+    const rows_fn fn = mxfp4_setup(&base, x, rows, n, use_simd, &scratch);
+    struct job *jobs = fn ? malloc((size_t)(count > 0 ? count : 1) * sizeof *jobs) : NULL;
+    if (!jobs) {
+        free(scratch);
+        return -1;
+    }
+    for (int64_t i = 0; i < count; i++) {
+        jobs[i] = base;
+        jobs[i].packed = packed[i], jobs[i].scale = scale[i], jobs[i].m = m[i], jobs[i].y = y + y_row[i] * out;
+        jobs[i].x = base.x + x_row[i] * n;
+        if (base.x_even) jobs[i].x_even = base.x_even + x_row[i] * (n / 2), jobs[i].x_odd = base.x_odd + x_row[i] * (n / 2);
+    }
+    const int rc = run_chunked(jobs, count, fn, out, weights, ROW_BLOCK, threads);
+    free(jobs);
+    free(scratch);
+    return rc;
 }
 
 /* MXFP4: w [out, n] = W as float32 (kind 0) or bfloat16 bits (kind 1). */
 int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int64_t n, void *w,
                   int kind, int threads, int use_simd) {
-    struct job jb = {.packed = packed, .scale = scale, .y = w, .m = 1, .out = out, .n = n, .kind = kind};
+    struct job jb = {.packed = packed, .scale = scale, .y = w, .m = 1, .out = out, .n = n, .kind = kind,
+                     .factor = e8m0_factors()};
     if (kind != OUT_F32 && kind != OUT_BF16) return -2;
-    fill_factors(&jb);
     rows_fn fn = mxfp4_dequant_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = mxfp4_dequant_rows_avx512;

@@ -3,8 +3,8 @@
 ``mxfp4_gemv``, ``int8_gemv``, ``intq_gemv`` (int4, int6) and ``bf16_gemv`` multiply a few float32 rows of x by a stored
 weight without materializing it (``dense_gemv_items`` many int8 or bf16 products in one call, and
 ``dense_gemv_t_items`` the transposed products x @ W), at close to memory speed (AVX-512 where the CPU has it; the
-MXFP4 gemv also has an AVX2 path, bit-identical to its portable C, and the int8 and bf16 gemvs an AVX2+FMA
-path that differs from their portable C only in rounding order); ``mxfp4_dequant`` decodes MXFP4 rows
+MXFP4, int8 and bf16 gemvs also have an AVX2+FMA path that differs from their portable C only in rounding
+order); ``mxfp4_dequant`` decodes MXFP4 rows
 bit-for-bit like ``mxfp4.mxfp4_dequantize``; ``kda_decode_step`` runs a KDA layer's decode step between its
 projections (conv, norms, decay, the delta rule on S, output norm and gate) for one sequence. The library is an optional part of the install (setup.py): when it
 was not built, ``available()`` is False and callers use the torch references in mxfp4.py,
