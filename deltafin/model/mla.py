@@ -57,42 +57,65 @@ class MLAttention(Bindable):
         kv = linear(x, self.kv_a_proj_with_mqa)
         ckv_new = rms_norm(kv[:, :r], self.kv_a_layernorm, LATENT_NORM_EPS)
         kv_b = KvB(plain(self.kv_b_proj), nh, nope, dv, x.dtype)
-        outs, start = [], 0
-        for st, n, _ in parts:  # MLA rolls back by length: nothing extra to keep
-            rows = slice(start, start + n)
+        # A fresh sequence's prompt attends with expanded keys and values; every other sequence in
+        # the latent form, whose W_k and W_v products run once for all of them (two native calls a
+        # layer, not two per sequence).
+        expand = [st.at is None and st.length == 0 and n > 1 for st, n, _ in parts]
+        starts = [sum(n for _, n, _ in parts[:i]) for i in range(len(parts))]
+        latent_rows = [j for (st, n, _), s, e in zip(parts, starts, expand) if not e for j in range(s, s + n)]
+        every = len(latent_rows) == T
+        if latent_rows:
+            q_lat = kv_b.absorb_query(q[:, :, :nope] if every else q[latent_rows, :, :nope])  # [nh, R, r]
+        pieces, lats, at = [], [], 0
+        for (st, n, _), s, e in zip(parts, starts, expand):  # MLA rolls back by length: nothing extra to keep
+            rows = slice(s, s + n)
             st.append(ckv_new[rows], kv[rows, r:])
-            outs.append(self._attend(q[rows, :, :nope], q[rows, :, nope:], st, kv_b))
-            start += n
-        out = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(T, nh * dv)
+            if e:
+                pieces.append(self._attend_expanded(q[rows, :, :nope], q[rows, :, nope:], st, kv_b))
+            else:
+                lats.append(self._attend_latent(q_lat[:, at:at + n], q[rows, :, nope:], st))
+                pieces.append(None)
+                at += n
+        if lats:
+            values = iter(kv_b.absorb_value(torch.cat(lats, dim=1) if len(lats) > 1 else lats[0])
+                          .split([lat.shape[1] for lat in lats]))  # W_v on the way out
+            pieces = [next(values) if p is None else p for p in pieces]
+        out = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).reshape(T, nh * dv)
         if c.mla_output_gate:
             out = out * torch.sigmoid(linear(x, self.g_proj).float()).to(out.dtype)
         return linear(out, self.o_proj)
 
-    def _attend(self, q_nope, q_rot, st: MLAState, kv_b: "KvB") -> torch.Tensor:
-        """One sequence's T new queries against its cache (which already holds their own keys)."""
-        T = q_nope.shape[0]
+    def _positions(self, st: MLAState, T: int, device) -> tuple:
+        """The cache to attend over (ckv, krot) and the mask of positions each of the T new queries
+        may not see (the cache already holds their own keys)."""
         if st.at is not None:  # a recorded decode step: the whole buffer, masked past the new row
-            ckv, krot, past, pos_q = st.ckv, st.krot, None, st.at
+            ckv, krot, pos_q = st.ckv, st.krot, st.at
         else:
             ckv, krot = st.view()  # [P+T, r], [P+T, rope]
             past = st.length - T
             # causal mask: new token t sits at position past + t
-            pos_q = torch.arange(past, past + T, device=q_nope.device)
-        mask = torch.arange(ckv.shape[0], device=q_nope.device)[None, :] > pos_q[:, None]  # [T, P+T]
-        if past == 0 and T > 1:
-            w_k, w_v = kv_b.full()
-            k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k)  # expand keys/values once for the prompt
-            vals = torch.einsum("nr,hdr->hnd", ckv, w_v)
-            scores = (torch.einsum("thd,hnd->htn", q_nope, k_nope)
-                      + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
-            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_nope.dtype)
-            return torch.einsum("htn,hnd->thd", probs, vals)
-        q_lat = kv_b.absorb_query(q_nope)  # [nh, T, r]: W_k absorbed into the query
-        scores = (torch.einsum("htr,nr->htn", q_lat, ckv)
+            pos_q = torch.arange(past, past + T, device=device)
+        return ckv, krot, torch.arange(ckv.shape[0], device=device)[None, :] > pos_q[:, None]  # [T, P+T]
+
+    def _attend_expanded(self, q_nope, q_rot, st: MLAState, kv_b: "KvB") -> torch.Tensor:
+        """A fresh sequence's prompt [T, nh, dv]: keys and values expanded once (cheaper there)."""
+        ckv, krot, mask = self._positions(st, q_nope.shape[0], q_nope.device)
+        w_k, w_v = kv_b.full()
+        k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k)
+        vals = torch.einsum("nr,hdr->hnd", ckv, w_v)
+        scores = (torch.einsum("thd,hnd->htn", q_nope, k_nope)
                   + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_nope.dtype)
-        lat = torch.einsum("htn,nr->htr", probs, ckv)
-        return kv_b.absorb_value(lat)  # W_v absorbed on the way out
+        return torch.einsum("htn,hnd->thd", probs, vals)
+
+    def _attend_latent(self, q_lat, q_rot, st: MLAState) -> torch.Tensor:
+        """T new queries with W_k absorbed (q_lat [nh, T, r]) against the cache: the attended
+        latent [nh, T, r], still to be multiplied by W_v."""
+        ckv, krot, mask = self._positions(st, q_rot.shape[0], q_rot.device)
+        scores = (torch.einsum("htr,nr->htn", q_lat, ckv)
+                  + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_lat.dtype)
+        return torch.einsum("htn,nr->htr", probs, ckv)
 
 
 class KvB:
