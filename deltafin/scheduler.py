@@ -16,8 +16,9 @@ the decoding sequences' rows alone, and (PROMPT_COST_FACTOR - 1) of that again f
 newcomer waiting, so the streams already running keep their pace while a long prompt is read in,
 and a crowd of newcomers is let in within a few passes (at least one prompt token per pass,
 earliest newcomer first). The decoding sequences' drafts share the rows first (one kept for a
-newcomer), so speculation keeps going beside a newcomer. With nobody decoding, prompts go in
-pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator;
+newcomer), so speculation keeps going beside a newcomer; a sequence whose drafts have mostly been
+accepted drafts as much as it would alone (``draft_limits``), as far as MAX_PASS_ROWS allows. With
+nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator;
 pieces and draft lengths change speed only, so its output is the one it gets served alone (up to
 the rounding of products over a different number of rows, which leaves greedy tokens and seeded
 samples unchanged in the tests).
@@ -63,6 +64,12 @@ FREE_ROWS_COST = 1.1
 # several streams stays out of the shared passes for dozens of them (eight clients arriving
 # together decoded ~3 at a time on average, against ~6 with this allowance).
 PROMPT_COST_FACTOR = 1.5
+# A sequence whose drafts have been accepted at least at this rate (accepted over drafted tokens, over its
+# generation so far) drafts as it would alone, not only its share of the rows: its draft rows then
+# yield tokens at that rate, while one pass per token is what the batch saves. Streamed k3-slice,
+# greedy clients: one alone took 3 tokens a pass (4 passes for 12 tokens), beside seven others 1.6
+# (16 rows: one draft each), so eight clients gained less than half of what they shared.
+ACCEPTED_DRAFTS = 0.5
 # When the engine is idle and a request comes, it waits up to this share of a one-row pass's
 # measured cost for others arriving with it, so that they start in the same pass: clients that
 # send together reach the engine milliseconds apart, and a newcomer one pass late beside the
@@ -136,6 +143,19 @@ class PassCosts:
             if self.estimate(rows) > limit:
                 return rows - 1
         return top
+
+
+def draft_limits(stats: list[dict], draft_lens: list[int], share: int, room: int) -> list[int]:
+    """The most draft tokens each decoding sequence may verify in a pass: its ``draft_len`` (as alone)
+    when its drafts have been accepted at ACCEPTED_DRAFTS or more (``stats``: its generation's
+    ``drafted_tokens`` and ``accepted_draft_tokens``), else ``share``; at most ``room`` in all, the
+    largest limits cut first."""
+    limits = [n if s["drafted_tokens"] and s["accepted_draft_tokens"] >= ACCEPTED_DRAFTS * s["drafted_tokens"]
+              else min(n, share) for s, n in zip(stats, draft_lens)]
+    while sum(limits) > max(0, room):
+        top = max(range(len(limits)), key=limits.__getitem__)
+        limits[top] -= 1
+    return limits
 
 
 def _mean(old: float | None, new: float) -> float:
@@ -309,8 +329,11 @@ class Scheduler:
         # The decoding sequences first, each with a draft of what their rows leave (one row kept
         # for a newcomer); then newcomers, earliest first, share the prompt rows the cost budget
         # allows beside those rows (at least one row for the earliest).
-        spare = self.costs.draft_rows(len(decoding)) - (1 if prefilling else 0)
-        batch = [(r, r.decoding.next_pass(max_draft=max(0, spare // len(decoding) - 1))) for r in decoding]
+        keep = 1 if prefilling else 0
+        share = max(0, (self.costs.draft_rows(len(decoding)) - keep) // len(decoding) - 1)
+        limits = draft_limits([r.decoding.stats for r in decoding], [r.decoding.draft_len for r in decoding],
+                              share, MAX_PASS_ROWS - keep - len(decoding))
+        batch = [(r, r.decoding.next_pass(max_draft=k)) for r, k in zip(decoding, limits)]
         used = sum(len(seq.ids) for _, seq in batch)
         room = self.costs.rows_for(used, waiting=len(prefilling)) - used
         for r in prefilling:

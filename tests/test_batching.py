@@ -16,7 +16,8 @@ import torch
 
 from deltafin.engine import Seq
 from deltafin.generate import generate
-from deltafin.scheduler import COST_SMOOTHING, MAX_PASS_ROWS, PASS_ROWS, PassCosts, Scheduler
+from deltafin.scheduler import (ACCEPTED_DRAFTS, COST_SMOOTHING, MAX_PASS_ROWS, PASS_ROWS, PassCosts, Scheduler,
+                                draft_limits)
 from deltafin.serve import create_app
 
 ROUNDING = 1e-4  # fp32 logits of magnitude ~10: a few ulps of accumulated rounding
@@ -216,6 +217,57 @@ def test_scheduler_output_is_unchanged_by_passes_wider_than_pass_rows(model, alo
     got = _run_all(sched, model, alone)
     assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
     assert PASS_ROWS < widest.widest <= MAX_PASS_ROWS
+
+
+class _SteepCosts(PassCosts):
+    """Every row costs as much as a pass of one (as when products are compute-bound): rows are never
+    free, so drafts get only their share of PASS_ROWS from the costs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = {1: 1.0, PASS_ROWS: float(PASS_ROWS)}
+
+    def record(self, rows, seconds):
+        pass
+
+
+def test_sequences_whose_drafts_are_accepted_draft_as_they_would_alone(model):
+    """Eight greedy requests whose drafters propose the true continuation: once their drafts are
+    accepted each verifies up to draft_len tokens a pass, as alone, though the costs say rows are
+    not free (one draft each within PASS_ROWS before), and every output is still the one it gets
+    alone."""
+    requests = [(_ids(model, 3 + k, 300 + k), 14) for k in range(8)]
+    alone = [generate(model, p, n, speculate=False) for p, n in requests]
+
+    def oracle(prompt, truth):
+        return lambda context, n: list(truth[len(context) - len(prompt):][:n])
+
+    widest = _Widest(model)
+    sched = Scheduler(widest, 8, PREFILL_CHUNK)
+    sched.costs = _SteepCosts()
+    try:
+        futures = [sched.submit(p, n, speculate=True, drafter=oracle(p, want.generated))
+                   for (p, n), want in zip(requests, alone)]
+        got = [f.result(timeout=300) for f in futures]
+    finally:
+        sched.close()
+    assert [g.tokens for g in got] == [w.tokens for w in alone]
+    assert PASS_ROWS < widest.widest <= MAX_PASS_ROWS
+    accepted = sum(g.stats["accepted_draft_tokens"] for g in got)
+    assert accepted >= 0.5 * sum(len(g.tokens) for g in got)
+
+
+def test_draft_limits_follow_each_sequences_accepted_drafts():
+    def stats(drafted, accepted):
+        return {"drafted_tokens": drafted, "accepted_draft_tokens": accepted}
+    good = stats(10, int(10 * ACCEPTED_DRAFTS))
+    poor = stats(10, int(10 * ACCEPTED_DRAFTS) - 1)
+    fresh = stats(0, 0)
+    # accepted at the rate or more: draft_len; below it, or nothing drafted yet: the share
+    assert draft_limits([good, poor, fresh], [4, 4, 4], 1, 100) == [4, 1, 1]
+    assert draft_limits([good, poor], [4, 4], 9, 100) == [4, 4]  # the share never exceeds draft_len
+    assert draft_limits([good, good, good], [4, 4, 2], 0, 7) == [2, 3, 2]  # the largest cut first (ties: earliest)
+    assert draft_limits([good], [4], 0, -1) == [0]
 
 
 def test_requests_sent_together_to_an_idle_engine_start_in_one_pass(model, alone):
