@@ -120,7 +120,8 @@ def test_trained_model_stays_within_the_measured_budget(trained_stores, codec):
 @pytest.mark.parametrize("experts", ["bf16", "int8"])
 def test_trained_model_decodes_the_same_through_the_fused_native_paths(trained_stores, monkeypatch, experts):
     """A decode on kl-code-tiny (int8 spine; bf16 or int8 experts): all of a layer's routed experts
-    in two native calls gives the per-expert path's logits bit for bit; MLA's kv_b applied on its
+    and its shared expert in two native calls gives the logits of the shared expert apart and of the
+    per-expert path bit for bit; MLA's kv_b applied on its
     stored bytes stays within float32 rounding of decoding it first, with the same greedy tokens."""
     from deltafin.kernels import experts_cpu
     from deltafin.model import mla
@@ -133,11 +134,14 @@ def test_trained_model_decodes_the_same_through_the_fused_native_paths(trained_s
         m.forward(ids[:8], st)
         return torch.cat([m.forward(ids[t:t + 1], st) for t in range(8, len(ids))])
     calls = []
-    real = experts_cpu.routed
-    monkeypatch.setattr(experts_cpu, "routed", lambda *a: calls.append(1) or real(*a))
+    for name in ("routed", "routed_and_shared"):
+        real = getattr(experts_cpu, name)
+        monkeypatch.setattr(experts_cpu, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     fused = decode()
-    assert calls  # the fused path ran
+    assert "routed_and_shared" in calls  # the fused path ran, the shared expert in its calls
     with monkeypatch.context() as p:
+        p.setattr(experts_cpu, "routed_and_shared", lambda *a: None)
+        assert torch.equal(decode(), fused)  # the shared expert apart
         p.setattr(experts_cpu, "applies", lambda z, e: False)
         assert torch.equal(decode(), fused)
         p.setattr(mla.KvB, "_native", lambda self, rows: None)

@@ -295,6 +295,56 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
     assert (moe(long, fetch) - want).abs().max() < 1e-4 and calls == [None]
 
 
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bits(monkeypatch, codec):
+    """A Kimi Linear MoE layer (shared expert of the routed experts' shape, no latent projection) with
+    its routed experts in memory: the shared expert's products join the routed experts' two native
+    calls (2 calls a layer instead of 4), and the output equals computing it apart bit for bit, for
+    one row and for several; a streamed layer whose experts are still arriving keeps them apart."""
+    from concurrent.futures import Future
+    from deltafin.checkpoint.synthetic import config_dict
+    from deltafin.kernels import cpu_native, quantize
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    cfg = parse_config(config_dict("tiny-kimi-linear"))
+    assert cfg.num_shared_experts and not cfg.latent_size
+    gen = torch.Generator().manual_seed(6)
+    moe = MoE(cfg)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+
+    def q(t):
+        return t.to(torch.bfloat16) if codec == "bf16" else quantize(t, codec)
+    w = random_weights(moe, gen, scale=3.0)
+    for name in ("shared_gate_proj", "shared_up_proj", "shared_down_proj"):
+        w[name] = q(w[name])
+    bind(moe, w)
+    experts = {e: (q(torch.randn(I, H, generator=gen) * 3 / H ** .5), q(torch.randn(I, H, generator=gen) / H ** .5),
+                   q(torch.randn(H, I, generator=gen) / I ** .5)) for e in range(cfg.num_experts)}
+    calls = []
+    for name in ("dense_gemv", "dense_gemv_items"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    for rows in (1, 5):
+        x = torch.randn(rows, H, generator=gen)
+        calls.clear()
+        together = moe(x, fetch_from(experts))
+        assert calls == ["dense_gemv_items"] * 2
+        with monkeypatch.context() as m:
+            m.setattr(MoE, "_routed_and_shared", lambda *a: None)
+            calls.clear()
+            apart = moe(x, fetch_from(experts))
+            assert len(calls) == 4  # the routed experts' two calls, the shared expert's two
+        assert torch.equal(together, apart)
+        # A streamed read not finished when the layer looks: the shared expert computes meanwhile.
+        calls.clear()
+        pending = Future()
+
+        def arriving(ids, residual):
+            pending.result = lambda timeout=None: {e: experts[e] for e in chosen_experts(ids)}
+            return pending
+        assert torch.equal(moe(x, arriving), apart) and len(calls) == 4
+
+
 def test_kda_steps_sequences_of_equal_length_together_like_each_alone():
     """Sequences with the same number of new rows step together (adjacent or not, with drafts kept
     for rollback); a long prompt piece goes alone. Each equals that sequence run alone."""

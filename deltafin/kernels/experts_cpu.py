@@ -12,7 +12,8 @@ single-product kernel computes for that expert's rows alone, so a row's result d
 on which other rows share the pass, and equals the per-expert path's bit for bit.
 
 Experts in MXFP4 (K3) use ``mxfp4_gemv_items``; int8 experts (``convert --experts int8``) and bf16
-ones (Kimi Linear as published) use ``dense_gemv_items``.
+ones (Kimi Linear as published) use ``dense_gemv_items``, and there a shared expert of the routed
+experts' shape (Kimi Linear) can ride along in the same two calls (``routed_and_shared``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     more rows than the native gemvs take (a prompt: the per-expert path multiplies those faster) or
     the chosen experts are not all of one kind the native calls take. ``glu(gate, up)`` is the model's
     activation; ``experts`` maps each chosen id to (w1, w3, w2)."""
+    done = _routed(glu, z, ids, weights, experts, None)
+    return None if done is None else done[0]
+
+
+def routed_and_shared(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict,
+                      shared: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``routed``'s sum and the shared expert's output for every row of z, (routed, shared) fp32 [T, H]
+    each, with the shared expert's products in the same two native calls as the routed experts' (two
+    calls a layer fewer: a decode token of kl_medium makes ~77), or None where ``routed`` gives None
+    or the shared expert's (gate, up, down) are not int8 or bf16 weights of the routed experts' shape
+    and kind. Each value equals the separate computation's bit for bit: the same row kernel per
+    product, the activation elementwise."""
+    return _routed(glu, z, ids, weights, experts, shared)
+
+
+def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     T, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
@@ -47,17 +64,28 @@ def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     P = T * k
     rows = order // k
     x = z[rows]  # [P, H]: each pair's row, grouped by expert
+    extra = None
     # The codec of each; their device, shape and dtype mxfp4_gemv_items checks (_is_mxfp4 per weight
     # cost ~4 ms a pass on small-k3 with 8 sequences: ~40 experts x 3 weights x 7 layers).
     if all(isinstance(m, QWeight) and m.codec == "mxfp4" for ws in w for m in ws):
+        if shared is not None:
+            return None
         out = _mxfp4_pairs(glu, x, w, counts)
     else:
         dense = [[native_dense(m) for m in ws] for ws in w]
         if not all(d is not None for ds in dense for d in ds) or len({d[0].dtype for ds in dense for d in ds}) != 1:
             return None
-        out = _dense_pairs(glu, x, dense, counts)
+        if shared is not None:
+            if T > cpu_native.GEMV_MAX_ROWS:  # apart, the shared expert's rows would take the torch path
+                return None
+            extra = [native_dense(m) for m in shared]
+            if any(d is None or (d[0].shape, d[0].dtype) != (r[0].shape, r[0].dtype) for d, r in zip(extra, dense[0])) \
+                    or z.shape[1] != x.shape[1]:
+                return None
+        out = _dense_pairs(glu, x, dense, counts, extra, z)
     y = torch.zeros(T, out.shape[1], dtype=torch.float32)
-    return y.index_add_(0, rows, out * weights.reshape(-1)[order].float().unsqueeze(-1))
+    y.index_add_(0, rows, out[:P] * weights.reshape(-1)[order].float().unsqueeze(-1))
+    return y, (out[P:] if extra is not None else None)
 
 
 def _is_mxfp4(w) -> bool:
@@ -81,15 +109,22 @@ def _mxfp4_pairs(glu, x: torch.Tensor, w: list, counts: list[int]) -> torch.Tens
     return cpu_native.mxfp4_gemv_items(act, [_parts(w2) for _, _, w2 in w], starts, starts, counts, P)
 
 
-def _dense_pairs(glu, x: torch.Tensor, dense: list, counts: list[int]) -> torch.Tensor:
-    """The same for int8 or bf16 experts, given as (weight, scale) per matrix (``native_dense``)."""
+def _dense_pairs(glu, x: torch.Tensor, dense: list, counts: list[int], extra: list | None = None,
+                 z: torch.Tensor | None = None) -> torch.Tensor:
+    """The same for int8 or bf16 experts, given as (weight, scale) per matrix (``native_dense``). With
+    ``extra`` (the shared expert's three matrices) its products for every row of z ride along as one
+    more item of each call: rows P.. of the result are its output."""
     P, starts = x.shape[0], _starts(counts)
     xs = [x[s:s + c] for s, c in zip(starts, counts)]
-    gate_up = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in dense] + [d[1][0] for d in dense],
-                                          [d[0][1] for d in dense] + [d[1][1] for d in dense])
-    act = glu(gate_up[:P], gate_up[P:])
-    return cpu_native.dense_gemv_items([act[s:s + c] for s, c in zip(starts, counts)],
-                                       [d[2][0] for d in dense], [d[2][1] for d in dense])
+    mats = dense + ([extra] if extra is not None else [])
+    if extra is not None:
+        xs.append(z.contiguous())
+    R = P + (z.shape[0] if extra is not None else 0)  # rows of every gate (and up) output
+    gate_up = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in mats] + [d[1][0] for d in mats],
+                                          [d[0][1] for d in mats] + [d[1][1] for d in mats])
+    act = glu(gate_up[:R], gate_up[R:])
+    acts = [act[s:s + c] for s, c in zip(starts, counts)] + ([act[P:]] if extra is not None else [])
+    return cpu_native.dense_gemv_items(acts, [d[2][0] for d in mats], [d[2][1] for d in mats])
 
 
 def _parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:

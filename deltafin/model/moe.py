@@ -1,6 +1,7 @@
 """Dense MLP and (Latent)MoE with a sigmoid router (K3_MODEL.md section 3.3)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -84,6 +85,9 @@ class MoE(Bindable):
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
         pending = fetch(ids, x if residual is None else residual)  # reads start now ...
+        both = self._routed_and_shared(x, ids, weights, pending)
+        if both is not None:
+            return both[0].to(x.dtype) + both[1]
         shared = (mlp(c, x, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
                   if c.num_shared_experts else 0.0)  # ... while the shared expert computes
         z = linear(x, self.routed_expert_down_proj) if c.latent_size else x
@@ -98,6 +102,20 @@ class MoE(Bindable):
                 y = rms_norm(y, self.routed_expert_norm, c.rms_norm_eps)
             y = linear(y, self.routed_expert_up_proj)
         return y + shared
+
+    def _routed_and_shared(self, x, ids, weights, pending) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routed sum and the shared expert's output in the same two native calls, when the routed
+        experts are already in memory (a resident model: nothing to overlap the shared expert with),
+        the routed experts read x itself (no latent projection) and the native CPU path takes them
+        all; else None (the layer computes them apart)."""
+        c = self.cfg
+        if not (c.num_shared_experts and not c.latent_size and isinstance(pending, Future) and pending.done()):
+            return None
+        experts = pending.result()
+        if not experts_cpu.applies(x, experts):
+            return None
+        return experts_cpu.routed_and_shared(lambda g, u: glu(c, g, u), x, ids, weights, experts,
+                                             (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj))
 
     def _per_expert(self, z, ids, weights, experts) -> torch.Tensor:
         c = self.cfg
