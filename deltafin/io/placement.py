@@ -146,15 +146,21 @@ class ExpertSlots:
     def get(self, i: int, e: int):
         return self.held.get(i, {}).get(e)
 
-    def admit(self, i: int, e: int) -> bool:
-        """Whether `e` (not held) should take a slot of layer i; evicts the coldest to make room."""
+    def coldest(self, i: int, keep=()) -> int | None:
+        """Layer i's held expert with the lowest score, leaving out those in `keep`; None: none."""
+        return min((x for x in self.held.get(i, {}) if x not in keep), key=lambda x: self.score(i, x), default=None)
+
+    def admit(self, i: int, e: int, pending: int = 0, keep=()) -> bool:
+        """Whether `e` (not held) should take a slot of layer i; evicts the coldest to make room.
+        `pending`: slots of layer i already promised to experts not stored yet; `keep`: experts
+        that must not be evicted now (in use)."""
         if self.slots <= 0:
             return False
         layer = self.held.setdefault(i, {})
-        if len(layer) < self.slots:
+        if len(layer) + pending < self.slots:
             return True
-        coldest = min(layer, key=lambda x: self.score(i, x))
-        if self.score(i, e) > self.score(i, coldest):
+        coldest = self.coldest(i, keep)
+        if coldest is not None and self.score(i, e) > self.score(i, coldest):
             del layer[coldest]
             return True
         return False
@@ -175,8 +181,7 @@ class ExpertSlots:
         out = []
         for i, layer in self.held.items():
             while len(layer) > self.slots:
-                coldest = min(layer, key=lambda x: self.score(i, x))
-                out.append(layer.pop(coldest))
+                out.append(layer.pop(self.coldest(i)))
         return out
 
     def held_count(self) -> int:

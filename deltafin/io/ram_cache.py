@@ -62,6 +62,8 @@ class RamCache:
         self._plan = self._make_plan(0)
         self._spine_held = 0
         self._experts = ExpertSlots(0)  # weights: (buffer, decoded weights)
+        self._pending: dict[int, tuple[int, int]] = {}  # layer -> (experts admitted, not stored yet; their bytes)
+        self._in_use: dict[int, set] = {}  # layer -> what its router chose this pass
         self._expert_held = 0
         self._clock = time.monotonic
         self._last_verb, self._last_line = "", float("-inf")
@@ -73,9 +75,10 @@ class RamCache:
             return self._spine_held + self._expert_held
 
     def charged_bytes(self) -> int:
-        """What the target pays for now: what the cache holds and the spine read-ahead buffers."""
+        """What the target pays for now: what the cache holds, the experts it admitted that are
+        being read into buffers of their own, and the spine read-ahead buffers."""
         with self._lock:
-            return self._spine_held + self._expert_held + self.ring_bytes
+            return self._spine_held + self._expert_held + self._promised() + self.ring_bytes
 
     def _ring_cost(self, spines) -> int:
         """The read-ahead buffers the streamer needs while it holds `spines`: two of the largest
@@ -98,11 +101,10 @@ class RamCache:
         held = 0
         while held < len(layers) and layers[held] in self._spines:
             held += 1
-        if cost(held) <= target:
-            n = held
-            while n < len(layers) and cost(n + 1) <= target:
-                n += 1
-        else:
+        n = held
+        while n < len(layers) and cost(n + 1) <= target:
+            n += 1
+        if n == held and cost(held) > target:  # neither more nor these fit: fewer
             n = max((m for m in range(held) if cost(m) <= target), default=0)
         slots = 0
         per_slot = sum(s.expert_bytes)
@@ -138,15 +140,16 @@ class RamCache:
             self._loan += nbytes
             self._set_target(self.target - nbytes, why)
 
-    def repay(self) -> None:
-        """The pass that needed ``make_room`` freed its buffers: the target gets their bytes back
-        now (not after the watcher saw memory stay free for a few seconds, which on k3-slice let
-        the first 10-15 tokens after a prefill run with the cache down to a spine or two); the
-        watcher still lowers it if memory says otherwise."""
+    def repay(self, freed: int) -> None:
+        """The pass that needed ``make_room`` is over and freed `freed` bytes of buffers: the target
+        gets up to that much of the loan back now (not after the watcher saw memory stay free for a
+        few seconds, which on k3-slice let the first 10-15 tokens after a prefill run with the cache
+        down to a spine or two). Buffers the streamer keeps (a decode's own expert slots) are not
+        given back: they stay taken, and count among its own buffers from now on."""
         with self._lock:
-            if self._loan:
-                loan, self._loan = self._loan, 0
-                self._set_target(self.target + loan, "a long pass's expert read buffers given back")
+            back, self._loan = min(self._loan, max(0, freed)), 0
+            if back:
+                self._set_target(self.target + back, "a long pass's expert read buffers given back")
 
     def _set_slots(self, slots: int) -> None:
         for buf, _ in self._experts.resize(slots):
@@ -204,8 +207,12 @@ class RamCache:
 
     # -- experts -----------------------------------------------------------------------------
     def routed(self, i: int, chosen) -> None:
+        """What layer i's router chose this pass: scores, and the experts that must stay until the
+        layer has computed (a hit is computed from its buffer, so it is not evicted meanwhile)."""
         with self._lock:
             self._experts.routed(i, chosen)
+            self._in_use[i] = set(chosen)
+            self._pending.pop(i, None)  # promises of the layer's last pass are settled by now
 
     def expert(self, i: int, e: int):
         with self._lock:
@@ -216,18 +223,22 @@ class RamCache:
         """The buffer to read expert e of layer i into, to keep it; None: not admitted. `buf`: the
         expert is already read into a buffer of its own (a prefetch's), kept as it is when admitted.
 
-        When the layer's slots are full, the coldest expert makes room and its buffer is reused
-        (no allocation, no page faults): it is of the same layer, whose experts nobody reads while
-        its next experts are being asked for."""
+        An admitted expert holds a promised slot (and its bytes) until ``put_expert``: a pass that
+        reads many experts of a layer (a prompt) is admitted no more of them than the layer's
+        slots and the target allow. When the layer's slots are full, the coldest expert not in use
+        by this pass makes room and its buffer is reused (no allocation, no page faults)."""
         with self._lock:
             layer = self._experts.held.get(i, {})
-            full = len(layer) >= self._experts.slots
-            if not full and self._over(capacity):
+            n, promised = self._pending.get(i, (0, 0))
+            full = len(layer) + n >= self._experts.slots
+            if not full and self._over(capacity + self._promised()):
                 return None  # a slot is free but the bytes are not (buffers round up): only swaps
-            victim = min(layer, key=lambda x: self._experts.score(i, x)) if full and layer else None
+            keep = self._in_use.get(i, ())
+            victim = self._experts.coldest(i, keep) if full else None
             old = layer[victim][0] if victim is not None else None
-            if not self._experts.admit(i, e):
+            if not self._experts.admit(i, e, n, keep):
                 return None
+            self._pending[i] = (n + 1, promised + capacity)
             if old is not None and victim not in layer:
                 self._expert_held -= old.nbytes
                 if buf is None and old.nbytes >= capacity:
@@ -236,12 +247,18 @@ class RamCache:
 
     def put_expert(self, i: int, e: int, buf, weights) -> None:
         with self._lock:
+            n, promised = self._pending.get(i, (0, 0))
+            if n:
+                self._pending[i] = (n - 1, max(0, promised - buf.nbytes))
             if self._over(buf.nbytes):
                 return
             before = len(self._experts.held.get(i, {}))
             self._experts.put(i, e, (buf, weights))
             if len(self._experts.held.get(i, {})) > before:
                 self._expert_held += buf.nbytes
+
+    def _promised(self) -> int:
+        return sum(b for _, b in self._pending.values())
 
     # -- introspection -----------------------------------------------------------------------
     def residency(self) -> dict:

@@ -174,10 +174,12 @@ class StreamProvider:
     def end_pass(self, stats) -> None:
         if self.cache is not None:
             # Slots a larger pass (a prefill) needed go back to the budget; a decode pass keeps its own.
-            del self._slots[max(self._slots_used, self.config.experts_per_token):]
+            keep = max(self._slots_used, self.config.experts_per_token)
+            freed = sum(s.nbytes for s in self._slots[keep:])
+            del self._slots[keep:]
             self._slots_used = 0
             self._note_fixed()
-            self.cache.repay()
+            self.cache.repay(freed)
 
     def spine(self, i: int, stats) -> dict:
         for b in self._spine_bufs:
