@@ -77,6 +77,10 @@ ACCEPTED_DRAFTS = 0.5
 # carried one of four or eight clients sent together; a lone request's first token comes up to
 # this share of a pass later.
 GATHER_SHARE = 0.05
+# ... and at least this long: in RAM a one-row pass of small-k3 costs ~20-40 ms, whose 5% (1-2 ms) is
+# shorter than eight clients take to send together, so the first pass carried two of them and the
+# others' prompts then trickled in beside the running streams a few rows a pass.
+GATHER_MIN_SECONDS = 0.02
 # Weight of the newest pass in the running mean of pass seconds per row count.
 COST_SMOOTHING = 0.3
 
@@ -271,11 +275,11 @@ class Scheduler:
 
     def _gather(self) -> None:
         """The engine was idle and requests have come (lock held): wait up to GATHER_SHARE of a
-        pass for others arriving with them, or until a whole batch is here."""
+        pass (at least GATHER_MIN_SECONDS) for others arriving with them, or until a whole batch is here."""
         pace = self.costs.estimate(1)
         if pace is None:
             return
-        deadline = time.monotonic() + GATHER_SHARE * pace
+        deadline = time.monotonic() + max(GATHER_SHARE * pace, GATHER_MIN_SECONDS)
         while not self._closed and len(self._waiting) < self.max_batch:
             left = deadline - time.monotonic()
             if left <= 0:
