@@ -18,10 +18,10 @@ and a crowd of newcomers is let in within a few passes (at least one prompt toke
 earliest newcomer first). The decoding sequences' drafts share the rows first (one kept for a
 newcomer), so speculation keeps going beside a newcomer; a sequence whose drafts have mostly been
 accepted drafts as much as it would alone (``draft_limits``), as far as MAX_PASS_ROWS allows. With
-nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own drafts and sampling generator;
-pieces and draft lengths change speed only, so its output is the one it gets served alone (up to
-the rounding of products over a different number of rows, which leaves greedy tokens and seeded
-samples unchanged in the tests).
+nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own
+drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
+one it gets served alone (up to the rounding of products over a different number of rows, which
+leaves greedy tokens and seeded samples unchanged in the tests).
 
 The engine thread tallies what its passes carried and where their time went (``PassTally``;
 the server's /metrics and /health show it).
@@ -64,9 +64,9 @@ FREE_ROWS_COST = 1.1
 # several streams stays out of the shared passes for dozens of them (eight clients arriving
 # together decoded ~3 at a time on average, against ~6 with this allowance).
 PROMPT_COST_FACTOR = 1.5
-# A sequence whose drafts have been accepted at least at this rate (accepted over drafted tokens, over its
-# generation so far) drafts as it would alone, not only its share of the rows: its draft rows then
-# yield tokens at that rate, while one pass per token is what the batch saves. Streamed k3-slice,
+# A sequence whose drafts have been accepted at least at this rate (accepted over drafted tokens,
+# over its generation so far) drafts as it would alone, not only its share of the rows: its draft
+# rows then yield tokens at that rate, while one pass per token is what the batch saves. Streamed k3-slice,
 # greedy clients: one alone took 3 tokens a pass (4 passes for 12 tokens), beside seven others 1.6
 # (16 rows: one draft each), so eight clients gained less than half of what they shared.
 ACCEPTED_DRAFTS = 0.5
@@ -77,8 +77,8 @@ ACCEPTED_DRAFTS = 0.5
 # carried one of four or eight clients sent together; a lone request's first token comes up to
 # this share of a pass later.
 GATHER_SHARE = 0.05
-# ... and at least this long: in RAM a one-row pass of small-k3 costs ~20-40 ms, whose 5% (1-2 ms) is
-# shorter than eight clients take to send together, so the first pass carried two of them and the
+# ... and at least this long: in RAM a one-row pass of small-k3 costs ~20-40 ms, whose 5% (1-2 ms)
+# is shorter than eight clients take to send together, so the first pass carried two of them and the
 # others' prompts then trickled in beside the running streams a few rows a pass.
 GATHER_MIN_SECONDS = 0.02
 # Weight of the newest pass in the running mean of pass seconds per row count.
@@ -154,8 +154,9 @@ def draft_limits(stats: list[dict], draft_lens: list[int], share: int, room: int
     when its drafts have been accepted at ACCEPTED_DRAFTS or more (``stats``: its generation's
     ``drafted_tokens`` and ``accepted_draft_tokens``), else ``share``; at most ``room`` in all, the
     largest limits cut first."""
-    limits = [n if s["drafted_tokens"] and s["accepted_draft_tokens"] >= ACCEPTED_DRAFTS * s["drafted_tokens"]
-              else min(n, share) for s, n in zip(stats, draft_lens)]
+    def accepted(s: dict) -> bool:
+        return s["drafted_tokens"] > 0 and s["accepted_draft_tokens"] >= ACCEPTED_DRAFTS * s["drafted_tokens"]
+    limits = [n if accepted(s) else min(n, share) for s, n in zip(stats, draft_lens)]
     while sum(limits) > max(0, room):
         top = max(range(len(limits)), key=limits.__getitem__)
         limits[top] -= 1
@@ -275,7 +276,8 @@ class Scheduler:
 
     def _gather(self) -> None:
         """The engine was idle and requests have come (lock held): wait up to GATHER_SHARE of a
-        pass (at least GATHER_MIN_SECONDS) for others arriving with them, or until a whole batch is here."""
+        pass (at least GATHER_MIN_SECONDS) for others arriving with them, or until a whole batch is
+        here."""
         pace = self.costs.estimate(1)
         if pace is None:
             return
