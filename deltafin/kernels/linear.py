@@ -76,6 +76,13 @@ class QWeight:
     def device(self) -> torch.device:
         return next(iter(self.tensors.values())).device
 
+    def derived(self, key: str, make):
+        """A value derived from the weight's tensors, made once by ``make()`` and kept on the weight
+        beside its frozen fields (the tensors never change; decode asks for such values per token)."""
+        if key not in self.__dict__:
+            self.__dict__[key] = make()
+        return self.__dict__[key]
+
     def to(self, device: torch.device | str) -> "QWeight":
         return QWeight(self.codec, self.shape, self.group_size,
                        {k: t.to(device) for k, t in self.tensors.items()})
@@ -159,11 +166,7 @@ def native_dense(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     bf16 tensor and None; None for any other weight (or one not contiguous on the CPU). A QWeight's
     answer is kept on it (its tensors never change): a decode token asks ~200 times."""
     if isinstance(w, QWeight):
-        known = w.__dict__.get("_native_dense", False)
-        if known is False:
-            known = _native_dense_of(w)
-            w.__dict__["_native_dense"] = known  # beside the frozen fields
-        return known
+        return w.derived("_native_dense", lambda: _native_dense_of(w))
     return _native_dense_of(w)
 
 

@@ -153,7 +153,7 @@ class KvB:
     def _heads(self, dense, first: int, count: int) -> tuple[list, list]:
         """Each head's rows first..first+count-1 of the stored weight (and of its scales). A quantized
         weight keeps its lists (64 views a layer and token otherwise)."""
-        cache = self.w.__dict__.setdefault("_kv_b_heads", {}) if isinstance(self.w, QWeight) else {}
+        cache = self.w.derived("_kv_b_heads", dict) if isinstance(self.w, QWeight) else {}
         key = (self.nh, self.nope + self.dv, first, count)
         if key not in cache:
             w, s = dense
