@@ -49,6 +49,8 @@ def routed_and_shared(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     or the shared expert's (gate, up, down) are not int8 or bf16 weights of the routed experts' shape
     and kind. Each value equals the separate computation's bit for bit: the same row kernel per
     product, the activation elementwise."""
+    if ids.shape[0] > cpu_native.GEMV_MAX_ROWS or _is_mxfp4(next(iter(experts.values()))[0]):
+        return None  # apart, the shared expert's rows would take the torch path; MXFP4 calls take no int8/bf16
     return _routed(glu, z, ids, weights, experts, shared)
 
 
@@ -68,21 +70,18 @@ def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.
     # The codec of each; their device, shape and dtype mxfp4_gemv_items checks (_is_mxfp4 per weight
     # cost ~4 ms a pass on small-k3 with 8 sequences: ~40 experts x 3 weights x 7 layers).
     if all(isinstance(m, QWeight) and m.codec == "mxfp4" for ws in w for m in ws):
-        if shared is not None:
-            return None
         out = _mxfp4_pairs(glu, x, w, counts)
     else:
         dense = [[native_dense(m) for m in ws] for ws in w]
         if not all(d is not None for ds in dense for d in ds) or len({d[0].dtype for ds in dense for d in ds}) != 1:
             return None
-        if shared is not None:
-            if T > cpu_native.GEMV_MAX_ROWS:  # apart, the shared expert's rows would take the torch path
-                return None
+        xs = list(x.split(counts))  # each expert's rows
+        if shared is not None:  # one more item of each call: the shared expert over every row of z
             extra = [native_dense(m) for m in shared]
-            if any(d is None or (d[0].shape, d[0].dtype) != (r[0].shape, r[0].dtype) for d, r in zip(extra, dense[0])) \
-                    or z.shape[1] != x.shape[1]:
+            if any(d is None or (d[0].shape, d[0].dtype) != (r[0].shape, r[0].dtype) for d, r in zip(extra, dense[0])):
                 return None
-        out = _dense_pairs(glu, x, dense, counts, extra, z)
+            xs, dense = xs + [z.contiguous()], dense + [extra]
+        out = _dense_pairs(glu, xs, dense)
     y = torch.zeros(T, out.shape[1], dtype=torch.float32)
     y.index_add_(0, rows, out[:P] * weights.reshape(-1)[order].float().unsqueeze(-1))
     return y, (out[P:] if extra is not None else None)
@@ -109,22 +108,15 @@ def _mxfp4_pairs(glu, x: torch.Tensor, w: list, counts: list[int]) -> torch.Tens
     return cpu_native.mxfp4_gemv_items(act, [_parts(w2) for _, _, w2 in w], starts, starts, counts, P)
 
 
-def _dense_pairs(glu, x: torch.Tensor, dense: list, counts: list[int], extra: list | None = None,
-                 z: torch.Tensor | None = None) -> torch.Tensor:
-    """The same for int8 or bf16 experts, given as (weight, scale) per matrix (``native_dense``). With
-    ``extra`` (the shared expert's three matrices) its products for every row of z ride along as one
-    more item of each call: rows P.. of the result are its output."""
-    P, starts = x.shape[0], _starts(counts)
-    xs = [x[s:s + c] for s, c in zip(starts, counts)]
-    mats = dense + ([extra] if extra is not None else [])
-    if extra is not None:
-        xs.append(z.contiguous())
-    R = P + (z.shape[0] if extra is not None else 0)  # rows of every gate (and up) output
-    gate_up = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in mats] + [d[1][0] for d in mats],
-                                          [d[0][1] for d in mats] + [d[1][1] for d in mats])
+def _dense_pairs(glu, xs: list[torch.Tensor], dense: list) -> torch.Tensor:
+    """The same for int8 or bf16 experts, given as (weight, scale) per matrix (``native_dense``), item i
+    computing expert i over the rows xs[i]; the outputs' rows follow xs in order."""
+    R = sum(x.shape[0] for x in xs)  # rows of every gate (and up) output
+    gate_up = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in dense] + [d[1][0] for d in dense],
+                                          [d[0][1] for d in dense] + [d[1][1] for d in dense])
     act = glu(gate_up[:R], gate_up[R:])
-    acts = [act[s:s + c] for s, c in zip(starts, counts)] + ([act[P:]] if extra is not None else [])
-    return cpu_native.dense_gemv_items(acts, [d[2][0] for d in mats], [d[2][1] for d in mats])
+    return cpu_native.dense_gemv_items(list(act.split([x.shape[0] for x in xs])),
+                                       [d[2][0] for d in dense], [d[2][1] for d in dense])
 
 
 def _parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
