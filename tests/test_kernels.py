@@ -159,6 +159,12 @@ def test_qlinear_matches_dequantize_then_matmul(codec, rows, monkeypatch):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_qlinear_of_no_rows_is_empty(codec):
+    y = qlinear(torch.zeros(0, 128), quantize(_weight(100, 128), codec))
+    assert y.shape == (0, 100) and y.dtype == torch.float32
+
+
 def test_qlinear_keeps_leading_dims_and_dtype():
     q = quantize(_weight(20, 64), "int4")
     x = torch.randn(2, 3, 64)

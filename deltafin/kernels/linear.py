@@ -246,7 +246,8 @@ def qlinear(x: torch.Tensor, q: QWeight, use_triton: bool | None = None) -> torc
             raise ValueError(f"the Triton kernel cannot run here: device {x.device}, rows {x2.shape[0]}, "
                              f"codec {q.codec}, Triton {'present' if kernels else 'absent'}")
     native_rows = (cpu_native.GEMV_MAX_ROWS if q.codec in ("mxfp4", "int8")
-                   else cpu_native.INTQ_GEMV_MAX_ROWS if cpu_native.intq_gemv_fits(q.codec, q.group_size) else 0)
+                   else cpu_native.INTQ_GEMV_MAX_ROWS if cpu_native.intq_gemv_fits(q.codec, q.group_size)
+                   else -1)  # no native gemv for this codec, not even for an empty x
     if (use_triton is None and x2.shape[0] <= native_rows
             and x2.device.type == "cpu" and q.device.type == "cpu" and cpu_native.available()):
         # Decode-sized batches on the CPU: the native gemv reads the stored weight once.
