@@ -228,7 +228,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
             ram_probes.append(measure_ram_read(model, model.threads, seed=seed + len(ram_probes)))
 
     marks: dict[str, float] = {}
-    routed_before: dict[int, list[int]] = {}
+    # What the decode's routers chose (streamed on the CPU), for the best-cache figure.
+    routings = _RoutingCounter(model) if model.streaming and model.engine.device.type == "cpu" else None
 
     # On CUDA the first decode passes of a process compile and tune the GPU kernels (seconds) and
     # record the decode graph; the figures are the steady state's, so those passes are not timed. A
@@ -247,14 +248,19 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
             probe()
             drop_file_cache(files)
             marks["decode_start"] = time.perf_counter()
-            routed_before.update(_routing_counts(model))
+            if routings is not None:
+                routings.on = True
 
     if warmup:
         _decode(PassRecorder(model), prompts[:1], warmup)
     rec = PassRecorder(model, on_pass)
     cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
-    gen_stats = _decode(rec, prompts, tokens, piece)
+    try:
+        gen_stats = _decode(rec, prompts, tokens, piece)
+    finally:
+        if routings is not None:
+            routings.close()
     if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
@@ -305,7 +311,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "ram_budget_bytes": (residency.get("budget_bytes", 0 if settings.ram_budget_bytes() == 0 else None)
                              if model.streaming else None),
         "ram_cache": residency.get("cache"),
-        "expert_routing": routing_figures(routed_before, _routing_counts(model), residency.get("cache")),
+        "expert_routing": routing_figures({}, routings.counts, residency.get("cache")) if routings else None,
         "limit_tok_s": limit,
         "limit_tier": "disk" if limit else None,
         "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
@@ -349,9 +355,27 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     return out
 
 
-def _routing_counts(model) -> dict[int, list[int]]:
-    """A copy of the streamer's routing counts (layer -> routings per expert), {} in RAM."""
-    return {i: list(c) for i, c in getattr(model.engine.provider, "routing_counts", {}).items()}
+class _RoutingCounter:
+    """Routings per expert of each MoE layer (the rows of every pass), counted while ``on``: the
+    provider's expert reads are wrapped for the bench's run only (``close`` unwraps them), so no
+    decode outside a bench pays for counting."""
+
+    def __init__(self, model) -> None:
+        cfg, self.provider, self.on = model.config, model.engine.provider, False
+        self.counts = {i: [0] * cfg.num_experts for i in range(cfg.num_layers) if cfg.is_moe(i)}
+        inner = self.provider.experts
+
+        def experts(i, ids, stats, residual=None):
+            if self.on:
+                counts = self.counts[i]
+                for e in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids):
+                    counts[e] += 1
+            return inner(i, ids, stats, residual)
+        self.provider.experts = experts
+
+    def close(self) -> None:
+        self.on = False
+        self.provider.__dict__.pop("experts", None)
 
 
 def routing_figures(before: dict[int, list[int]], after: dict[int, list[int]], cache: dict | None) -> dict | None:

@@ -148,9 +148,6 @@ class StreamProvider:
             self.prefetcher = Prefetcher(self.pool, self._expert_layout, source.decode_expert, self.cache,
                                          guesses=cfg.experts_per_token)
         self._first_moe = next((i for i in range(L) if cfg.is_moe(i)), None)
-        # How often each expert of each MoE layer was routed to (rows of every pass): bench's
-        # routing figures (what the best cache of a size would serve) read it.
-        self.routing_counts = {i: [0] * cfg.num_experts for i in range(L) if cfg.is_moe(i)}
 
     # -- the provider protocol ---------------------------------------------------------------
     def globals(self) -> dict:
@@ -239,9 +236,6 @@ class StreamProvider:
             stats.experts_cached += len(got)
             stats.bytes_from_ram += sum(self._expert_layout(i, e).nbytes for e in got)
         under_way = {}  # prefetches of chosen experts still reading: waited for, not read again
-        counts = self.routing_counts[i]
-        for e in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids):
-            counts[e] += 1
         if self.prefetcher is not None:
             if self.settings.prefetch == "prev" or i == self._first_moe:
                 self.prefetcher.observe(i, ids)
