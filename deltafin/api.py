@@ -74,7 +74,7 @@ def row_threads(settings: Settings, streaming: bool) -> int | None:
     tok/s), so they keep the core for the readers."""
     if settings.threads or not streaming:
         return None
-    return os.cpu_count() or 1
+    return compute_threads(settings, streaming=False)  # every core
 
 
 def _want_stream(settings: Settings, source) -> bool:
