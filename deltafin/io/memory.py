@@ -166,6 +166,14 @@ def read_memory(root: str = "/", pid: str = "self") -> Reading:
     return Reading(free, limit, where, stall)
 
 
+def _window(seen: deque, now: float, value: int, span: float) -> deque:
+    """`seen` with (now, value) added and the entries older than `span` seconds dropped."""
+    seen.append((now, value))
+    while seen[0][0] < now - span:
+        seen.popleft()
+    return seen
+
+
 class MemoryBudget:
     """The bytes the RAM caches may hold, from a fixed setting and what memory looks like now.
 
@@ -198,10 +206,7 @@ class MemoryBudget:
 
     def fixed_peak(self, fixed: int, now: float) -> int:
         """The most the streamer's own buffers took over the last FIXED_WINDOW_S seconds."""
-        self._fixed_seen.append((now, fixed))
-        while self._fixed_seen[0][0] < now - FIXED_WINDOW_S:
-            self._fixed_seen.popleft()
-        return max(f for _, f in self._fixed_seen)
+        return max(f for _, f in _window(self._fixed_seen, now, fixed, FIXED_WINDOW_S))
 
     def check(self, held: int, fixed: int, target: int) -> tuple[int, str]:
         """(new cache target in bytes, why) given what the caches hold now (`held`), the streamer's
@@ -216,9 +221,7 @@ class MemoryBudget:
         free = r.free - (peak - fixed)  # as if the streamer's buffers were at their recent peak
         room = free - headroom
         share = self.pressure_share(r)
-        self._seen.append((now, held + free))  # what the caches could reach now
-        while self._seen[0][0] < now - GROW_WINDOW_S:
-            self._seen.popleft()
+        _window(self._seen, now, held + free, GROW_WINDOW_S)  # what the caches could reach now
         where = f"{r.where} free {r.free / GiB:.2f} GiB, headroom {headroom / GiB:.2f}"
         if peak > fixed:
             where += f", {(peak - fixed) / GiB:.2f} kept for the streamer's buffers"
