@@ -1551,7 +1551,7 @@ int kda_decode_step_f32(const float *xin, float *conv, const void *const *conv_w
 struct mem_read {
     const uint8_t *const *ptr;
     const int64_t *len;
-    int64_t count, pieces;
+    int64_t pieces;
     const int64_t *first;  /* first[i]: the pieces before buffer i */
     int64_t next;          /* the next piece to claim (atomic) */
     uint64_t sum;          /* every thread's sum added here (atomic) */
@@ -1614,7 +1614,7 @@ int read_memory(const uint8_t *const *ptr, const int64_t *len, int64_t count, in
     if (!first) return -1;
     first[0] = 0;
     for (int64_t i = 0; i < count; i++) first[i + 1] = first[i] + (len[i] + READ_PIECE - 1) / READ_PIECE;
-    struct mem_read mr = {ptr, len, count, first[count], first, 0, 0};
+    struct mem_read mr = {ptr, len, first[count], first, 0, 0};
     int64_t t = threads < 1 ? 1 : threads;
     if (t > mr.pieces) t = mr.pieces > 0 ? mr.pieces : 1;
     run_parallel(run_mem_read, &mr, 0, (int)t);
