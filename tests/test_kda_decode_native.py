@@ -1,4 +1,4 @@
-"""The native KDA decode step (cpu_native.kda_decode_step) against kda.py's torch code."""
+"""The native KDA decode step (cpu_native.kda_decode_steps) against kda.py's torch code."""
 from __future__ import annotations
 
 import pytest
@@ -78,8 +78,8 @@ def test_native_step_is_taken_for_a_decode_pass_only(monkeypatch):
     cfg = kimi_linear_config(2, 16)
     attn = layer(cfg, 5, torch.bfloat16)
     calls = []
-    real = cpu_native.kda_decode_step
-    monkeypatch.setattr(cpu_native, "kda_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_native.kda_decode_steps
+    monkeypatch.setattr(cpu_native, "kda_decode_steps", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(3, cfg.hidden_size)
     st = attn.new_state(torch.float32)
     attn(x, [Rows(st, 3, False)], 4)
@@ -115,19 +115,28 @@ def test_a_batch_of_decoding_sequences_equals_each_alone():
 def test_native_step_refuses_bad_inputs():
     nh, d, K = 2, 8, 4
     D = nh * d
-    good = dict(xin=torch.zeros(3, D), conv=torch.zeros(3, K - 1, D), conv_w=(torch.zeros(D, K),) * 3,
-                r=torch.zeros(D), dt_bias=torch.zeros(D), a_log=torch.zeros(nh), b=torch.zeros(nh),
-                lower_bound=None, gate=torch.zeros(D), o_norm=torch.ones(d), eps=1e-5, S=torch.zeros(nh, d, d))
-    assert cpu_native.kda_decode_step(**good).shape == (nh, d)
-    bad = [dict(S=torch.zeros(nh, d, d, dtype=torch.float64)), dict(S=torch.zeros(nh, d, d + 1)),
-           dict(S=torch.zeros(1, 300, 300)), dict(conv=torch.zeros(3, K - 1, D + 1)),
-           dict(xin=torch.zeros(3, D, dtype=torch.bfloat16)), dict(r=torch.zeros(D + 1)),
+    good = dict(xin=torch.zeros(1, 3, D), convs=[torch.zeros(3, K - 1, D)], conv_w=(torch.zeros(D, K),) * 3,
+                r=torch.zeros(1, D), dt_bias=torch.zeros(D), a_log=torch.zeros(nh), b=torch.zeros(1, nh),
+                lower_bound=None, gate=torch.zeros(1, D), o_norm=torch.ones(d), eps=1e-5,
+                states=[torch.zeros(nh, d, d)])
+    assert cpu_native.kda_decode_steps(**good).shape == (1, nh, d)
+    bad = [dict(states=[torch.zeros(nh, d, d, dtype=torch.float64)]), dict(states=[torch.zeros(nh, d, d + 1)]),
+           dict(states=[torch.zeros(1, 300, 300)]), dict(convs=[torch.zeros(3, K - 1, D + 1)]),
+           dict(xin=torch.zeros(1, 3, D, dtype=torch.bfloat16)), dict(r=torch.zeros(1, D + 1)),
            dict(conv_w=(torch.zeros(D, K, dtype=torch.float16),) * 3),
            dict(conv_w=(torch.zeros(D, K), torch.zeros(D, K, dtype=torch.bfloat16), torch.zeros(D, K))),
-           dict(o_norm=torch.ones(d + 1)), dict(a_log=torch.zeros(nh, 2)), dict(gate=torch.zeros(2 * D)[::2])]
+           dict(o_norm=torch.ones(d + 1)), dict(a_log=torch.zeros(nh, 2)), dict(gate=torch.zeros(1, 2 * D)[:, ::2]),
+           # every sequence's state is checked, not only the first one's
+           dict(states=[torch.zeros(nh, d, d), torch.zeros(nh, d, d).transpose(1, 2)], convs=[torch.zeros(3, K - 1, D)] * 2,
+                xin=torch.zeros(2, 3, D), r=torch.zeros(2, D), b=torch.zeros(2, nh), gate=torch.zeros(2, D)),
+           dict(states=[torch.zeros(nh, d, d), torch.zeros(nh, d, d)],
+                convs=[torch.zeros(3, K - 1, D), torch.zeros(3, K - 1, D, dtype=torch.bfloat16)],
+                xin=torch.zeros(2, 3, D), r=torch.zeros(2, D), b=torch.zeros(2, nh), gate=torch.zeros(2, D)),
+           dict(states=[torch.zeros(nh, d, d)] * 2),  # rows for one sequence, states for two
+           dict(states=[], convs=[])]
     for change in bad:
         with pytest.raises(ValueError, match="KDA decode step"):
-            cpu_native.kda_decode_step(**{**good, **change})
+            cpu_native.kda_decode_steps(**{**good, **change})
 
 
 @pytest.mark.skipif(not (KL_CODE_TINY / "config.json").exists(), reason="kl-code-tiny is not on this machine")
@@ -150,21 +159,41 @@ def test_trained_model_decodes_the_same_with_the_native_step(monkeypatch):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_native_step_gives_the_same_bits_on_any_number_of_threads():
-    """Each head is one thread's work from start to end, so the split cannot change a result."""
-    nh, d, K = 8, 128, 4  # S large enough to be shared between threads
+def _random_steps(B: int, nh: int, d: int, K: int, seed: int):
+    """Arguments of kda_decode_steps for B sequences, and their states (conv tails, S)."""
     D = nh * d
-    g = torch.Generator().manual_seed(11)
-    args = dict(xin=torch.randn(3, D, generator=g), conv_w=tuple(torch.randn(D, K, generator=g) for _ in range(3)),
-                r=torch.randn(D, generator=g), dt_bias=torch.randn(D, generator=g).bfloat16(),
-                a_log=torch.randn(nh, generator=g), b=torch.randn(nh, generator=g), lower_bound=None,
-                gate=torch.randn(D, generator=g), o_norm=torch.rand(d, generator=g).bfloat16(), eps=1e-5)
-    conv0, S0 = torch.randn(3, K - 1, D, generator=g), torch.randn(nh, d, d, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    args = dict(xin=torch.randn(B, 3, D, generator=g), conv_w=tuple(torch.randn(D, K, generator=g) for _ in range(3)),
+                r=torch.randn(B, D, generator=g), dt_bias=torch.randn(D, generator=g).bfloat16(),
+                a_log=torch.randn(nh, generator=g), b=torch.randn(B, nh, generator=g), lower_bound=None,
+                gate=torch.randn(B, D, generator=g), o_norm=torch.rand(d, generator=g).bfloat16(), eps=1e-5)
+    return args, [torch.randn(3, K - 1, D, generator=g) for _ in range(B)], [torch.randn(nh, d, d, generator=g)
+                                                                             for _ in range(B)]
+
+
+def test_native_step_gives_the_same_bits_on_any_number_of_threads():
+    """Each (sequence, head) is one thread's work from start to end, so the split cannot change a result."""
+    args, conv0, S0 = _random_steps(3, 8, 128, 4, 11)  # states large enough to be shared between threads
     results = []
     for threads in (1, 2, 3):
-        conv, S = conv0.clone(), S0.clone()
-        o = cpu_native.kda_decode_step(**args, conv=conv, S=S, threads=threads)
-        results.append((o, conv, S))
-    for o, conv, S in results[1:]:
-        assert torch.equal(o, results[0][0]) and torch.equal(conv, results[0][1]) and torch.equal(S, results[0][2])
-    assert not torch.equal(results[0][2], S0)  # the state moved
+        convs, states = [c.clone() for c in conv0], [S.clone() for S in S0]
+        o = cpu_native.kda_decode_steps(**args, convs=convs, states=states, threads=threads)
+        results.append((o, convs, states))
+    for o, convs, states in results[1:]:
+        assert torch.equal(o, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(convs + states, results[0][1] + results[0][2]))
+    assert not torch.equal(results[0][2][0], S0[0])  # the state moved
+
+
+def test_a_sequence_steps_the_same_bits_alone_as_among_others():
+    """One call for a pass's sequences gives each of them what a call for it alone gives."""
+    B = 4
+    args, conv0, S0 = _random_steps(B, 4, 32, 4, 12)
+    convs, states = [c.clone() for c in conv0], [S.clone() for S in S0]
+    together = cpu_native.kda_decode_steps(**args, convs=convs, states=states, threads=2)
+    for i in range(B):
+        one = {k: (v[i:i + 1] if k in ("xin", "r", "b", "gate") else v) for k, v in args.items()}
+        conv, S = conv0[i].clone(), S0[i].clone()
+        alone = cpu_native.kda_decode_steps(**one, convs=[conv], states=[S], threads=1)
+        assert torch.equal(alone[0], together[i])
+        assert torch.equal(conv, convs[i]) and torch.equal(S, states[i])

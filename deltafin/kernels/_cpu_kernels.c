@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 10
+#define KERNELS_ABI 11
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -1394,7 +1394,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
 
 /* ------------------------------------------------------------------ KDA decode step */
 
-/* One decode step of a KDA layer for one sequence (kda.py: causal_conv, the q/k normalization,
+/* One decode step of a KDA layer for one sequence and head (kda.py: causal_conv, the q/k normalization,
    decay and beta, kda_recurrent, the output norm and gate), per head h, in float32:
      q, k, v   = silu(causal conv of the pre-conv inputs xin with the stored tails), the tails
                  shifted in place;  q = q / |q| * d^-1/2,  k = k / |k|  (|x| = sqrt(sum x^2 + 1e-6))
@@ -1404,21 +1404,22 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
      o         = rms_norm(S^T q) * o_norm * sigmoid(gate)
    Torch runs this as ~30 small ops per layer, four of them passes over the whole S (2 MB per layer
    on kl_medium); here each head's S (64 KB) is read and written twice while it sits in cache, and
-   the heads are shared between the threads. */
+   the heads of every sequence of the pass are shared between the threads. */
 #define KDA_MAX_D 256
 
 struct kda_step {
-    const float *xin;           /* [3, D] pre-conv q, k, v inputs */
-    float *conv;                /* [3, K-1, D] their last K-1 inputs (updated) */
+    const float *xin;           /* [B, 3, D] each sequence's pre-conv q, k, v inputs */
+    float *const *conv;         /* B pointers to [3, K-1, D]: their last K-1 inputs (updated) */
     const void *conv_w[3];      /* [D, K] each */
-    const float *r, *b, *gate;  /* [D] decay input (before dt_bias), [nh] beta logits, [D] gate */
+    const float *r, *b, *gate;  /* [B, D] decay inputs (before dt_bias), [B, nh] beta logits, [B, D] gates */
     const void *dt_bias, *a_log, *o_norm;  /* [D], [nh], [d] */
     int conv_bf16, dt_bf16, a_bf16, norm_bf16;  /* 1: that tensor holds bf16 bits, 0: float32 */
     int bounded;
     float lower_bound, eps;
-    float *S, *o;               /* [nh, d, d] (updated), [nh, d] */
-    int64_t nh, d, K;
-    int64_t next;               /* the next head to claim (atomic) */
+    float *const *S;            /* B pointers to [nh, d, d] (updated) */
+    float *o;                   /* [B, nh, d] */
+    int64_t B, nh, d, K;
+    int64_t next;               /* the next (sequence, head) pair to claim (atomic) */
 };
 
 static inline float load_f(const void *p, int bf16, int64_t i) {
@@ -1474,14 +1475,16 @@ static kda_head_fn kda_head_impl(void) {
     return kda_head_portable;
 }
 
-static void kda_step_head(const struct kda_step *st, int64_t h, kda_head_fn head) {
+static void kda_step_head(const struct kda_step *st, int64_t seq, int64_t h, kda_head_fn head) {
     const int64_t d = st->d, D = st->nh * d, K = st->K, base = h * d;
+    const float *xin = st->xin + seq * 3 * D, *r_in = st->r + seq * D, *gate = st->gate + seq * D;
+    float *conv = st->conv[seq];
     float qkv[3][KDA_MAX_D], decay[KDA_MAX_D];
     for (int w = 0; w < 3; w++) {
-        float *tail = st->conv + (int64_t)w * (K - 1) * D;
+        float *tail = conv + (int64_t)w * (K - 1) * D;
         for (int64_t j = 0; j < d; j++) {
             const int64_t c = base + j;
-            const float x = st->xin[w * D + c];
+            const float x = xin[w * D + c];
             double acc = 0.0;
             for (int64_t t = 0; t < K - 1; t++) acc += (double)tail[t * D + c] * load_f(st->conv_w[w], st->conv_bf16, c * K + t);
             acc += (double)x * load_f(st->conv_w[w], st->conv_bf16, c * K + K - 1);
@@ -1497,47 +1500,51 @@ static void kda_step_head(const struct kda_step *st, int64_t h, kda_head_fn head
     for (int64_t j = 0; j < d; j++) q[j] = q[j] / nq * scale, k[j] = k[j] / nk;
     const float a = expf(load_f(st->a_log, st->a_bf16, h));
     for (int64_t j = 0; j < d; j++) {
-        const float r = st->r[base + j] + load_f(st->dt_bias, st->dt_bf16, base + j);
+        const float r = r_in[base + j] + load_f(st->dt_bias, st->dt_bf16, base + j);
         float g;
         if (st->bounded) g = st->lower_bound * sigmoid_f(a * r);
         else g = -a * (r > 20.0f ? r : log1pf(expf(r)));  /* softplus, torch's threshold */
         decay[j] = expf(g);
     }
-    float *o = st->o + base;
-    head(st->S + h * d * d, q, k, qkv[2], decay, sigmoid_f(st->b[h]), o, d);
+    float *o = st->o + seq * D + base;
+    head(st->S[seq] + h * d * d, q, k, qkv[2], decay, sigmoid_f(st->b[seq * st->nh + h]), o, d);
     double ss = 0.0;
     for (int64_t j = 0; j < d; j++) ss += (double)o[j] * o[j];
     const float inv = (float)(1.0 / sqrt(ss / (double)d + st->eps));
     for (int64_t j = 0; j < d; j++)
-        o[j] = o[j] * inv * load_f(st->o_norm, st->norm_bf16, j) * sigmoid_f(st->gate[base + j]);
+        o[j] = o[j] * inv * load_f(st->o_norm, st->norm_bf16, j) * sigmoid_f(gate[base + j]);
 }
 
 static void *run_kda_heads(void *arg) {
     struct kda_step *st = (struct kda_step *)arg;
     const kda_head_fn head = kda_head_impl();
     for (;;) {
-        const int64_t h = __atomic_fetch_add(&st->next, 1, __ATOMIC_RELAXED);
-        if (h >= st->nh) break;
-        kda_step_head(st, h, head);
+        const int64_t i = __atomic_fetch_add(&st->next, 1, __ATOMIC_RELAXED);
+        if (i >= st->B * st->nh) break;
+        kda_step_head(st, i / st->nh, i % st->nh, head);
     }
     return NULL;
 }
 
-/* The step above for every head; heads are claimed by up to `threads` threads as they come free
-   (one thread when S is small). Returns 0, or -1 when d exceeds KDA_MAX_D. */
-int kda_decode_step_f32(const float *xin, float *conv, const void *const *conv_w, int conv_bf16, const float *r,
-                        const void *dt_bias, int dt_bf16, const void *a_log, int a_bf16, const float *b,
-                        int bounded, float lower_bound, const float *gate, const void *o_norm, int norm_bf16,
-                        float eps, float *S, float *o, int64_t nh, int64_t d, int64_t K, int threads) {
-    if (d > KDA_MAX_D || d < 1 || K < 1) return -1;
+/* The step above for B sequences of one layer (a decode pass: one call a layer, not one per
+   sequence); the (sequence, head) pairs are claimed by up to `threads` threads as they come free
+   (one thread when the states are small). Each pair is one thread's work from start to end, so a
+   sequence's result depends neither on the split nor on the other sequences. Returns 0, or -1 when
+   d exceeds KDA_MAX_D. */
+int kda_decode_steps_f32(int64_t B, const float *xin, float *const *conv, const void *const *conv_w, int conv_bf16,
+                         const float *r, const void *dt_bias, int dt_bf16, const void *a_log, int a_bf16,
+                         const float *b, int bounded, float lower_bound, const float *gate, const void *o_norm,
+                         int norm_bf16, float eps, float *const *S, float *o, int64_t nh, int64_t d, int64_t K,
+                         int threads) {
+    if (d > KDA_MAX_D || d < 1 || K < 1 || B < 0) return -1;
     struct kda_step st = {.xin = xin, .conv = conv, .conv_w = {conv_w[0], conv_w[1], conv_w[2]}, .r = r, .b = b,
                           .gate = gate, .dt_bias = dt_bias, .a_log = a_log, .o_norm = o_norm,
                           .conv_bf16 = conv_bf16, .dt_bf16 = dt_bf16, .a_bf16 = a_bf16, .norm_bf16 = norm_bf16,
                           .bounded = bounded, .lower_bound = lower_bound, .eps = eps, .S = S, .o = o,
-                          .nh = nh, .d = d, .K = K, .next = 0};
+                          .B = B, .nh = nh, .d = d, .K = K, .next = 0};
     int64_t t = threads;
-    if (t > nh) t = nh;
-    if (nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* a small S: waking a thread costs more */
+    if (t > B * nh) t = B * nh;
+    if (B * nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* small states: waking a thread costs more */
     run_parallel(run_kda_heads, &st, 0, t < 1 ? 1 : (int)t);
     return 0;
 }

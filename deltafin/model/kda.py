@@ -152,23 +152,20 @@ class KDAttention(Bindable):
 
     def _native_decode(self, x: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
         """forward() for sequences of one new token each (decoding), everything between the
-        projections in one native call per sequence (cpu_native.kda_decode_step): the same
+        projections in one native call for all of them (cpu_native.kda_decode_steps): the same
         formulas as the torch code, in another summation order."""
         c = self.cfg
-        T = x.shape[0]
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
         b = linear(x, self.b_proj)
         if c.kda_full_rank_gate:
             r, gate = self._decay_input(x), self._gate(x)
         else:  # the decay's and the gate's low-rank pairs: one native call for both halves of each
             r, gate = products(linears(x, [self.f_a_proj, self.g_a_proj]), [self.f_b_proj, self.g_b_proj])
-        conv_w = (self.q_conv, self.k_conv, self.v_conv)
-        o = torch.empty(T, c.kda_num_heads * c.kda_head_dim, dtype=torch.float32)
-        for t, (st, _, _) in enumerate(parts):
-            o[t] = cpu_native.kda_decode_step(xin[t], st.conv, conv_w, r[t], self.dt_bias, self.A_log, b[t],
-                                              c.kda_gate_lower_bound, gate[t], self.o_norm, c.rms_norm_eps,
-                                              st.S).view(-1)
-        return linear(o, self.o_proj)
+        o = cpu_native.kda_decode_steps(xin, [st.conv for st, _, _ in parts], (self.q_conv, self.k_conv, self.v_conv),
+                                        r.contiguous(), self.dt_bias, self.A_log, b.contiguous(),
+                                        c.kda_gate_lower_bound, gate.contiguous(), self.o_norm, c.rms_norm_eps,
+                                        [st.S for st, _, _ in parts])
+        return linear(o.view(x.shape[0], -1), self.o_proj)
 
     def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
         """B sequences of n new tokens each, stepped together: conv over their pre-conv inputs
@@ -215,7 +212,7 @@ class KDAttention(Bindable):
 
 def _native_step_applies(x: torch.Tensor, parts: list[Rows], head_dim: int) -> bool:
     """True when every sequence of the pass decodes one token without keeping states for a rollback,
-    in float32 on the CPU with the native kernels built (cpu_native.kda_decode_step)."""
+    in float32 on the CPU with the native kernels built (cpu_native.kda_decode_steps)."""
     if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == len(parts)
             and x.shape[0] <= cpu_native.GEMV_MAX_ROWS and head_dim <= cpu_native.KDA_MAX_HEAD_DIM):
         return False
