@@ -1,4 +1,4 @@
-"""The native KDA decode step (cpu_native.kda_decode_steps) against kda.py's torch code."""
+"""The native KDA decode step (cpu_native.kda_steps) against kda.py's torch code."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +29,7 @@ def kimi_linear_config(heads: int, head_dim: int):
 
 
 def torch_path(monkeypatch):
-    monkeypatch.setattr(kda, "_native_step_applies", lambda *a: False)
+    monkeypatch.setattr(kda, "_native_steps", lambda *a: [])
 
 
 def layer(cfg, seed: int, small_dtype: torch.dtype) -> KDAttention:
@@ -72,21 +72,54 @@ def test_native_decode_steps_match_the_torch_path(monkeypatch, cfg, small_dtype,
     assert torch.equal(st_got.conv, st_want.conv)  # the tails are copies of the inputs
 
 
-def test_native_step_is_taken_for_a_decode_pass_only(monkeypatch):
-    """One token per sequence without drafts takes the native step; a prompt piece or a pass that keeps
-    states for a rollback takes the torch code."""
+def test_native_recurrence_is_taken_where_it_applies(monkeypatch):
+    """Decode steps and prompt pieces of up to NATIVE_MAX_ROWS rows take the native call; a pass that
+    keeps states for a rollback (drafts) or a longer prompt piece takes the torch code, and in a mixed
+    pass the others still take the native call."""
     cfg = kimi_linear_config(2, 16)
     attn = layer(cfg, 5, torch.bfloat16)
     calls = []
-    real = cpu_native.kda_decode_steps
-    monkeypatch.setattr(cpu_native, "kda_decode_steps", lambda *a, **k: calls.append(1) or real(*a, **k))
-    x = torch.randn(3, cfg.hidden_size)
+    real = cpu_native.kda_steps
+    monkeypatch.setattr(cpu_native, "kda_steps", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    long = kda.NATIVE_MAX_ROWS + 1
+    x = torch.randn(long + 3, cfg.hidden_size)
     st = attn.new_state(torch.float32)
-    attn(x, [Rows(st, 3, False)], 4)
+    attn(x[:3], [Rows(st, 3, False)], 4)
+    assert calls == [[3]]
     attn(x[:1], [Rows(st, 1, True)], 4)
-    assert calls == []
+    attn(x[:long], [Rows(attn.new_state(torch.float32), long, False)], 4)
+    assert calls == [[3]]
     attn(x[:1], [Rows(st, 1, False)], 4)
-    assert calls == [1]
+    assert calls == [[3], [1]]
+    fresh = attn.new_state(torch.float32)
+    attn(x[:long + 3], [Rows(st, 1, False), Rows(fresh, long, False), Rows(attn.new_state(torch.float32), 2, False)], 4)
+    assert calls == [[3], [1], [1, 2]]
+
+
+def test_a_pass_of_decoding_sequences_and_prompt_pieces_equals_each_alone():
+    """Sequences decoding next to a prompt piece and a draft check (native step for the first, torch
+    code for the others) give what each gives alone, states included (within float32 rounding: torch's
+    products of these float32 weights may round a 6-row product differently from a 4-row one)."""
+    cfg = kimi_linear_config(2, 16)
+    attn = layer(cfg, 8, torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randn(3, cfg.hidden_size, generator=gen) for _ in range(3)]
+    x = torch.randn(1 + 4 + 1 + 2, cfg.hidden_size, generator=gen)
+    pieces = [(0, 0, 1, False), (None, 1, 4, False), (1, 5, 1, False), (2, 6, 2, True)]  # (prompt, row, n, keep)
+
+    def state(i):
+        st = attn.new_state(torch.float32)
+        if i is not None:
+            attn(prompts[i], [Rows(st, 3, False)], 4)
+        return st
+    together = [state(i) for i, _, _, _ in pieces]
+    out = attn(x, [Rows(st, n, keep) for st, (_, _, n, keep) in zip(together, pieces)], 4)
+    for st, (i, row, n, keep) in zip(together, pieces):
+        alone_st = state(i)
+        alone = attn(x[row:row + n], [Rows(alone_st, n, keep)], 4)
+        assert (out[row:row + n] - alone).abs().max() <= 1e-5 * alone.abs().max()
+        assert (st.S - alone_st.S).abs().max() <= 1e-5 * alone_st.S.abs().max()
+        assert (st.conv - alone_st.conv).abs().max() <= 1e-5 * alone_st.conv.abs().max()
 
 
 def test_a_batch_of_decoding_sequences_equals_each_alone():
@@ -115,11 +148,12 @@ def test_a_batch_of_decoding_sequences_equals_each_alone():
 def test_native_step_refuses_bad_inputs():
     nh, d, K = 2, 8, 4
     D = nh * d
-    good = dict(xin=torch.zeros(1, 3, D), convs=[torch.zeros(3, K - 1, D)], conv_w=(torch.zeros(D, K),) * 3,
+    good = dict(xin=torch.zeros(1, 3, D), counts=[1], convs=[torch.zeros(3, K - 1, D)], conv_w=(torch.zeros(D, K),) * 3,
                 r=torch.zeros(1, D), dt_bias=torch.zeros(D), a_log=torch.zeros(nh), b=torch.zeros(1, nh),
                 lower_bound=None, gate=torch.zeros(1, D), o_norm=torch.ones(d), eps=1e-5,
                 states=[torch.zeros(nh, d, d)])
-    assert cpu_native.kda_decode_steps(**good).shape == (1, nh, d)
+    assert cpu_native.kda_steps(**good).shape == (1, nh, d)
+    two = dict(xin=torch.zeros(2, 3, D), r=torch.zeros(2, D), b=torch.zeros(2, nh), gate=torch.zeros(2, D))
     bad = [dict(states=[torch.zeros(nh, d, d, dtype=torch.float64)]), dict(states=[torch.zeros(nh, d, d + 1)]),
            dict(states=[torch.zeros(1, 300, 300)]), dict(convs=[torch.zeros(3, K - 1, D + 1)]),
            dict(xin=torch.zeros(1, 3, D, dtype=torch.bfloat16)), dict(r=torch.zeros(1, D + 1)),
@@ -127,16 +161,16 @@ def test_native_step_refuses_bad_inputs():
            dict(conv_w=(torch.zeros(D, K), torch.zeros(D, K, dtype=torch.bfloat16), torch.zeros(D, K))),
            dict(o_norm=torch.ones(d + 1)), dict(a_log=torch.zeros(nh, 2)), dict(gate=torch.zeros(1, 2 * D)[:, ::2]),
            # every sequence's state is checked, not only the first one's
-           dict(states=[torch.zeros(nh, d, d), torch.zeros(nh, d, d).transpose(1, 2)], convs=[torch.zeros(3, K - 1, D)] * 2,
-                xin=torch.zeros(2, 3, D), r=torch.zeros(2, D), b=torch.zeros(2, nh), gate=torch.zeros(2, D)),
-           dict(states=[torch.zeros(nh, d, d), torch.zeros(nh, d, d)],
-                convs=[torch.zeros(3, K - 1, D), torch.zeros(3, K - 1, D, dtype=torch.bfloat16)],
-                xin=torch.zeros(2, 3, D), r=torch.zeros(2, D), b=torch.zeros(2, nh), gate=torch.zeros(2, D)),
-           dict(states=[torch.zeros(nh, d, d)] * 2),  # rows for one sequence, states for two
-           dict(states=[], convs=[])]
+           dict(states=[torch.zeros(nh, d, d), torch.zeros(nh, d, d).transpose(1, 2)], counts=[1, 1],
+                convs=[torch.zeros(3, K - 1, D)] * 2, **two),
+           dict(states=[torch.zeros(nh, d, d), torch.zeros(nh, d, d)], counts=[1, 1],
+                convs=[torch.zeros(3, K - 1, D), torch.zeros(3, K - 1, D, dtype=torch.bfloat16)], **two),
+           dict(states=[torch.zeros(nh, d, d)] * 2, counts=[1, 1]),  # tails for one sequence, states for two
+           dict(counts=[2]), dict(counts=[0], **{k: v[:0] for k, v in two.items()}),  # rows and counts disagree
+           dict(states=[], convs=[], counts=[])]
     for change in bad:
-        with pytest.raises(ValueError, match="KDA decode step"):
-            cpu_native.kda_decode_steps(**{**good, **change})
+        with pytest.raises(ValueError, match="KDA step"):
+            cpu_native.kda_steps(**{**good, **change})
 
 
 @pytest.mark.skipif(not (KL_CODE_TINY / "config.json").exists(), reason="kl-code-tiny is not on this machine")
@@ -159,25 +193,26 @@ def test_trained_model_decodes_the_same_with_the_native_step(monkeypatch):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def _random_steps(B: int, nh: int, d: int, K: int, seed: int):
-    """Arguments of kda_decode_steps for B sequences, and their states (conv tails, S)."""
-    D = nh * d
+def _random_steps(counts: list[int], nh: int, d: int, K: int, seed: int):
+    """Arguments of kda_steps for sequences of counts[i] new rows, and their states (conv tails, S)."""
+    D, B, T = nh * d, len(counts), sum(counts)
     g = torch.Generator().manual_seed(seed)
-    args = dict(xin=torch.randn(B, 3, D, generator=g), conv_w=tuple(torch.randn(D, K, generator=g) for _ in range(3)),
-                r=torch.randn(B, D, generator=g), dt_bias=torch.randn(D, generator=g).bfloat16(),
-                a_log=torch.randn(nh, generator=g), b=torch.randn(B, nh, generator=g), lower_bound=None,
-                gate=torch.randn(B, D, generator=g), o_norm=torch.rand(d, generator=g).bfloat16(), eps=1e-5)
+    args = dict(xin=torch.randn(T, 3, D, generator=g), counts=counts,
+                conv_w=tuple(torch.randn(D, K, generator=g) for _ in range(3)),
+                r=torch.randn(T, D, generator=g), dt_bias=torch.randn(D, generator=g).bfloat16(),
+                a_log=torch.randn(nh, generator=g), b=torch.randn(T, nh, generator=g), lower_bound=None,
+                gate=torch.randn(T, D, generator=g), o_norm=torch.rand(d, generator=g).bfloat16(), eps=1e-5)
     return args, [torch.randn(3, K - 1, D, generator=g) for _ in range(B)], [torch.randn(nh, d, d, generator=g)
                                                                              for _ in range(B)]
 
 
 def test_native_step_gives_the_same_bits_on_any_number_of_threads():
     """Each (sequence, head) is one thread's work from start to end, so the split cannot change a result."""
-    args, conv0, S0 = _random_steps(3, 8, 128, 4, 11)  # states large enough to be shared between threads
+    args, conv0, S0 = _random_steps([1, 3, 1], 8, 128, 4, 11)  # states large enough to be shared between threads
     results = []
     for threads in (1, 2, 3):
         convs, states = [c.clone() for c in conv0], [S.clone() for S in S0]
-        o = cpu_native.kda_decode_steps(**args, convs=convs, states=states, threads=threads)
+        o = cpu_native.kda_steps(**args, convs=convs, states=states, threads=threads)
         results.append((o, convs, states))
     for o, convs, states in results[1:]:
         assert torch.equal(o, results[0][0])
@@ -186,14 +221,23 @@ def test_native_step_gives_the_same_bits_on_any_number_of_threads():
 
 
 def test_a_sequence_steps_the_same_bits_alone_as_among_others():
-    """One call for a pass's sequences gives each of them what a call for it alone gives."""
-    B = 4
-    args, conv0, S0 = _random_steps(B, 4, 32, 4, 12)
+    """One call for a pass's sequences (decoding ones and prompt pieces) gives each of them what a call
+    for it alone gives, and a prompt piece of n rows what n calls of one row give."""
+    counts = [1, 5, 1, 3]
+    args, conv0, S0 = _random_steps(counts, 4, 32, 4, 12)
     convs, states = [c.clone() for c in conv0], [S.clone() for S in S0]
-    together = cpu_native.kda_decode_steps(**args, convs=convs, states=states, threads=2)
-    for i in range(B):
-        one = {k: (v[i:i + 1] if k in ("xin", "r", "b", "gate") else v) for k, v in args.items()}
+    together = cpu_native.kda_steps(**args, convs=convs, states=states, threads=2)
+    first = 0
+    for i, n in enumerate(counts):
+        rows = slice(first, first + n)
+        one = {k: (v[rows] if k in ("xin", "r", "b", "gate") else v) for k, v in args.items() if k != "counts"}
         conv, S = conv0[i].clone(), S0[i].clone()
-        alone = cpu_native.kda_decode_steps(**one, convs=[conv], states=[S], threads=1)
-        assert torch.equal(alone[0], together[i])
+        alone = cpu_native.kda_steps(**one, counts=[n], convs=[conv], states=[S], threads=1)
+        assert torch.equal(alone, together[rows])
         assert torch.equal(conv, convs[i]) and torch.equal(S, states[i])
+        conv, S = conv0[i].clone(), S0[i].clone()
+        for t in range(n):
+            step = {k: (v[t:t + 1] if k in ("xin", "r", "b", "gate") else v) for k, v in one.items()}
+            assert torch.equal(cpu_native.kda_steps(**step, counts=[1], convs=[conv], states=[S], threads=1)[0],
+                               together[first + t])
+        first += n

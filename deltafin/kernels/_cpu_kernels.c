@@ -1394,7 +1394,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
 
 /* ------------------------------------------------------------------ KDA decode step */
 
-/* One decode step of a KDA layer for one sequence and head (kda.py: causal_conv, the q/k normalization,
+/* One step of a KDA layer for one token of one sequence, one head (kda.py: causal_conv, the q/k normalization,
    decay and beta, kda_recurrent, the output norm and gate), per head h, in float32:
      q, k, v   = silu(causal conv of the pre-conv inputs xin with the stored tails), the tails
                  shifted in place;  q = q / |q| * d^-1/2,  k = k / |k|  (|x| = sqrt(sum x^2 + 1e-6))
@@ -1408,16 +1408,17 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
 #define KDA_MAX_D 256
 
 struct kda_step {
-    const float *xin;           /* [B, 3, D] each sequence's pre-conv q, k, v inputs */
-    float *const *conv;         /* B pointers to [3, K-1, D]: their last K-1 inputs (updated) */
+    const float *xin;           /* [T, 3, D] the pre-conv q, k, v inputs of every row */
+    const int64_t *first, *count;  /* sequence i's rows: first[i] .. first[i] + count[i] - 1, in order */
+    float *const *conv;         /* B pointers to [3, K-1, D]: each sequence's last K-1 inputs (updated) */
     const void *conv_w[3];      /* [D, K] each */
-    const float *r, *b, *gate;  /* [B, D] decay inputs (before dt_bias), [B, nh] beta logits, [B, D] gates */
+    const float *r, *b, *gate;  /* [T, D] decay inputs (before dt_bias), [T, nh] beta logits, [T, D] gates */
     const void *dt_bias, *a_log, *o_norm;  /* [D], [nh], [d] */
     int conv_bf16, dt_bf16, a_bf16, norm_bf16;  /* 1: that tensor holds bf16 bits, 0: float32 */
     int bounded;
     float lower_bound, eps;
     float *const *S;            /* B pointers to [nh, d, d] (updated) */
-    float *o;                   /* [B, nh, d] */
+    float *o;                   /* [T, nh, d] */
     int64_t B, nh, d, K;
     int64_t next;               /* the next (sequence, head) pair to claim (atomic) */
 };
@@ -1475,9 +1476,9 @@ static kda_head_fn kda_head_impl(void) {
     return kda_head_portable;
 }
 
-static void kda_step_head(const struct kda_step *st, int64_t seq, int64_t h, kda_head_fn head) {
+static void kda_step_row(const struct kda_step *st, int64_t seq, int64_t row, int64_t h, kda_head_fn head) {
     const int64_t d = st->d, D = st->nh * d, K = st->K, base = h * d;
-    const float *xin = st->xin + seq * 3 * D, *r_in = st->r + seq * D, *gate = st->gate + seq * D;
+    const float *xin = st->xin + row * 3 * D, *r_in = st->r + row * D, *gate = st->gate + row * D;
     float *conv = st->conv[seq];
     float qkv[3][KDA_MAX_D], decay[KDA_MAX_D];
     for (int w = 0; w < 3; w++) {
@@ -1506,8 +1507,8 @@ static void kda_step_head(const struct kda_step *st, int64_t seq, int64_t h, kda
         else g = -a * (r > 20.0f ? r : log1pf(expf(r)));  /* softplus, torch's threshold */
         decay[j] = expf(g);
     }
-    float *o = st->o + seq * D + base;
-    head(st->S[seq] + h * d * d, q, k, qkv[2], decay, sigmoid_f(st->b[seq * st->nh + h]), o, d);
+    float *o = st->o + row * D + base;
+    head(st->S[seq] + h * d * d, q, k, qkv[2], decay, sigmoid_f(st->b[row * st->nh + h]), o, d);
     double ss = 0.0;
     for (int64_t j = 0; j < d; j++) ss += (double)o[j] * o[j];
     const float inv = (float)(1.0 / sqrt(ss / (double)d + st->eps));
@@ -1521,30 +1522,39 @@ static void *run_kda_heads(void *arg) {
     for (;;) {
         const int64_t i = __atomic_fetch_add(&st->next, 1, __ATOMIC_RELAXED);
         if (i >= st->B * st->nh) break;
-        kda_step_head(st, i / st->nh, i % st->nh, head);
+        const int64_t seq = i / st->nh, h = i % st->nh;
+        /* one head of one sequence, its rows in order: that head's S stays in cache between them */
+        for (int64_t t = 0; t < st->count[seq]; t++) kda_step_row(st, seq, st->first[seq] + t, h, head);
     }
     return NULL;
 }
 
-/* The step above for B sequences of one layer (a decode pass: one call a layer, not one per
-   sequence); the (sequence, head) pairs are claimed by up to `threads` threads as they come free
-   (one thread when the states are small). Each pair is one thread's work from start to end, so a
-   sequence's result depends neither on the split nor on the other sequences. Returns 0, or -1 when
-   d exceeds KDA_MAX_D. */
-int kda_decode_steps_f32(int64_t B, const float *xin, float *const *conv, const void *const *conv_w, int conv_bf16,
-                         const float *r, const void *dt_bias, int dt_bf16, const void *a_log, int a_bf16,
-                         const float *b, int bounded, float lower_bound, const float *gate, const void *o_norm,
-                         int norm_bf16, float eps, float *const *S, float *o, int64_t nh, int64_t d, int64_t K,
-                         int threads) {
+/* The step above for every row of B sequences of one layer, each sequence's rows in order (a pass
+   of decoding sequences and short prompt pieces: one call a layer, not one per sequence or token);
+   the (sequence, head) pairs are claimed by up to `threads` threads as they come free (one thread
+   when the work is small). Each pair is one thread's work from start to end, so a sequence's result
+   depends neither on the split nor on the other sequences. Returns 0, or -1 when d exceeds
+   KDA_MAX_D or a count is negative. */
+int kda_steps_f32(int64_t B, const int64_t *first, const int64_t *count, const float *xin, float *const *conv,
+                  const void *const *conv_w, int conv_bf16, const float *r, const void *dt_bias, int dt_bf16,
+                  const void *a_log, int a_bf16, const float *b, int bounded, float lower_bound, const float *gate,
+                  const void *o_norm, int norm_bf16, float eps, float *const *S, float *o, int64_t nh, int64_t d,
+                  int64_t K, int threads) {
     if (d > KDA_MAX_D || d < 1 || K < 1 || B < 0) return -1;
-    struct kda_step st = {.xin = xin, .conv = conv, .conv_w = {conv_w[0], conv_w[1], conv_w[2]}, .r = r, .b = b,
+    int64_t rows = 0;
+    for (int64_t i = 0; i < B; i++) {
+        if (count[i] < 0 || first[i] < 0) return -1;
+        rows += count[i];
+    }
+    struct kda_step st = {.xin = xin, .first = first, .count = count, .conv = conv,
+                          .conv_w = {conv_w[0], conv_w[1], conv_w[2]}, .r = r, .b = b,
                           .gate = gate, .dt_bias = dt_bias, .a_log = a_log, .o_norm = o_norm,
                           .conv_bf16 = conv_bf16, .dt_bf16 = dt_bf16, .a_bf16 = a_bf16, .norm_bf16 = norm_bf16,
                           .bounded = bounded, .lower_bound = lower_bound, .eps = eps, .S = S, .o = o,
                           .B = B, .nh = nh, .d = d, .K = K, .next = 0};
     int64_t t = threads;
     if (t > B * nh) t = B * nh;
-    if (B * nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* small states: waking a thread costs more */
+    if (rows * nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* little work: waking a thread costs more */
     run_parallel(run_kda_heads, &st, 0, t < 1 ? 1 : (int)t);
     return 0;
 }

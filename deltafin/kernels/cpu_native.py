@@ -5,8 +5,8 @@ weight without materializing it (``dense_gemv_items`` many int8 or bf16 products
 ``dense_gemv_t_items`` the transposed products x @ W), at close to memory speed (AVX-512 where the CPU has it; the
 MXFP4, int8 and bf16 gemvs also have an AVX2+FMA path that differs from their portable C only in rounding
 order); ``mxfp4_dequant`` decodes MXFP4 rows
-bit-for-bit like ``mxfp4.mxfp4_dequantize``; ``kda_decode_steps`` runs a KDA layer's decode step between its
-projections (conv, norms, decay, the delta rule on S, output norm and gate) for every sequence of a pass. The library is an optional part of the install (setup.py): when it
+bit-for-bit like ``mxfp4.mxfp4_dequantize``; ``kda_steps`` runs a KDA layer's recurrence between its
+projections (conv, norms, decay, the delta rule on S, output norm and gate) for the sequences of a pass. The library is an optional part of the install (setup.py): when it
 was not built, ``available()`` is False and callers use the torch references in mxfp4.py,
 int8.py and intq.py (and a float32 conversion for bf16). It is loaded on first use, not at import.
 
@@ -84,10 +84,9 @@ def _library() -> ctypes.CDLL | None:
         for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
             items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _int, _int]
             items.restype = _int
-        lib.kda_decode_steps_f32.argtypes = [_i64, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int,
-                                             ctypes.c_float, _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64,
-                                             _int]
-        lib.kda_decode_steps_f32.restype = _int
+        lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
+                                      _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
+        lib.kda_steps_f32.restype = _int
         lib.read_memory.argtypes = [_p, _p, _i64, _int, _p]
         lib.read_memory.restype = _int
     except (OSError, AttributeError):
@@ -436,62 +435,68 @@ def _f32_or_bf16(t: torch.Tensor, shape: tuple, name: str) -> int:
     """1 when t holds bf16, 0 for float32; refuses anything the native KDA step cannot read."""
     if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != shape or not t.is_contiguous() \
             or not t.is_cpu:
-        raise ValueError(f"KDA decode step: {name} must be a contiguous float32 or bf16 CPU tensor of shape "
+        raise ValueError(f"KDA step: {name} must be a contiguous float32 or bf16 CPU tensor of shape "
                          f"{list(shape)}, got {t.dtype} {list(t.shape)}")
     return int(t.dtype == torch.bfloat16)
 
 
-def kda_decode_steps(xin: torch.Tensor, convs: list[torch.Tensor], conv_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     r: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
-                     lower_bound: float | None, gate: torch.Tensor, o_norm: torch.Tensor, eps: float,
-                     states: list[torch.Tensor], threads: int | None = None) -> torch.Tensor:
-    """One KDA decode step of B sequences of one layer in one native call (see kda_decode_step_f32
-    in _cpu_kernels.c for the formulas; kda.py's torch code is the reference). xin float32 [B, 3, D]:
-    each token's pre-conv q, k, v inputs; convs[i] float32 [3, K-1, D] and states[i] float32
-    [nh, d, d]: sequence i's state, both updated in place; conv_w: the three [D, K] conv weights;
-    r float32 [B, D]: the decay inputs before dt_bias; b float32 [B, nh]: beta logits; gate float32
-    [B, D]: the output gate's logits; dt_bias [D], a_log [nh], o_norm [d] in float32 or bf16.
-    Returns the gated, normalized outputs float32 [B, nh, d]; a sequence's row does not depend on
-    the others in the call."""
+def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
+              conv_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor], r: torch.Tensor, dt_bias: torch.Tensor,
+              a_log: torch.Tensor, b: torch.Tensor, lower_bound: float | None, gate: torch.Tensor,
+              o_norm: torch.Tensor, eps: float, states: list[torch.Tensor], threads: int | None = None) -> torch.Tensor:
+    """The KDA recurrence of B sequences of one layer over their new rows, in one native call (see
+    kda_step_row in _cpu_kernels.c for the formulas; kda.py's torch code is the reference). The T
+    rows are the sequences' in order, counts[i] of them for sequence i (one for a decoding one).
+    xin float32 [T, 3, D]: the pre-conv q, k, v inputs; convs[i] float32 [3, K-1, D] and states[i]
+    float32 [nh, d, d]: sequence i's state, both updated in place; conv_w: the three [D, K] conv
+    weights; r float32 [T, D]: the decay inputs before dt_bias; b float32 [T, nh]: beta logits; gate
+    float32 [T, D]: the output gate's logits; dt_bias [D], a_log [nh], o_norm [d] in float32 or bf16.
+    Returns the gated, normalized outputs float32 [T, nh, d]; a sequence's rows do not depend on the
+    other sequences in the call."""
     lib = _lib_or_raise()
     B = len(states)
-    if B == 0 or len(convs) != B:
-        raise ValueError(f"KDA decode step: needs one conv tail per state, got {len(convs)} and {B}")
+    if B == 0 or len(convs) != B or len(counts) != B or any(n < 1 for n in counts):
+        raise ValueError(f"KDA step: needs a conv tail and at least one row per state, got {len(convs)} "
+                         f"tails and rows {counts} for {B} states")
     S0 = states[0]
     if S0.dim() != 3 or S0.shape[1] != S0.shape[2]:
-        raise ValueError(f"KDA decode step: S must be [heads, d, d], got {list(S0.shape)}")
+        raise ValueError(f"KDA step: S must be [heads, d, d], got {list(S0.shape)}")
     nh, d = S0.shape[0], S0.shape[1]
     if not 0 < d <= KDA_MAX_HEAD_DIM:
-        raise ValueError(f"KDA decode step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
+        raise ValueError(f"KDA step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
     D = nh * d
     if convs[0].dim() != 3 or convs[0].shape[0] != 3 or convs[0].shape[2] != D:
-        raise ValueError(f"KDA decode step: conv must be [3, K-1, {D}], got {list(convs[0].shape)}")
+        raise ValueError(f"KDA step: conv must be [3, K-1, {D}], got {list(convs[0].shape)}")
     K = convs[0].shape[1] + 1
     for S, conv in zip(states, convs):  # each sequence's state: written in place, so checked whole
         _f32_state(S, (nh, d, d), "S")
         _f32_state(conv, (3, K - 1, D), "conv")
-    for t, shape, name in ((xin, (B, 3, D), "xin"), (r, (B, D), "r"), (b, (B, nh), "b"), (gate, (B, D), "gate")):
+    T = sum(counts)
+    for t, shape, name in ((xin, (T, 3, D), "xin"), (r, (T, D), "r"), (b, (T, nh), "b"), (gate, (T, D), "gate")):
         if _f32_or_bf16(t, shape, name):
-            raise ValueError(f"KDA decode step: {name} must be float32, got bf16")
+            raise ValueError(f"KDA step: {name} must be float32, got bf16")
     kinds = {_f32_or_bf16(w, (D, K), "conv weight") for w in conv_w}
     if len(kinds) != 1:
-        raise ValueError("KDA decode step: the three conv weights must have one dtype")
-    o = torch.empty(B, nh, d, dtype=torch.float32)
-    rc = lib.kda_decode_steps_f32(
-        B, xin.data_ptr(), (_p * B)(*(c.data_ptr() for c in convs)), (_p * 3)(*(w.data_ptr() for w in conv_w)),
-        kinds.pop(), r.data_ptr(), dt_bias.data_ptr(), _f32_or_bf16(dt_bias, (D,), "dt_bias"), a_log.data_ptr(),
-        _f32_or_bf16(a_log, (nh,), "A_log"), b.data_ptr(), int(lower_bound is not None),
-        0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(), o_norm.data_ptr(),
-        _f32_or_bf16(o_norm, (d,), "o_norm"), float(eps), (_p * B)(*(S.data_ptr() for S in states)), o.data_ptr(),
-        nh, d, K, _threads(threads))
+        raise ValueError("KDA step: the three conv weights must have one dtype")
+    first = [0] * B
+    for i in range(1, B):
+        first[i] = first[i - 1] + counts[i - 1]
+    o = torch.empty(T, nh, d, dtype=torch.float32)
+    rc = lib.kda_steps_f32(
+        B, (_i64 * B)(*first), (_i64 * B)(*counts), xin.data_ptr(), (_p * B)(*(c.data_ptr() for c in convs)),
+        (_p * 3)(*(w.data_ptr() for w in conv_w)), kinds.pop(), r.data_ptr(), dt_bias.data_ptr(),
+        _f32_or_bf16(dt_bias, (D,), "dt_bias"), a_log.data_ptr(), _f32_or_bf16(a_log, (nh,), "A_log"), b.data_ptr(),
+        int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(),
+        o_norm.data_ptr(), _f32_or_bf16(o_norm, (d,), "o_norm"), float(eps), (_p * B)(*(S.data_ptr() for S in states)),
+        o.data_ptr(), nh, d, K, _threads(threads))
     if rc != 0:
-        raise RuntimeError(f"KDA decode step failed with code {rc}")
+        raise RuntimeError(f"KDA step failed with code {rc}")
     return o
 
 
 def _f32_state(t: torch.Tensor, shape: tuple, name: str) -> None:
     if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
-        raise ValueError(f"KDA decode step: {name} must be a contiguous float32 CPU tensor of shape {list(shape)}, "
+        raise ValueError(f"KDA step: {name} must be a contiguous float32 CPU tensor of shape {list(shape)}, "
                          f"got {t.dtype} {list(t.shape)}")
 
 

@@ -33,9 +33,10 @@ def applies(z: torch.Tensor, experts) -> bool:
 
 
 def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict) -> torch.Tensor | None:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) as fp32 [T, H], or None when some expert has
-    more rows than the native gemvs take (a prompt: the per-expert path multiplies those faster) or
-    the chosen experts are not all of one kind the native calls take. ``glu(gate, up)`` is the model's
+    """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) as fp32 [T, H], or None when an int8 or bf16
+    expert has more rows than the native gemvs take (a prompt: the per-expert path multiplies those
+    faster; MXFP4 experts take such rows in pieces) or the chosen experts are not all of one kind the
+    native calls take. ``glu(gate, up)`` is the model's
     activation; ``experts`` maps each chosen id to (w1, w3, w2)."""
     done = _routed(glu, z, ids, weights, experts, None)
     return None if done is None else done[0]
@@ -60,16 +61,17 @@ def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.
     order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
     chosen, counts = torch.unique_consecutive(flat[order], return_counts=True)
     counts = counts.tolist()
-    if max(counts) > cpu_native.GEMV_MAX_ROWS:
-        return None
     w = [experts[e] for e in chosen.tolist()]
+    # The codec of each; their device, shape and dtype mxfp4_gemv_items checks (_is_mxfp4 per weight
+    # cost ~4 ms a pass on small-k3 with 8 sequences: ~40 experts x 3 weights x 7 layers).
+    mxfp4 = all(isinstance(m, QWeight) and m.codec == "mxfp4" for ws in w for m in ws)
+    if max(counts) > cpu_native.GEMV_MAX_ROWS and not mxfp4:
+        return None
     P = T * k
     rows = order // k
     x = z[rows]  # [P, H]: each pair's row, grouped by expert
     extra = None
-    # The codec of each; their device, shape and dtype mxfp4_gemv_items checks (_is_mxfp4 per weight
-    # cost ~4 ms a pass on small-k3 with 8 sequences: ~40 experts x 3 weights x 7 layers).
-    if all(isinstance(m, QWeight) and m.codec == "mxfp4" for ws in w for m in ws):
+    if mxfp4:
         out = _mxfp4_pairs(glu, x, w, counts)
     else:
         dense = [[native_dense(m) for m in ws] for ws in w]
@@ -99,7 +101,14 @@ def _starts(counts: list[int]) -> list[int]:
 
 
 def _mxfp4_pairs(glu, x: torch.Tensor, w: list, counts: list[int]) -> torch.Tensor:
-    """Every pair's expert output [P, H] for MXFP4 experts (pairs grouped by expert, counts each)."""
+    """Every pair's expert output [P, H] for MXFP4 experts (pairs grouped by expert, counts each).
+    An expert with more rows than one item takes (a batch of prompt pieces) is several items of at
+    most GEMV_MAX_ROWS rows: as fast as decoding it whole and multiplying (~30 G products/s at 64 rows
+    on 2 cores), and its rows still get the single-row kernel's bits."""
+    if max(counts) > cpu_native.GEMV_MAX_ROWS:
+        step = cpu_native.GEMV_MAX_ROWS
+        w, counts = zip(*[(ws, min(step, n - s)) for ws, n in zip(w, counts) for s in range(0, n, step)])
+        w, counts = list(w), list(counts)
     P, starts = x.shape[0], _starts(counts)
     gate_up = cpu_native.mxfp4_gemv_items(
         x, [_parts(w1) for w1, _, _ in w] + [_parts(w3) for _, w3, _ in w],

@@ -69,6 +69,9 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
 # Sequences of at most this many new tokens (decode steps, drafts, short prompt pieces) take the
 # step-by-step recurrence; longer ones the chunked form.
 RECURRENT_MAX_ROWS = 16
+# On the CPU, sequences of at most this many new rows that keep no states for a rollback step in one
+# native call per layer (cpu_native.kda_steps).
+NATIVE_MAX_ROWS = RECURRENT_MAX_ROWS
 
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -121,13 +124,29 @@ class KDAttention(Bindable):
 
     def forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         """x: rows of one or more sequences; the projections run over all of them at once, the
-        conv and the recurrence on each sequence's own state, stepping sequences of the same length
-        together (a batch of decoding sequences is one group)."""
+        conv and the recurrence on each sequence's own state: in one native call for the sequences
+        that take it (_native_steps), else stepping sequences of the same length together."""
+        stepped = _native_steps(x, parts, self.cfg.kda_head_dim)
+        if not stepped:
+            return self._torch_forward(x, parts, chunk)
+        if len(stepped) == len(parts):
+            return self._native_forward(x, parts)
+        # A pass that mixes them (a draft check, a long prompt piece): each part on its own rows (a
+        # row's products do not depend on the other rows).
+        starts = [sum(n for _, n, _ in parts[:i]) for i in range(len(parts))]
+        fast = set(stepped)
+        native_rows = torch.tensor([j for i in stepped for j in range(starts[i], starts[i] + parts[i].n)])
+        rest = torch.tensor([j for i, (_, n, _) in enumerate(parts) if i not in fast
+                             for j in range(starts[i], starts[i] + n)])
+        out = torch.empty(x.shape[0], self.cfg.hidden_size, dtype=x.dtype)
+        out[native_rows] = self._native_forward(x[native_rows], [parts[i] for i in stepped])
+        out[rest] = self._torch_forward(x[rest], [p for i, p in enumerate(parts) if i not in fast], chunk)
+        return out
+
+    def _torch_forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
         nh, d = c.kda_num_heads, c.kda_head_dim
-        if _native_step_applies(x, parts, d):
-            return self._native_decode(x, parts)
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]))  # [3, T, D]
         g = self.decay(x)
         beta = torch.sigmoid(linear(x, self.b_proj).float())
@@ -150,10 +169,10 @@ class KDAttention(Bindable):
             return linear(x, self.g_proj)
         return linear(linear(x, self.g_a_proj), self.g_b_proj)
 
-    def _native_decode(self, x: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
-        """forward() for sequences of one new token each (decoding), everything between the
-        projections in one native call for all of them (cpu_native.kda_decode_steps): the same
-        formulas as the torch code, in another summation order."""
+    def _native_forward(self, x: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
+        """forward() with everything between the projections in one native call for all the
+        sequences (cpu_native.kda_steps): the same formulas as the torch code, in another summation
+        order."""
         c = self.cfg
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
         b = linear(x, self.b_proj)
@@ -161,10 +180,10 @@ class KDAttention(Bindable):
             r, gate = self._decay_input(x), self._gate(x)
         else:  # the decay's and the gate's low-rank pairs: one native call for both halves of each
             r, gate = products(linears(x, [self.f_a_proj, self.g_a_proj]), [self.f_b_proj, self.g_b_proj])
-        o = cpu_native.kda_decode_steps(xin, [st.conv for st, _, _ in parts], (self.q_conv, self.k_conv, self.v_conv),
-                                        r.contiguous(), self.dt_bias, self.A_log, b.contiguous(),
-                                        c.kda_gate_lower_bound, gate.contiguous(), self.o_norm, c.rms_norm_eps,
-                                        [st.S for st, _, _ in parts])
+        o = cpu_native.kda_steps(xin, [n for _, n, _ in parts], [st.conv for st, _, _ in parts],
+                                 (self.q_conv, self.k_conv, self.v_conv), r.contiguous(), self.dt_bias, self.A_log,
+                                 b.contiguous(), c.kda_gate_lower_bound, gate.contiguous(), self.o_norm,
+                                 c.rms_norm_eps, [st.S for st, _, _ in parts])
         return linear(o.view(x.shape[0], -1), self.o_proj)
 
     def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
@@ -210,17 +229,16 @@ class KDAttention(Bindable):
         return o
 
 
-def _native_step_applies(x: torch.Tensor, parts: list[Rows], head_dim: int) -> bool:
-    """True when every sequence of the pass decodes one token without keeping states for a rollback,
-    in float32 on the CPU with the native kernels built (cpu_native.kda_decode_steps)."""
-    if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == len(parts)
-            and x.shape[0] <= cpu_native.GEMV_MAX_ROWS and head_dim <= cpu_native.KDA_MAX_HEAD_DIM):
-        return False
-    for st, n, keep in parts:
-        if n != 1 or keep or st.in_place or st.S.dtype != torch.float32 or st.conv.dtype != torch.float32 \
-                or not (st.S.is_contiguous() and st.conv.is_contiguous()):
-            return False
-    return cpu_native.available()
+def _native_steps(x: torch.Tensor, parts: list[Rows], head_dim: int) -> list[int]:
+    """The pass's sequences that take the native recurrence (cpu_native.kda_steps): those of at most
+    NATIVE_MAX_ROWS new rows that keep no states for a rollback, with float32 states; none for
+    another dtype or device, without the native kernels, or for a head too wide."""
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and head_dim <= cpu_native.KDA_MAX_HEAD_DIM
+            and cpu_native.available()):
+        return []
+    return [i for i, (st, n, keep) in enumerate(parts)
+            if n <= NATIVE_MAX_ROWS and not keep and not st.in_place and st.S.dtype == torch.float32
+            and st.conv.dtype == torch.float32 and st.S.is_contiguous() and st.conv.is_contiguous()]
 
 
 def _groups(parts: list[Rows], device) -> list[tuple]:
