@@ -48,12 +48,13 @@ def layer(cfg, seed: int, small_dtype: torch.dtype) -> KDAttention:
     (kimi_linear_config(4, 128), torch.bfloat16, 2),  # S large enough for the heads to be split over threads
 ])
 def test_native_decode_steps_match_the_torch_path(monkeypatch, cfg, small_dtype, threads):
-    """A prompt, then decode steps: the native step's outputs, S and conv tails follow the torch
-    recurrence's within float32 rounding, step after step."""
+    """A prompt, then decode steps: the native recurrence's outputs, S and conv tails follow the torch
+    code's (chunked for the prompt, step by step after) within float32 rounding."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     attn = layer(cfg, 3, small_dtype)
     gen = torch.Generator().manual_seed(4)
-    prompt = torch.randn(6, cfg.hidden_size, generator=gen)
+    n = kda.RECURRENT_MAX_ROWS + 24  # a prompt the torch code takes in chunks
+    prompt = torch.randn(n, cfg.hidden_size, generator=gen)
     steps = [torch.randn(1, cfg.hidden_size, generator=gen) for _ in range(5)]
 
     def run(native: bool):
@@ -61,8 +62,7 @@ def test_native_decode_steps_match_the_torch_path(monkeypatch, cfg, small_dtype,
             if not native:
                 torch_path(m)
             st = attn.new_state(torch.float32)
-            attn(prompt, [Rows(st, 6, False)], 4)
-            outs = [attn(x, [Rows(st, 1, False)], 4) for x in steps]
+            outs = [attn(prompt, [Rows(st, n, False)], 4)] + [attn(x, [Rows(st, 1, False)], 4) for x in steps]
         return torch.cat(outs), st
     want, st_want = run(False)
     got, st_got = run(True)
@@ -73,27 +73,27 @@ def test_native_decode_steps_match_the_torch_path(monkeypatch, cfg, small_dtype,
 
 
 def test_native_recurrence_is_taken_where_it_applies(monkeypatch):
-    """Decode steps and prompt pieces of up to NATIVE_MAX_ROWS rows take the native call; a pass that
-    keeps states for a rollback (drafts) or a longer prompt piece takes the torch code, and in a mixed
-    pass the others still take the native call."""
+    """Decode steps and prompt pieces of any length take the native call; a sequence that keeps states
+    for a rollback (drafts) takes the torch code, and in a mixed pass the others still take the
+    native call."""
     cfg = kimi_linear_config(2, 16)
     attn = layer(cfg, 5, torch.bfloat16)
     calls = []
     real = cpu_native.kda_steps
     monkeypatch.setattr(cpu_native, "kda_steps", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    long = kda.NATIVE_MAX_ROWS + 1
+    long = kda.RECURRENT_MAX_ROWS + 1
     x = torch.randn(long + 3, cfg.hidden_size)
     st = attn.new_state(torch.float32)
     attn(x[:3], [Rows(st, 3, False)], 4)
-    assert calls == [[3]]
-    attn(x[:1], [Rows(st, 1, True)], 4)
     attn(x[:long], [Rows(attn.new_state(torch.float32), long, False)], 4)
-    assert calls == [[3]]
+    assert calls == [[3], [long]]
+    attn(x[:2], [Rows(st, 2, True)], 4)
+    assert calls == [[3], [long]]
     attn(x[:1], [Rows(st, 1, False)], 4)
-    assert calls == [[3], [1]]
+    assert calls == [[3], [long], [1]]
     fresh = attn.new_state(torch.float32)
-    attn(x[:long + 3], [Rows(st, 1, False), Rows(fresh, long, False), Rows(attn.new_state(torch.float32), 2, False)], 4)
-    assert calls == [[3], [1], [1, 2]]
+    attn(x[:long + 3], [Rows(st, 1, False), Rows(fresh, long, True), Rows(attn.new_state(torch.float32), 2, False)], 4)
+    assert calls == [[3], [long], [1], [1, 2]]
 
 
 def test_a_pass_of_decoding_sequences_and_prompt_pieces_equals_each_alone():
