@@ -73,9 +73,8 @@ def test_native_decode_steps_match_the_torch_path(monkeypatch, cfg, small_dtype,
 
 
 def test_native_recurrence_is_taken_where_it_applies(monkeypatch):
-    """Decode steps and prompt pieces of any length take the native call; a sequence that keeps states
-    for a rollback (drafts) takes the torch code, and in a mixed pass the others still take the
-    native call."""
+    """Decode steps, drafts and prompt pieces of any length take one native call a pass; the torch code
+    only where the native call cannot run (here: a state a recorded decode graph updates in place)."""
     cfg = kimi_linear_config(2, 16)
     attn = layer(cfg, 5, torch.bfloat16)
     calls = []
@@ -86,14 +85,47 @@ def test_native_recurrence_is_taken_where_it_applies(monkeypatch):
     st = attn.new_state(torch.float32)
     attn(x[:3], [Rows(st, 3, False)], 4)
     attn(x[:long], [Rows(attn.new_state(torch.float32), long, False)], 4)
-    assert calls == [[3], [long]]
     attn(x[:2], [Rows(st, 2, True)], 4)
-    assert calls == [[3], [long]]
-    attn(x[:1], [Rows(st, 1, False)], 4)
-    assert calls == [[3], [long], [1]]
-    fresh = attn.new_state(torch.float32)
-    attn(x[:long + 3], [Rows(st, 1, False), Rows(fresh, long, True), Rows(attn.new_state(torch.float32), 2, False)], 4)
-    assert calls == [[3], [long], [1], [1, 2]]
+    assert calls == [[3], [long], [2]]
+    odd = attn.new_state(torch.float32)
+    odd.in_place = True
+    attn(x[:long + 3], [Rows(st, 1, False), Rows(odd, long, False), Rows(attn.new_state(torch.float32), 2, True)], 4)
+    assert calls == [[3], [long], [2], [1, 2]]
+
+
+def test_native_draft_pass_rolls_back_like_the_torch_code():
+    """A pass of drafts on the native path, then a rollback to each possible accepted count: the state
+    is the torch path's after the same rollback, and a native pass of only the accepted rows' (within
+    the rounding of torch's products of these float32 weights over 4 rows instead of fewer)."""
+    from deltafin.model.state import _kda_rollback
+    cfg = k3_config()
+    attn = layer(cfg, 13, torch.float32)
+    gen = torch.Generator().manual_seed(14)
+    prompt, drafts = torch.randn(5, cfg.hidden_size, generator=gen), torch.randn(4, cfg.hidden_size, generator=gen)
+
+    def after(native: bool, keep: int):
+        with pytest.MonkeyPatch.context() as m:
+            if not native:
+                torch_path(m)
+            st = attn.new_state(torch.float32)
+            attn(prompt, [Rows(st, 5, False)], 4)
+            attn(drafts, [Rows(st, 4, True)], 4)
+            p = st.pending
+            _kda_rollback(st, keep)
+        return st, p
+    for keep in range(5):
+        want, _ = after(False, keep)
+        got, p = after(True, keep)
+        assert got.pending is None
+        assert (got.S - want.S).abs().max() <= 1e-5 * want.S.abs().max()
+        assert (got.conv - want.conv).abs().max() <= 1e-5 * want.conv.abs().max()
+        st = attn.new_state(torch.float32)  # the accepted rows alone, natively
+        attn(prompt, [Rows(st, 5, False)], 4)
+        if keep:
+            attn(drafts[:keep], [Rows(st, keep, False)], 4)
+        assert (got.S - st.S).abs().max() <= 1e-6 * st.S.abs().max()
+        assert (got.conv - st.conv).abs().max() <= 1e-6 * st.conv.abs().max()
+        assert "native" in p  # the draft pass took the native call
 
 
 def test_a_pass_of_decoding_sequences_and_prompt_pieces_equals_each_alone():

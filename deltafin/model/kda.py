@@ -169,18 +169,31 @@ class KDAttention(Bindable):
     def _native_forward(self, x: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
         """forward() with everything between the projections in one native call for all the
         sequences (cpu_native.kda_steps): the same formulas as the torch code, in another summation
-        order."""
+        order. A sequence that checks drafts keeps what a rollback needs to step its accepted rows
+        again (native_rollback)."""
         c = self.cfg
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
-        b = linear(x, self.b_proj)
+        b = linear(x, self.b_proj).contiguous()
         if c.kda_full_rank_gate:
             r, gate = self._decay_input(x), self._gate(x)
         else:  # the decay's and the gate's low-rank pairs: one native call for both halves of each
             r, gate = products(linears(x, [self.f_a_proj, self.g_a_proj]), [self.f_b_proj, self.g_b_proj])
-        o = cpu_native.kda_steps(xin, [n for _, n, _ in parts], [st.conv for st, _, _ in parts],
-                                 (self.q_conv, self.k_conv, self.v_conv), r.contiguous(), self.dt_bias, self.A_log,
-                                 b.contiguous(), c.kda_gate_lower_bound, gate.contiguous(), self.o_norm,
-                                 c.rms_norm_eps, [st.S for st, _, _ in parts])
+        r = r.contiguous()
+        step = dict(conv_w=(self.q_conv, self.k_conv, self.v_conv), dt_bias=self.dt_bias, a_log=self.A_log,
+                    lower_bound=c.kda_gate_lower_bound, o_norm=self.o_norm, eps=c.rms_norm_eps)
+        counts = [n for _, n, _ in parts]
+        kept = [(i, st.S.clone(), st.conv.clone()) for i, (st, _, keep) in enumerate(parts) if keep]
+        o = cpu_native.kda_steps(xin, counts, [st.conv for st, _, _ in parts], r=r, b=b, gate=gate.contiguous(),
+                                 states=[st.S for st, _, _ in parts], **step)
+        if kept:
+            # The layer's small weights outlive the pass only as copies (a streamed layer's buffers are
+            # reused by the next layers before the drafts are checked).
+            step = {k: tuple(w.clone() for w in v) if k == "conv_w" else v.clone() if torch.is_tensor(v) else v
+                    for k, v in step.items()}
+            first = [sum(counts[:i]) for i in range(len(counts))]
+            for i, S0, conv0 in kept:
+                rows = slice(first[i], first[i] + counts[i])
+                parts[i].state.pending = dict(native=step, S0=S0, conv0=conv0, xin=xin[rows], r=r[rows], b=b[rows])
         return linear(o.view(x.shape[0], -1), self.o_proj)
 
     def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
@@ -227,15 +240,15 @@ class KDAttention(Bindable):
 
 
 def _native_steps(x: torch.Tensor, parts: list[Rows], head_dim: int) -> list[int]:
-    """The pass's sequences that take the native recurrence (cpu_native.kda_steps): those that keep no
-    states for a rollback, with float32 states; none for another dtype or device, without the native
+    """The pass's sequences that take the native recurrence (cpu_native.kda_steps): those with float32
+    states outside a recorded decode graph; none for another dtype or device, without the native
     kernels, or for a head too wide. Long prompt pieces too: stepping token by token with each head's
     S in cache beat torch's chunked form (a 256-token prompt of small-k3: 487 against 959 ms)."""
     if not (x.dtype == torch.float32 and x.device.type == "cpu" and head_dim <= cpu_native.KDA_MAX_HEAD_DIM
             and cpu_native.available()):
         return []
     return [i for i, (st, n, keep) in enumerate(parts)
-            if not keep and not st.in_place and st.S.dtype == torch.float32
+            if not st.in_place and st.S.dtype == torch.float32
             and st.conv.dtype == torch.float32 and st.S.is_contiguous() and st.conv.is_contiguous()]
 
 
@@ -261,3 +274,16 @@ def _groups(parts: list[Rows], device) -> list[tuple]:
             rows = torch.tensor([s + j for s in starts for j in range(n)], dtype=torch.long, device=device)
         out.append((rows, n, states, keep))
     return out
+
+
+def native_rollback(st: KDAState, keep: int) -> None:
+    """Back to the state after the first ``keep`` rows of the last native pass (its pending record):
+    the saved start state stepped over those rows again, the same call on the same inputs as a pass
+    of only those rows, so the same bits."""
+    p = st.pending
+    st.S, st.conv = p["S0"], p["conv0"]
+    if keep:
+        w = p["native"]
+        D = p["r"].shape[1]
+        cpu_native.kda_steps(p["xin"][:keep], [keep], [st.conv], r=p["r"][:keep], b=p["b"][:keep],
+                             gate=torch.zeros(keep, D), states=[st.S], **w)

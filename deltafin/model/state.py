@@ -251,6 +251,11 @@ def _kda_rollback(st: KDAState, keep: int) -> None:
     p = st.pending
     if p is None:
         return
+    if "native" in p:
+        from .kda import native_rollback
+        native_rollback(st, keep)
+        st.pending = None
+        return
     st.S = p["S0"].clone()
     if keep:
         _, st.S = kda_recurrent(p["q"][:keep], p["k"][:keep], p["v"][:keep], p["g"][:keep], p["beta"][:keep], st.S)
