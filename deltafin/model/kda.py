@@ -121,24 +121,11 @@ class KDAttention(Bindable):
 
     def forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         """x: rows of one or more sequences; the projections run over all of them at once, the
-        conv and the recurrence on each sequence's own state: in one native call for the sequences
-        that take it (_native_steps), else stepping sequences of the same length together."""
-        stepped = _native_steps(x, parts, self.cfg.kda_head_dim)
-        if not stepped:
-            return self._torch_forward(x, parts, chunk)
-        if len(stepped) == len(parts):
+        conv and the recurrence on each sequence's own state: in one native call for all of them
+        where it runs (_native_steps), else stepping sequences of the same length together."""
+        if _native_steps(x, parts, self.cfg.kda_head_dim):
             return self._native_forward(x, parts)
-        # A pass that mixes them (a draft check, a long prompt piece): each part on its own rows (a
-        # row's products do not depend on the other rows).
-        starts = [sum(n for _, n, _ in parts[:i]) for i in range(len(parts))]
-        fast = set(stepped)
-        native_rows = torch.tensor([j for i in stepped for j in range(starts[i], starts[i] + parts[i].n)])
-        rest = torch.tensor([j for i, (_, n, _) in enumerate(parts) if i not in fast
-                             for j in range(starts[i], starts[i] + n)])
-        out = torch.empty(x.shape[0], self.cfg.hidden_size, dtype=x.dtype)
-        out[native_rows] = self._native_forward(x[native_rows], [parts[i] for i in stepped])
-        out[rest] = self._torch_forward(x[rest], [p for i, p in enumerate(parts) if i not in fast], chunk)
-        return out
+        return self._torch_forward(x, parts, chunk)
 
     def _torch_forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         c = self.cfg
@@ -239,17 +226,17 @@ class KDAttention(Bindable):
         return o
 
 
-def _native_steps(x: torch.Tensor, parts: list[Rows], head_dim: int) -> list[int]:
-    """The pass's sequences that take the native recurrence (cpu_native.kda_steps): those with float32
-    states outside a recorded decode graph; none for another dtype or device, without the native
-    kernels, or for a head too wide. Long prompt pieces too: stepping token by token with each head's
-    S in cache beat torch's chunked form (a 256-token prompt of small-k3: 487 against 959 ms)."""
+def _native_steps(x: torch.Tensor, parts: list[Rows], head_dim: int) -> bool:
+    """True when the pass's recurrence runs in one native call (cpu_native.kda_steps): float32 rows on
+    the CPU with the native kernels built, a head they take, and every sequence's state float32 and
+    outside a recorded decode graph. Decode steps, draft checks and prompt pieces of any length alike:
+    stepping token by token with each head's S in cache beat torch's chunked form for long prompts
+    too (a 256-token prompt of small-k3: 487 against 959 ms)."""
     if not (x.dtype == torch.float32 and x.device.type == "cpu" and head_dim <= cpu_native.KDA_MAX_HEAD_DIM
             and cpu_native.available()):
-        return []
-    return [i for i, (st, n, keep) in enumerate(parts)
-            if not st.in_place and st.S.dtype == torch.float32
-            and st.conv.dtype == torch.float32 and st.S.is_contiguous() and st.conv.is_contiguous()]
+        return False
+    return all(not st.in_place and st.S.dtype == torch.float32 and st.conv.dtype == torch.float32
+               and st.S.is_contiguous() and st.conv.is_contiguous() for st, _, _ in parts)
 
 
 def _groups(parts: list[Rows], device) -> list[tuple]:
