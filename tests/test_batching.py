@@ -388,6 +388,8 @@ def test_load_tool_reports_a_run(model):
     assert bad.returncode == 2 and "--clients must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
     bad = subprocess.run(tool + ["--join-after", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--join-after must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(tool + ["--warmup", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--warmup must be >= 0" in bad.stderr and "Traceback" not in bad.stderr
     gone = subprocess.run(tool + ["--url", "http://127.0.0.1:9/v1"], capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1 and "cannot reach" in gone.stderr and "Traceback" not in gone.stderr
     settings = dataclasses.replace(model.settings, max_batch=4, prefill_chunk=4)
@@ -395,7 +397,7 @@ def test_load_tool_reports_a_run(model):
         url = f"http://127.0.0.1:{srv.port}/v1"
         run = subprocess.run(tool + ["--url", url, "--clients", "3", "--max-tokens", "4", "--prompt-tokens", "5",
                                      "--join-prompt-tokens", "20", "--join-after", "2", "--requests", "2",
-                                     "--seed", "1"],
+                                     "--seed", "1", "--warmup", "2"],
                              capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout)
@@ -403,7 +405,8 @@ def test_load_tool_reports_a_run(model):
     assert r["clients"] == 3 and 0 < r["completion_tokens"] <= 3 * 2 * 4 and r["errors"] == []
     assert r["ttft"]["n"] == 6 and r["itl"]["n"] > 0 and r["itl"]["p95_ms"] >= r["itl"]["p50_ms"]
     assert r["join"]["prompt_tokens"] == 20 and r["join"]["ttft_s"] > 0
-    # how the server batched the run, from its /metrics: every prompt token fed once
+    # how the server batched the run, from its /metrics: every prompt token fed once, the warm-up's not counted
+    assert r["warmup_requests"] == 2
     b = r["passes"]
     assert b["passes"] > 0 and round(b["prompt_rows_per_pass"] * b["passes"]) == 3 * 2 * 5 + 20
     assert 1 <= b["sequences_per_pass"] <= 4 and b["decoding_per_pass"] <= b["sequences_per_pass"]

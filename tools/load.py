@@ -12,6 +12,10 @@ inter-token latency of the running streams is reported separately for the window
 newcomer's prompt is being read (from its send to its first token) and for the time before
 (``--join-after`` tokens of every running stream).
 
+``--warmup N`` sends N requests from one client before the measured run and leaves them out of every
+figure: a server whose caches start cold (a streamed model's RAM cache) otherwise counts its warm-up as
+the first configuration's speed.
+
 The record also says how the server batched the run (``passes``, from its /metrics before and
 after): the forward passes it ran, the requests they carried on average (all, and those past their
 prompt), their rows, the engine thread's milliseconds per pass in planning, the model, and taking
@@ -138,11 +142,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt token ids are drawn below this (must be inside the model's vocabulary)")
     p.add_argument("--seed", type=int, default=None,
                    help="makes the prompts repeatable (a repeated greedy run is then answered from the memo)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="requests one client sends (other prompts, same lengths) before the measured run, not "
+                        "counted: a server whose RAM cache starts cold otherwise measures its warm-up (default 0)")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
     for name in ("clients", "requests", "prompt_tokens", "max_tokens", "max_token_id", "join_after"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
 
     client = openai.OpenAI(base_url=args.url, api_key="unused", max_retries=0, timeout=3600)
     try:
@@ -150,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     except openai.APIConnectionError as e:
         print(f"load: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
+    warm = random.Random(seed - 2)
+    for i in range(args.warmup):
+        try:
+            run_stream(client, model, _prompt(warm, args.prompt_tokens, args.max_token_id), args.max_tokens,
+                       args.temperature, seed=-1 - i)
+        except Exception as e:
+            print(f"load: the warm-up request failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     streams: list[list[Stream]] = [[] for _ in range(args.clients)]
     errors: list[str] = []
     started = threading.Barrier(args.clients + 1)
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "url": args.url, "model": model, "clients": args.clients, "requests_per_client": args.requests,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": args.temperature,
-        "seed": seed,
+        "seed": seed, "warmup_requests": args.warmup,
         "completion_tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall if wall > 0 else 0.0,
         "ttft": percentiles([s.first - s.sent for s in everything]),
         "itl": percentiles(gaps(everything)),
