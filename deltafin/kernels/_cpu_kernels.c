@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 11
+#define KERNELS_ABI 12
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -1556,6 +1556,128 @@ int kda_steps_f32(int64_t B, const int64_t *first, const int64_t *count, const f
     if (t > B * nh) t = B * nh;
     if (rows * nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* little work: waking a thread costs more */
     run_parallel(run_kda_heads, &st, 0, t < 1 ? 1 : (int)t);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ MLA decode attention */
+
+/* Latent attention of one new query per sequence (mla.py _attend_latent for a decode step), for
+   sequence b and head h:
+     s_j      = (q_lat[b,h] . ckv_b[j] + q_rot[b,h] . krot_b[j]) * scale      for j < len[b]
+     out[b,h] = sum_j softmax(s)_j ckv_b[j]
+   A claim is MLA_HEADS heads of one sequence: they take the cache rows MLA_BLOCK at a time, each
+   block read while it sits in cache (a loop per head would read the whole cache once per head),
+   and the softmax runs online (a running max and sum per head; the sums so far are rescaled when
+   the max grows). Torch ran this as ~8 small ops per sequence and layer. */
+#define MLA_BLOCK 16
+#define MLA_HEADS 8
+
+struct mla_attend {
+    const float *q_lat, *q_rot;        /* [B, nh, r], [B, nh, rope] */
+    const float *const *ckv, *const *krot;  /* B pointers to [len[b], r] and [len[b], rope] */
+    const int64_t *len;
+    float scale;
+    float *out;                        /* [B, nh, r] */
+    int64_t B, nh, r, rope, groups;    /* groups: claims per sequence */
+    int64_t next;                      /* the next claim (atomic) */
+};
+
+/* x . y in 8 independent lanes, added up at the end: vectorizes without reassociating a sum. */
+static inline __attribute__((always_inline)) float mla_dot(const float *x, const float *y, int64_t n) {
+    float lane[8] = {0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int i = 0; i < 8; i++) lane[i] += x[k + i] * y[k + i];
+    for (; k < n; k++) lane[k & 7] += x[k] * y[k];
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+static inline __attribute__((always_inline)) void
+mla_heads(const struct mla_attend *a, int64_t b, int64_t h0, int64_t hn) {
+    const int64_t r = a->r, rope = a->rope, L = a->len[b], nh = a->nh;
+    const float *ckv = a->ckv[b], *krot = a->krot[b];
+    float m[MLA_HEADS], sum[MLA_HEADS], w[MLA_HEADS][MLA_BLOCK];
+    for (int64_t i = 0; i < hn; i++) {
+        m[i] = -INFINITY, sum[i] = 0.0f;
+        float *o = a->out + (b * nh + h0 + i) * r;
+        for (int64_t k = 0; k < r; k++) o[k] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += MLA_BLOCK) {
+        const int64_t jn = L - j0 < MLA_BLOCK ? L - j0 : MLA_BLOCK;
+        for (int64_t i = 0; i < hn; i++) {
+            const float *q = a->q_lat + (b * nh + h0 + i) * r, *qr = a->q_rot + (b * nh + h0 + i) * rope;
+            float top = m[i];
+            for (int64_t jj = 0; jj < jn; jj++) {
+                const int64_t j = j0 + jj;
+                w[i][jj] = (mla_dot(q, ckv + j * r, r) + mla_dot(qr, krot + j * rope, rope)) * a->scale;
+                if (w[i][jj] > top) top = w[i][jj];
+            }
+            float *o = a->out + (b * nh + h0 + i) * r;
+            if (top > m[i]) {  /* a larger max: what was summed so far shrinks by exp(old - new) */
+                const float c = m[i] == -INFINITY ? 0.0f : expf(m[i] - top);
+                sum[i] *= c;
+                for (int64_t k = 0; k < r; k++) o[k] *= c;
+                m[i] = top;
+            }
+            for (int64_t jj = 0; jj < jn; jj++) {
+                const float e = expf(w[i][jj] - m[i]);
+                sum[i] += e;
+                const float *row = ckv + (j0 + jj) * r;
+                for (int64_t k = 0; k < r; k++) o[k] += e * row[k];
+            }
+        }
+    }
+    for (int64_t i = 0; i < hn; i++) {
+        float *o = a->out + (b * nh + h0 + i) * r;
+        const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+        for (int64_t k = 0; k < r; k++) o[k] *= inv;
+    }
+}
+
+static void mla_heads_portable(const struct mla_attend *a, int64_t b, int64_t h0, int64_t hn) {
+    mla_heads(a, b, h0, hn);
+}
+
+#ifdef KERNELS_X86
+static AVX2 void mla_heads_avx2(const struct mla_attend *a, int64_t b, int64_t h0, int64_t hn) {
+    mla_heads(a, b, h0, hn);  /* the same loops, compiled 8 lanes wide */
+}
+#endif
+
+static void *run_mla_attend(void *arg) {
+    struct mla_attend *a = (struct mla_attend *)arg;
+    void (*heads)(const struct mla_attend *, int64_t, int64_t, int64_t) = mla_heads_portable;
+#ifdef KERNELS_X86
+    if (have_avx2()) heads = mla_heads_avx2;
+#endif
+    for (;;) {
+        const int64_t c = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
+        if (c >= a->B * a->groups) break;
+        const int64_t b = c / a->groups, h0 = (c % a->groups) * MLA_HEADS;
+        heads(a, b, h0, a->nh - h0 < MLA_HEADS ? a->nh - h0 : MLA_HEADS);
+    }
+    return NULL;
+}
+
+/* The attention above for B decoding sequences of one layer in one call; claims (one sequence, up
+   to MLA_HEADS heads) go to up to `threads` threads as they come free, each one thread's work from
+   start to end, so a sequence's result depends neither on the split nor on the other sequences.
+   Returns 0, or -1 for a negative length. */
+int mla_decode_attend_f32(int64_t B, const float *q_lat, const float *q_rot, const float *const *ckv,
+                          const float *const *krot, const int64_t *len, float scale, float *out, int64_t nh,
+                          int64_t r, int64_t rope, int threads) {
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (len[b] < 0) return -1;
+        work += len[b];
+    }
+    struct mla_attend a = {.q_lat = q_lat, .q_rot = q_rot, .ckv = ckv, .krot = krot, .len = len, .scale = scale,
+                           .out = out, .B = B, .nh = nh, .r = r, .rope = rope,
+                           .groups = (nh + MLA_HEADS - 1) / MLA_HEADS, .next = 0};
+    int64_t t = threads;
+    if (t > B * a.groups) t = B * a.groups;
+    if (work * nh * (r + rope) < MIN_WEIGHTS_PER_THREAD) t = 1;  /* little work: waking a thread costs more */
+    run_parallel(run_mla_attend, &a, 0, t < 1 ? 1 : (int)t);
     return 0;
 }
 

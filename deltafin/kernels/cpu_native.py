@@ -31,7 +31,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 11
+ABI = 12
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -87,6 +87,8 @@ def _library() -> ctypes.CDLL | None:
         lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
                                       _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
         lib.kda_steps_f32.restype = _int
+        lib.mla_decode_attend_f32.argtypes = [_i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _i64, _i64, _i64, _int]
+        lib.mla_decode_attend_f32.restype = _int
         lib.read_memory.argtypes = [_p, _p, _i64, _int, _p]
         lib.read_memory.restype = _int
     except (OSError, AttributeError):
@@ -498,6 +500,41 @@ def _f32_state(t: torch.Tensor, shape: tuple, name: str) -> None:
     if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
         raise ValueError(f"KDA step: {name} must be a contiguous float32 CPU tensor of shape {list(shape)}, "
                          f"got {t.dtype} {list(t.shape)}")
+
+
+def mla_decode_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, ckvs: list[torch.Tensor], krots: list[torch.Tensor],
+                      scale: float, threads: int | None = None) -> torch.Tensor:
+    """Latent attention of one new query per sequence over its own cache, B sequences of one MLA layer
+    in one native call (mla_decode_attend_f32 in _cpu_kernels.c; mla.py's _attend_latent is the
+    reference). q_lat float32 [B, nh, r]: each query with W_k absorbed; q_rot float32 [B, nh, rope];
+    ckvs[b] float32 [L_b, r] and krots[b] float32 [L_b, rope]: sequence b's cache, its new row included.
+    Returns the attended latents float32 [B, nh, r]; a sequence's row does not depend on the others."""
+    lib = _lib_or_raise()
+    B = len(ckvs)
+    if B == 0 or len(krots) != B:
+        raise ValueError(f"MLA attention: needs one rope-key cache per latent cache, got {len(krots)} and {B}")
+    for t, name in ((q_lat, "q_lat"), (q_rot, "q_rot")):
+        if t.dim() != 3 or t.shape[0] != B or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(f"MLA attention: {name} must be a contiguous float32 CPU tensor [{B}, heads, width], "
+                             f"got {t.dtype} {list(t.shape)}")
+    nh, r, rope = q_lat.shape[1], q_lat.shape[2], q_rot.shape[2]
+    if q_rot.shape[1] != nh:
+        raise ValueError(f"MLA attention: q_rot has {q_rot.shape[1]} heads, q_lat {nh}")
+    for ckv, krot in zip(ckvs, krots):
+        if (ckv.dim() != 2 or krot.dim() != 2 or ckv.shape[1] != r or krot.shape[1] != rope
+                or ckv.shape[0] != krot.shape[0]):
+            raise ValueError(f"MLA attention: a cache must be [L, {r}] and [L, {rope}], got {list(ckv.shape)} and "
+                             f"{list(krot.shape)}")
+        for t in (ckv, krot):
+            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"MLA attention: a cache must be a contiguous float32 CPU tensor, got {t.dtype}")
+    out = torch.empty(B, nh, r, dtype=torch.float32)
+    rc = lib.mla_decode_attend_f32(B, q_lat.data_ptr(), q_rot.data_ptr(), (_p * B)(*(t.data_ptr() for t in ckvs)),
+                                   (_p * B)(*(t.data_ptr() for t in krots)), (_i64 * B)(*(t.shape[0] for t in ckvs)),
+                                   float(scale), out.data_ptr(), nh, r, rope, _threads(threads))
+    if rc != 0:
+        raise RuntimeError(f"MLA attention failed with code {rc}")
+    return out
 
 
 def read_memory(tensors: list[torch.Tensor], threads: int | None = None) -> int:

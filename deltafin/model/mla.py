@@ -66,19 +66,27 @@ class MLAttention(Bindable):
         every = len(latent_rows) == T
         if latent_rows:
             q_lat = kv_b.absorb_query(q[:, :, :nope] if every else q[latent_rows, :, :nope])  # [nh, R, r]
-        pieces, lats, at = [], [], 0
-        for (st, n, _), s, e in zip(parts, starts, expand):  # MLA rolls back by length: nothing extra to keep
-            rows = slice(s, s + n)
-            st.append(ckv_new[rows], kv[rows, r:])
-            if e:
-                pieces.append(self._attend_expanded(q[rows, :, :nope], q[rows, :, nope:], st, kv_b))
-            else:
-                lats.append(self._attend_latent(q_lat[:, at:at + n], q[rows, :, nope:], st))
-                pieces.append(None)
-                at += n
-        if lats:
-            values = iter(kv_b.absorb_value(torch.cat(lats, dim=1) if len(lats) > 1 else lats[0])
-                          .split([lat.shape[1] for lat in lats]))  # W_v on the way out
+        for (st, n, _), s in zip(parts, starts):  # MLA rolls back by length: nothing extra to keep
+            st.append(ckv_new[s:s + n], kv[s:s + n, r:])
+        if not any(expand) and _native_attend_applies(x, parts, nh * (r + rope)):
+            # Every sequence decodes one token: the attention of all of them in one native call.
+            lat = cpu_native.mla_decode_attend(q_lat.transpose(0, 1).contiguous(), q[:, :, nope:].contiguous(),
+                                               *zip(*(st.view() for st, _, _ in parts)), self.scale)
+            pieces, latent, sizes = [None] * len(parts), lat.transpose(0, 1), [1] * len(parts)
+        else:
+            pieces, lats, at = [], [], 0
+            for (st, n, _), s, e in zip(parts, starts, expand):
+                rows = slice(s, s + n)
+                if e:
+                    pieces.append(self._attend_expanded(q[rows, :, :nope], q[rows, :, nope:], st, kv_b))
+                else:
+                    lats.append(self._attend_latent(q_lat[:, at:at + n], q[rows, :, nope:], st))
+                    pieces.append(None)
+                    at += n
+            latent = (torch.cat(lats, dim=1) if len(lats) > 1 else lats[0]) if lats else None
+            sizes = [lat.shape[1] for lat in lats]
+        if latent is not None:
+            values = iter(kv_b.absorb_value(latent).split(sizes))  # W_v on the way out
             pieces = [next(values) if p is None else p for p in pieces]
         out = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).reshape(T, nh * dv)
         if c.mla_output_gate:
@@ -116,6 +124,24 @@ class MLAttention(Bindable):
                   + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_lat.dtype)
         return torch.einsum("htn,nr->htr", probs, ckv)
+
+
+# The native decode attention takes a pass while no sequence's cache is larger than this many
+# multiply-adds per score pass (heads x cached tokens x (kv_lora_rank + rope)): below it, torch's ~8
+# small ops per sequence cost more than the attention itself; above it, torch's matrix products are
+# faster than the native loops (one sequence, 2 threads: small-k3's 4 heads of 128 at 512 cached
+# tokens 0.09 against 0.25 ms, at 8192 0.97 against 1.07; K3's 64 heads of 512 at 64 tokens 0.28
+# against 0.30, at 512 1.73 against 0.99, at 8192 29 against 12.6).
+NATIVE_ATTEND_MAX_WORK = 1 << 22
+
+
+def _native_attend_applies(x: torch.Tensor, parts: list[Rows], width: int) -> bool:
+    """True when every sequence of the pass decodes one token into a float32 CPU cache outside a
+    recorded decode graph, none larger than NATIVE_ATTEND_MAX_WORK for ``width`` = heads x (kv_lora_rank
+    + rope), with the native kernels built (cpu_native.mla_decode_attend)."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and cpu_native.available()
+            and all(n == 1 and st.at is None and st.ckv.dtype == torch.float32
+                    and st.length * width <= NATIVE_ATTEND_MAX_WORK for st, n, _ in parts))
 
 
 class KvB:
