@@ -81,6 +81,12 @@ GATHER_SHARE = 0.05
 # is shorter than eight clients take to send together, so the first pass carried two of them and the
 # others' prompts then trickled in beside the running streams a few rows a pass.
 GATHER_MIN_SECONDS = 0.02
+# While requests keep coming, each arrival extends the wait to GATHER_MIN_SECONDS after it, up to
+# this long (or the share above, when longer): eight clients of one load generator reached the
+# engine over more than 20 ms (6 of 8 were there after 20 ms), and the two late ones then ran a pass
+# behind the others for the rest of the run (72-74 passes for 64 passes' tokens). A lone request
+# still waits GATHER_MIN_SECONDS.
+GATHER_MAX_SECONDS = 0.1
 # Weight of the newest pass in the running mean of pass seconds per row count.
 COST_SMOOTHING = 0.3
 
@@ -147,6 +153,15 @@ class PassCosts:
             if self.estimate(rows) > limit:
                 return rows - 1
         return top
+
+
+def gather_deadline(start: float, last_arrival: float, pace: float) -> float:
+    """When an idle engine that began gathering at ``start`` stops waiting, the latest request having
+    come at ``last_arrival``, for passes of ``pace`` seconds: GATHER_SHARE of a pass (at least
+    GATHER_MIN_SECONDS) after the start, or GATHER_MIN_SECONDS after the latest arrival when that is
+    later, but no later than GATHER_MAX_SECONDS (or that share, when longer) after the start."""
+    base = max(GATHER_SHARE * pace, GATHER_MIN_SECONDS)
+    return min(start + max(base, GATHER_MAX_SECONDS), max(start + base, last_arrival + GATHER_MIN_SECONDS))
 
 
 def draft_limits(stats: list[dict], draft_lens: list[int], share: int, room: int) -> list[int]:
@@ -275,15 +290,18 @@ class Scheduler:
                 r.future.set_exception(RuntimeError("the server is shutting down"))
 
     def _gather(self) -> None:
-        """The engine was idle and requests have come (lock held): wait up to GATHER_SHARE of a
-        pass (at least GATHER_MIN_SECONDS) for others arriving with them, or until a whole batch is
-        here."""
+        """The engine was idle and requests have come (lock held): wait for others arriving with them
+        (gather_deadline), or until a whole batch is here."""
         pace = self.costs.estimate(1)
         if pace is None:
             return
-        deadline = time.monotonic() + max(GATHER_SHARE * pace, GATHER_MIN_SECONDS)
+        start = last = time.monotonic()
+        seen = len(self._waiting)
         while not self._closed and len(self._waiting) < self.max_batch:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if len(self._waiting) > seen:
+                seen, last = len(self._waiting), now
+            left = gather_deadline(start, last, pace) - now
             if left <= 0:
                 return
             self._cond.wait(left)

@@ -270,6 +270,20 @@ def test_draft_limits_follow_each_sequences_accepted_drafts():
     assert draft_limits([good], [4], 0, -1) == [0]
 
 
+def test_an_idle_engine_gathers_while_requests_keep_coming():
+    from deltafin.scheduler import GATHER_MAX_SECONDS, GATHER_MIN_SECONDS, GATHER_SHARE, gather_deadline
+    fast = 0.02  # a 20 ms pass: its share is shorter than the minimum
+    assert gather_deadline(10.0, 10.0, fast) == pytest.approx(10.0 + GATHER_MIN_SECONDS)  # a lone request
+    # each arrival extends the wait to GATHER_MIN_SECONDS after it ...
+    assert gather_deadline(10.0, 10.015, fast) == pytest.approx(10.015 + GATHER_MIN_SECONDS)
+    # ... up to GATHER_MAX_SECONDS after the start
+    assert gather_deadline(10.0, 10.095, fast) == pytest.approx(10.0 + GATHER_MAX_SECONDS)
+    slow = 4.0  # a streamed pass of seconds: its share is the wait, arrivals inside it change nothing
+    assert gather_deadline(10.0, 10.0, slow) == pytest.approx(10.0 + GATHER_SHARE * slow)
+    assert gather_deadline(10.0, 10.15, slow) == pytest.approx(10.0 + GATHER_SHARE * slow)
+    assert gather_deadline(10.0, 10.195, slow) == pytest.approx(10.0 + GATHER_SHARE * slow)
+
+
 def test_requests_sent_together_to_an_idle_engine_start_in_one_pass(model, alone):
     widest = _Widest(model)
     sched = Scheduler(widest, 2, PREFILL_CHUNK)
