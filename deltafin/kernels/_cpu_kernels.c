@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 12
+#define KERNELS_ABI 13
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -1392,7 +1392,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
 
-/* ------------------------------------------------------------------ KDA decode step */
+/* ------------------------------------------------------------------ KDA recurrence */
 
 /* One step of a KDA layer for one token of one sequence, one head (kda.py: causal_conv, the q/k normalization,
    decay and beta, kda_recurrent, the output norm and gate), per head h, in float32:
@@ -1409,7 +1409,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
 
 struct kda_step {
     const float *xin;           /* [T, 3, D] the pre-conv q, k, v inputs of every row */
-    const int64_t *first, *count;  /* sequence i's rows: first[i] .. first[i] + count[i] - 1, in order */
+    const int64_t *offsets;     /* sequence i's rows: offsets[i] .. offsets[i + 1] - 1, in order */
     float *const *conv;         /* B pointers to [3, K-1, D]: each sequence's last K-1 inputs (updated) */
     const void *conv_w[3];      /* [D, K] each */
     const float *r, *b, *gate;  /* [T, D] decay inputs (before dt_bias), [T, nh] beta logits, [T, D] gates */
@@ -1524,29 +1524,27 @@ static void *run_kda_heads(void *arg) {
         if (i >= st->B * st->nh) break;
         const int64_t seq = i / st->nh, h = i % st->nh;
         /* one head of one sequence, its rows in order: that head's S stays in cache between them */
-        for (int64_t t = 0; t < st->count[seq]; t++) kda_step_row(st, seq, st->first[seq] + t, h, head);
+        for (int64_t row = st->offsets[seq]; row < st->offsets[seq + 1]; row++) kda_step_row(st, seq, row, h, head);
     }
     return NULL;
 }
 
-/* The step above for every row of B sequences of one layer, each sequence's rows in order (a pass
-   of decoding sequences and short prompt pieces: one call a layer, not one per sequence or token);
+/* The step above for every row of B sequences of one layer, each sequence's rows in order (decode
+   steps, draft checks and prompt pieces alike: one call a layer, not one per sequence or token);
    the (sequence, head) pairs are claimed by up to `threads` threads as they come free (one thread
    when the work is small). Each pair is one thread's work from start to end, so a sequence's result
    depends neither on the split nor on the other sequences. Returns 0, or -1 when d exceeds
-   KDA_MAX_D or a count is negative. */
-int kda_steps_f32(int64_t B, const int64_t *first, const int64_t *count, const float *xin, float *const *conv,
+   KDA_MAX_D or the B + 1 offsets do not start at 0 and grow. */
+int kda_steps_f32(int64_t B, const int64_t *offsets, const float *xin, float *const *conv,
                   const void *const *conv_w, int conv_bf16, const float *r, const void *dt_bias, int dt_bf16,
                   const void *a_log, int a_bf16, const float *b, int bounded, float lower_bound, const float *gate,
                   const void *o_norm, int norm_bf16, float eps, float *const *S, float *o, int64_t nh, int64_t d,
                   int64_t K, int threads) {
-    if (d > KDA_MAX_D || d < 1 || K < 1 || B < 0) return -1;
-    int64_t rows = 0;
-    for (int64_t i = 0; i < B; i++) {
-        if (count[i] < 0 || first[i] < 0) return -1;
-        rows += count[i];
-    }
-    struct kda_step st = {.xin = xin, .first = first, .count = count, .conv = conv,
+    if (d > KDA_MAX_D || d < 1 || K < 1 || B < 0 || offsets[0] != 0) return -1;
+    for (int64_t i = 0; i < B; i++)
+        if (offsets[i + 1] < offsets[i]) return -1;
+    const int64_t rows = offsets[B];
+    struct kda_step st = {.xin = xin, .offsets = offsets, .conv = conv,
                           .conv_w = {conv_w[0], conv_w[1], conv_w[2]}, .r = r, .b = b,
                           .gate = gate, .dt_bias = dt_bias, .a_log = a_log, .o_norm = o_norm,
                           .conv_bf16 = conv_bf16, .dt_bf16 = dt_bf16, .a_bf16 = a_bf16, .norm_bf16 = norm_bf16,

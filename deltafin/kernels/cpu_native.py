@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from itertools import accumulate
 import functools
 import importlib.util
 import warnings
@@ -31,7 +32,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 12
+ABI = 13
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -84,7 +85,7 @@ def _library() -> ctypes.CDLL | None:
         for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
             items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _int, _int]
             items.restype = _int
-        lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
+        lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
                                       _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
         lib.kda_steps_f32.restype = _int
         lib.mla_decode_attend_f32.argtypes = [_i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _i64, _i64, _i64, _int]
@@ -480,12 +481,9 @@ def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
     kinds = {_f32_or_bf16(w, (D, K), "conv weight") for w in conv_w}
     if len(kinds) != 1:
         raise ValueError("KDA step: the three conv weights must have one dtype")
-    first = [0] * B
-    for i in range(1, B):
-        first[i] = first[i - 1] + counts[i - 1]
     o = torch.empty(T, nh, d, dtype=torch.float32)
     rc = lib.kda_steps_f32(
-        B, (_i64 * B)(*first), (_i64 * B)(*counts), xin.data_ptr(), (_p * B)(*(c.data_ptr() for c in convs)),
+        B, (_i64 * (B + 1))(*accumulate(counts, initial=0)), xin.data_ptr(), (_p * B)(*(c.data_ptr() for c in convs)),
         (_p * 3)(*(w.data_ptr() for w in conv_w)), kinds.pop(), r.data_ptr(), dt_bias.data_ptr(),
         _f32_or_bf16(dt_bias, (D,), "dt_bias"), a_log.data_ptr(), _f32_or_bf16(a_log, (nh,), "A_log"), b.data_ptr(),
         int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(),

@@ -17,6 +17,8 @@ experts' shape (Kimi Linear) can ride along in the same two calls (``routed_and_
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from . import cpu_native
@@ -93,13 +95,6 @@ def _is_mxfp4(w) -> bool:
     return isinstance(w, QWeight) and w.codec == "mxfp4" and w.device.type == "cpu"
 
 
-def _starts(counts: list[int]) -> list[int]:
-    starts = [0] * len(counts)
-    for i in range(1, len(counts)):
-        starts[i] = starts[i - 1] + counts[i - 1]
-    return starts
-
-
 def _mxfp4_pairs(glu, x: torch.Tensor, w: list, counts: list[int]) -> torch.Tensor:
     """Every pair's expert output [P, H] for MXFP4 experts (pairs grouped by expert, counts each).
     An expert with more rows than one item takes (a batch of prompt pieces) is several items of at
@@ -109,7 +104,7 @@ def _mxfp4_pairs(glu, x: torch.Tensor, w: list, counts: list[int]) -> torch.Tens
         step = cpu_native.GEMV_MAX_ROWS
         w, counts = zip(*[(ws, min(step, n - s)) for ws, n in zip(w, counts) for s in range(0, n, step)])
         w, counts = list(w), list(counts)
-    P, starts = x.shape[0], _starts(counts)
+    P, starts = x.shape[0], list(accumulate(counts[:-1], initial=0))
     gate_up = cpu_native.mxfp4_gemv_items(
         x, [_parts(w1) for w1, _, _ in w] + [_parts(w3) for _, w3, _ in w],
         starts + starts, starts + [P + s for s in starts], counts + counts, 2 * P)

@@ -5,6 +5,8 @@ Decode uses that recurrence step by step; prefill uses the equivalent chunked fo
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
@@ -177,9 +179,9 @@ class KDAttention(Bindable):
             # reused by the next layers before the drafts are checked).
             step = {k: tuple(w.clone() for w in v) if k == "conv_w" else v.clone() if torch.is_tensor(v) else v
                     for k, v in step.items()}
-            first = [sum(counts[:i]) for i in range(len(counts))]
+            first = list(accumulate(counts, initial=0))
             for i, S0, conv0 in kept:
-                rows = slice(first[i], first[i] + counts[i])
+                rows = slice(first[i], first[i + 1])
                 parts[i].state.pending = dict(native=step, S0=S0, conv0=conv0, xin=xin[rows], r=r[rows], b=b[rows])
         return linear(o.view(x.shape[0], -1), self.o_proj)
 

@@ -7,6 +7,8 @@ so keys and values are never expanded. Prefill of a fresh sequence expands them 
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from ..kernels import cpu_native
@@ -61,7 +63,7 @@ class MLAttention(Bindable):
         # the latent form, whose W_k and W_v products run once for all of them (two native calls a
         # layer, not two per sequence).
         expand = [st.at is None and st.length == 0 and n > 1 for st, n, _ in parts]
-        starts = [sum(n for _, n, _ in parts[:i]) for i in range(len(parts))]
+        starts = list(accumulate((n for _, n, _ in parts[:-1]), initial=0))
         latent_rows = [j for (st, n, _), s, e in zip(parts, starts, expand) if not e for j in range(s, s + n)]
         every = len(latent_rows) == T
         if latent_rows:
