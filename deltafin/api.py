@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine
+from .runtime.engine import Engine
+from .checkpoint.sizes import model_bytes
 from .errors import DeltafinError
+from .io.sources import open_source
 from .model.state import DecodeState
 from .settings import Settings
 from .tokenizer import load_tokenizer
@@ -19,31 +21,9 @@ class NoTokenizerError(DeltafinError):
     pass
 
 
-def open_source(path: str | Path, spine: str = "auto", settings: Settings | None = None):
-    """A weight source for a converted store, a Hugging Face checkpoint folder, or a hub repository
-    id ("owner/name", when no such local folder exists), which is fetched lazily as it is used."""
-    p = Path(path)
-    if not p.exists():
-        from .io.hub import HubSource, is_repo_id
-        if not is_repo_id(str(path)):
-            raise FileNotFoundError(f"{path}: no such checkpoint folder or store (nor a hub id owner/name)")
-        if spine not in ("auto", "bf16"):
-            raise ValueError(f"{path}: spine {spine!r} needs a converted store; a hub repository is read as published")
-        return HubSource(str(path), settings or Settings.resolve())
-    from .checkpoint.source import HFSource
-    if (p / "deltafin-store.json").exists():
-        from .checkpoint.store import StoreSource
-        return StoreSource(p, spine=spine)
-    if spine not in ("auto", "bf16"):
-        from .checkpoint.store import convert_command
-        raise ValueError(f"{p}: spine {spine!r} needs a converted store; this is a Hugging Face folder "
-                         f"(make one with: {convert_command(p, 'STORE', spine)})")
-    return HFSource(p)
-
-
 def _with_generation_eos(cfg, path: Path):
     """Chat models end turns with tokens listed only in generation_config.json: stop on those too."""
-    from .checkpoint.files import read_json
+    from .files import read_json
     file = path / "generation_config.json"
     if not file.exists():
         return cfg
@@ -83,7 +63,6 @@ def _want_stream(settings: Settings, source) -> bool:
     if source.kind == "hub":  # in RAM would mean fetching every expert up front
         return True
     import psutil
-    from .inspect import model_bytes
     from .io.memory import read_memory
     available = psutil.virtual_memory().available
     inside = read_memory()
@@ -143,7 +122,7 @@ class Model:
     @functools.cached_property
     def identity(self) -> dict:
         """What a saved decode state must match to be reused here (see saved_state)."""
-        from .saved_state import model_identity
+        from .runtime.saved_state import model_identity
         return model_identity(self.source, self.settings.dtype)
 
     # -- text ------------------------------------------------------------------------------
@@ -169,7 +148,7 @@ class Model:
     def generate(self, token_ids, max_new_tokens=None, speculate=None, temperature=0.0, top_p=1.0, top_k=0,
                  seed=None, stop=None, on_token=None) -> list[int]:
         """Greedy by default; returns the new token ids. Statistics land in last_generation_stats."""
-        from .generate import generate
+        from .runtime.generate import generate
         g = generate(self, list(token_ids), max_new_tokens, speculate=speculate, temperature=temperature,
                      top_p=top_p, top_k=top_k, seed=seed, stop=stop, on_token=on_token)
         self.last_generation_stats = dict(g.stats, finish_reason=g.finish_reason)

@@ -56,7 +56,7 @@ from pathlib import Path
 from .checkpoint import expert_codec
 from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
 from .profile import SOURCES, PassRecorder, summarize
-from .scheduler import PASS_ROWS
+from .runtime.scheduler import PASS_ROWS
 from .settings import Settings, add_arguments, from_args
 
 GB = 1e9
@@ -138,7 +138,7 @@ def measure_ram_read(model, threads: int, seed: int = 0, passes: int = 3) -> dic
     """How fast `threads` threads read, where they lie, the weights one decode token of a resident
     CPU model reads: every spine, ``experts_per_token`` random experts per MoE layer and every global
     but the embedding (of which a token reads one row). Best of `passes` reads, each one native call."""
-    from .engine import PassStats
+    from .runtime.pass_stats import PassStats
     from .kernels import cpu_native
     provider, cfg = model.engine.provider, model.config
     rng = random.Random(seed)
@@ -490,7 +490,7 @@ def _decode(rec: PassRecorder, prompts: list[list[int]], tokens: int, piece: int
     """Greedy decoding of `tokens` tokens per prompt, without speculation and without stopping at
     EOS; the prompts run together, `piece` tokens of each per prefill pass (all at once when None),
     then one token of each per pass."""
-    from .generate import Decoding
+    from .runtime.generate import Decoding
     runs = [Decoding(rec, p, tokens, speculate=False, eos_token_ids=[]) for p in prompts]
     while not runs[0].done:  # all of them end together
         for d, logits in zip(runs, rec.forward_batch([d.next_pass(max_prompt=piece) for d in runs])):

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .generate import Generation, generate
+from .runtime.generate import Generation, generate
 from .model.state import DecodeState, StateFileError
 
 HELP = """commands:
@@ -111,11 +111,11 @@ class Conversation:
         return g
 
     def save(self, path) -> None:
-        from .saved_state import save_state
+        from .runtime.saved_state import save_state
         save_state(self.model, path, self.held, self.state, extra={"messages": self.messages})
 
     def load(self, path) -> None:
-        from .saved_state import load_state
+        from .runtime.saved_state import load_state
         ids, state, meta = load_state(self.model, path)
         messages = meta.get("messages")
         if (not isinstance(messages, list)
@@ -255,8 +255,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     import deltafin
-    from .cli import default_model_path, read_text_arg, startup_message
-    from .saved_state import restore_or_build
+    from .startup import default_model_path, read_text_arg, startup_message
+    from .runtime.saved_state import restore_or_build
     from .settings import from_args
 
     settings = from_args(args)

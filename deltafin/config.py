@@ -148,7 +148,7 @@ def _obj(d: dict, key: str, where: str) -> dict:
 
 def load_config(path: str | Path) -> ModelConfig:
     """Read config.json from a checkpoint folder (or the file itself)."""
-    from .checkpoint.files import CheckpointError, read_json
+    from .files import CheckpointError, read_json
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():

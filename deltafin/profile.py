@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .engine import PassStats
+from .runtime.pass_stats import PassStats
 
 MB = 1e6
 

@@ -58,7 +58,7 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", 
 
 def load_tokenizer(path: Path):
     """The folder's tokenizer: tiktoken.model (Kimi) or tokenizer.json; None when it has neither."""
-    from .checkpoint.files import confine, regular_size
+    from .files import confine, regular_size
     for name in TOKENIZER_FILES:  # a FIFO here would block the loader for ever
         if os.path.lexists(path / name):
             regular_size(confine(path, name, f"{path}: tokenizer file"))

@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-from deltafin.engine import Seq
-from deltafin.generate import generate
-from deltafin.scheduler import (ACCEPTED_DRAFTS, COST_SMOOTHING, MAX_PASS_ROWS, PASS_ROWS, PassCosts, Scheduler,
+from deltafin.runtime.engine import Seq
+from deltafin.runtime.generate import generate
+from deltafin.runtime.scheduler import (ACCEPTED_DRAFTS, COST_SMOOTHING, MAX_PASS_ROWS, PASS_ROWS, PassCosts, Scheduler,
                                 draft_limits)
-from deltafin.serve import create_app
+from deltafin.serve.app import create_app
 
 ROUNDING = 1e-4  # fp32 logits of magnitude ~10: a few ulps of accumulated rounding
 
@@ -271,7 +271,7 @@ def test_draft_limits_follow_each_sequences_accepted_drafts():
 
 
 def test_an_idle_engine_gathers_while_requests_keep_coming():
-    from deltafin.scheduler import GATHER_MAX_SECONDS, GATHER_MIN_SECONDS, GATHER_SHARE, gather_deadline
+    from deltafin.runtime.scheduler import GATHER_MAX_SECONDS, GATHER_MIN_SECONDS, GATHER_SHARE, gather_deadline
     fast = 0.02  # a 20 ms pass: its share is shorter than the minimum
     assert gather_deadline(10.0, 10.0, fast) == pytest.approx(10.0 + GATHER_MIN_SECONDS)  # a lone request
     # each arrival extends the wait to GATHER_MIN_SECONDS after it ...

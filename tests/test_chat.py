@@ -18,7 +18,7 @@ import torch
 import deltafin
 from deltafin.chat import Conversation, fixed_prefix, repl
 from deltafin.cli import main
-from deltafin.generate import generate
+from deltafin.runtime.generate import generate
 from conftest import KL_CODE_TINY as CODE_TINY
 
 STATE_TOL = 1e-4
@@ -117,7 +117,7 @@ def test_save_load_reset_and_bad_files(k3, tiny_kl_path, tmp_path):
     other = Conversation(kl)
     other.ask("Hi")
     other.save(tmp_path / "kl.state")
-    from deltafin.saved_state import save_state
+    from deltafin.runtime.saved_state import save_state
     save_state(k3, tmp_path / "plain.state", conv.held, conv.state)  # a state, but no conversation
     out, err = io.StringIO(), io.StringIO()
     lines = (f"/save {tmp_path / 'c.state'}\n/reset\n/stats\n/load {tmp_path / 'c.state'}\n/load {garbage}\n"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import deltafin
-from deltafin import decode_graph
-from deltafin.decode_graph import DecodeGraphs
+from deltafin.runtime import decode_graph
+from deltafin.runtime.decode_graph import DecodeGraphs
 from deltafin.settings import Settings, SettingsError
 
 PROMPT = [11, 42, 7, 300, 5, 99]
@@ -134,7 +134,7 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_logits_stay_on_the_device_when_asked(tiny_k3_path):
-    from deltafin.engine import Seq
+    from deltafin.runtime.engine import Seq
     m = deltafin.load(tiny_k3_path, device="cuda", stream="off", dtype="float32")
     on_host, on_device = m.new_state(), m.new_state()
     kept = []

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import deltafin
-from deltafin.api import open_source
-from deltafin.engine import Engine
+from deltafin.io.sources import open_source
+from deltafin.runtime.engine import Engine
 from deltafin.io.device import DeviceProvider
 from deltafin.io.placement import ExpertSlots, ModelSizes, PlacementError, plan, require_everything
 from deltafin.io.ram import RAMProvider
@@ -140,6 +140,11 @@ def _routed(gen, E, H, T, k):
     return ids, torch.rand(T, k, generator=gen), torch.randn(T, H, generator=gen), cfgs
 
 
+def _glu(cfg):
+    from deltafin.model.moe import glu
+    return lambda g, u: glu(cfg, g, u)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_grouped_kernels_match_reference():
     from deltafin.kernels import grouped
@@ -150,10 +155,10 @@ def test_cuda_grouped_kernels_match_reference():
     stack = grouped.ExpertStack.from_experts(experts)
     ids, w, z, cfgs = _routed(gen, E, H, T, k)
     for cfg in cfgs:
-        want = grouped.grouped_mlp(cfg, z, ids, w, stack)
+        want = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
         dev = grouped.ExpertStack(stack.w13.cuda().bfloat16().float(), stack.w2.cuda().bfloat16().float())
-        got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev).cpu()
-        ref = grouped.grouped_mlp(cfg, z, ids, w, grouped.ExpertStack(dev.w13.cpu(), dev.w2.cpu()))
+        got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev, _glu(cfg)).cpu()
+        ref = grouped.grouped_mlp(cfg, z, ids, w, grouped.ExpertStack(dev.w13.cpu(), dev.w2.cpu()), _glu(cfg))
         assert want.shape == got.shape
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
@@ -172,8 +177,8 @@ def test_cuda_grouped_mxfp4_kernels_match_reference():
                                                    stack.w2_scale)))
     ids, w, z, cfgs = _routed(gen, E, H, T, k)
     for cfg in cfgs:
-        ref = grouped.grouped_mlp(cfg, z, ids, w, stack)
-        got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev).cpu()
+        ref = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
+        got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev, _glu(cfg)).cpu()
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
 

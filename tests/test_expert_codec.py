@@ -212,7 +212,8 @@ def test_an_unfinished_conversion_resumes_only_with_the_same_experts(tiny_kl_pat
 
 
 def test_inspect_and_start_up_line_say_what_the_experts_are(kl_stores, tiny_kl_path, tiny_k3_path, capsys):
-    from deltafin.cli import main, startup_message
+    from deltafin.cli import main
+    from deltafin.startup import startup_message
     assert main(["inspect", str(kl_stores["int4"]), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["expert_codec"] == "int4"

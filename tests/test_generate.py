@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from deltafin.generate import NgramDrafter, generate
+from deltafin.runtime.generate import NgramDrafter, generate
 
 STATE_TOL = 1e-4
 MAX_NEW = 24

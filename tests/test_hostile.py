@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 import deltafin
-from deltafin.generate import generate
-from deltafin.serve import create_app
+from deltafin.runtime.generate import generate
+from deltafin.serve.app import create_app
 from test_serve import RunningServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -572,7 +572,7 @@ def test_debug_shows_the_traceback(ckpt, capsys):
 # excludes the code under test in this same process exactly as another process would.
 
 def test_second_convert_into_one_destination_is_refused(tiny_k3_path, tmp_path, capsys):
-    from deltafin.checkpoint.files import writer_lock
+    from deltafin.files import writer_lock
     dst = tmp_path / "dst"
     with writer_lock(dst, "a conversion into this folder"):
         line = assert_cli_error(capsys, ["convert", tiny_k3_path, dst], str(dst), f"pid {os.getpid()}")
@@ -583,8 +583,8 @@ def test_second_convert_into_one_destination_is_refused(tiny_k3_path, tmp_path, 
 
 
 def test_default_model_maker_waits_for_the_one_making_it(tmp_path, monkeypatch):
-    from deltafin.checkpoint.files import writer_lock
-    from deltafin.cli import DEFAULT_PRESET, default_model_path
+    from deltafin.files import writer_lock
+    from deltafin.startup import DEFAULT_PRESET, default_model_path
     from deltafin.settings import Settings
     settings = Settings.resolve({"cache_dir": str(tmp_path)})
     target = tmp_path / DEFAULT_PRESET
@@ -752,7 +752,7 @@ MESSAGES = st.lists(st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["u
 @given(body=st.dictionaries(st.sampled_from(REQUEST_FIELDS), st.one_of(JSON_VALUES, MESSAGES), max_size=6),
        kind=st.sampled_from(["chat", "completion"]))
 def test_fuzz_request_bodies(body, kind):
-    from deltafin.serve_protocol import APIError, decode_body, parse_chat, parse_completion
+    from deltafin.serve.protocol import APIError, decode_body, parse_chat, parse_completion
     try:
         req = (parse_chat if kind == "chat" else parse_completion)(decode_body(json.dumps(body).encode()))
     except APIError as e:
@@ -769,7 +769,7 @@ def test_fuzz_request_bodies(body, kind):
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(raw=st.binary(max_size=64))
 def test_fuzz_raw_request_bytes(raw):
-    from deltafin.serve_protocol import APIError, decode_body
+    from deltafin.serve.protocol import APIError, decode_body
     try:
         assert isinstance(decode_body(raw), dict)
     except APIError as e:

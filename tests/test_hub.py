@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import deltafin
-from deltafin.checkpoint.files import CheckpointError
+from deltafin.files import CheckpointError
 from deltafin.checkpoint.source import HFSource
 from deltafin.io.fetch import HubError
 from deltafin.io.hub import HubSource, check_entry_file

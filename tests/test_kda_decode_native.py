@@ -98,7 +98,7 @@ def test_native_draft_pass_rolls_back_like_the_torch_code():
     """A pass of drafts on the native path, then a rollback to each possible accepted count: the state
     is the torch path's after the same rollback, and a native pass of only the accepted rows' (within
     the rounding of torch's products of these float32 weights over 4 rows instead of fewer)."""
-    from deltafin.model.state import _kda_rollback
+    from deltafin.model.kda_recurrence import kda_rollback
     cfg = k3_config()
     attn = layer(cfg, 13, torch.float32)
     gen = torch.Generator().manual_seed(14)
@@ -112,7 +112,7 @@ def test_native_draft_pass_rolls_back_like_the_torch_code():
             attn(prompt, [Rows(st, 5, False)], 4)
             attn(drafts, [Rows(st, 4, True)], 4)
             p = st.pending
-            _kda_rollback(st, keep)
+            kda_rollback(st, keep)
         return st, p
     for keep in range(5):
         want, _ = after(False, keep)

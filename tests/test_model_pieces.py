@@ -8,7 +8,8 @@ import torch
 
 from deltafin.config import parse_config
 from deltafin.model.binding import bind, slot_names
-from deltafin.model.kda import KDAttention, kda_chunked, kda_recurrent
+from deltafin.model.kda import KDAttention
+from deltafin.model.kda_recurrence import kda_chunked, kda_recurrent
 from deltafin.model.layers import attn_res
 from deltafin.model.mla import MLAttention
 from deltafin.model.state import Rows
@@ -22,7 +23,7 @@ from deltafin.io.ram import done
 def fetch_from(experts: dict):
     """A MoE layer's ``fetch`` that hands out the routed experts from `experts` at once (as an
     in-RAM provider does)."""
-    return lambda ids, residual: done({e: experts[e] for e in chosen_experts(ids)})
+    return lambda ids, x, residual: done({e: experts[e] for e in chosen_experts(ids)})
 
 def k3_config(**over):
     text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=5, rms_norm_eps=1e-5, hidden_act="situ",
@@ -221,7 +222,7 @@ def test_latent_moe_matches_loop():
     # Every expert held as one stack (a device provider's resident layer): the grouped path, on the
     # CPU its torch reference, computes the same function.
     stack = ExpertStack.from_experts([experts[e] for e in range(cfg.num_experts)])
-    stacked = moe(x, lambda ids, residual: done(stack))
+    stacked = moe(x, lambda ids, x, residual: done(stack))
     assert (stacked - got).abs().max() < 1e-5
 
     def situ_vec(g, u):
@@ -347,7 +348,7 @@ def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bi
         calls.clear()
         pending = Future()
 
-        def arriving(ids, residual):
+        def arriving(ids, x, residual):
             pending.result = lambda timeout=None: {e: experts[e] for e in chosen_experts(ids)}
             return pending
         assert torch.equal(moe(x, arriving), apart) and len(calls) == 4
@@ -379,11 +380,11 @@ def test_kda_steps_sequences_of_equal_length_together_like_each_alone():
         assert (together[i].pending is not None) == k
         start += n
     # a kept group rolls back like a sequence alone
-    from deltafin.model.state import _kda_rollback
+    from deltafin.model.kda_recurrence import kda_rollback
     st = warm(5)
     attn(xs[5], [Rows(st, 2, True)], 8)
-    _kda_rollback(st, 1)
-    _kda_rollback(together[5], 1)
+    kda_rollback(st, 1)
+    kda_rollback(together[5], 1)
     assert (together[5].S - st.S).abs().max() < 1e-5 and (together[5].conv - st.conv).abs().max() < 1e-5
 
 

@@ -10,9 +10,9 @@ import queue
 import pytest
 import torch
 
-from deltafin.api import open_source
+from deltafin.io.sources import open_source
 from deltafin.checkpoint.synthetic import make_checkpoint
-from deltafin.engine import Engine
+from deltafin.runtime.engine import Engine
 from deltafin.io.memory import GiB
 from deltafin.io.reader import PREFETCH, URGENT, AlignedBuffer, Batch, Files, Run, _work
 from deltafin.io.stream import StreamProvider
@@ -121,7 +121,7 @@ def test_guess_confirmed_while_reading_is_waited_for_not_read_again(tmp_path):
     bytes counted once as prefetched and used, and its weights come when the read completes."""
     import threading
 
-    from deltafin.engine import PassStats
+    from deltafin.runtime.pass_stats import PassStats
     from deltafin.io.prefetch import Ahead, Prefetcher
     from deltafin.io.reader import Layout
 

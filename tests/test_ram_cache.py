@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltafin.api import open_source
-from deltafin.engine import Engine
+from deltafin.io.sources import open_source
+from deltafin.runtime.engine import Engine
 from deltafin.io.memory import FIXED_WINDOW_S, GROW_WINDOW_S, GiB, MemoryBudget, cgroup_levels, read_memory, read_meminfo, \
     read_stall_us
 from deltafin.io.placement import ExpertSlots

@@ -1,6 +1,6 @@
 """deltafin serve: the real server (uvicorn in a thread) driven by the openai client and raw HTTP.
 
-Expected answers come from calling the engine directly (deltafin.generate.generate) on the same
+Expected answers come from calling the engine directly (deltafin.runtime.generate.generate) on the same
 model, so the server is checked against the engine, not against itself.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import openai
 import pytest
 import uvicorn
 
-from deltafin.generate import generate
-from deltafin.serve import create_app, uvicorn_config
-from deltafin.serve_protocol import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, parse_chat, parse_completion,
+from deltafin.runtime.generate import generate
+from deltafin.serve.app import create_app, uvicorn_config
+from deltafin.serve.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, parse_chat, parse_completion,
                                     resolve_max_tokens)
 
 # A generation long enough to still be running while a test sends other requests; it is always
@@ -73,7 +73,7 @@ class RunningServer:
 
 
 class LogWatch(logging.Handler):
-    """Collects deltafin.serve's log lines and lets a test wait for one (no sleeping)."""
+    """Collects deltafin.serve.app's log lines and lets a test wait for one (no sleeping)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -108,7 +108,7 @@ def server(model):
 
 @pytest.fixture
 def logs():
-    logger = logging.getLogger("deltafin.serve")
+    logger = logging.getLogger("deltafin.serve.app")
     watch, level = LogWatch(), logger.level
     logger.addHandler(watch)
     logger.setLevel(logging.INFO)
@@ -490,7 +490,7 @@ def test_server_prompt_cache_is_restored_or_refused(model, tiny_kl_path, tmp_pat
     import deltafin
     from deltafin.chat import fixed_prefix
     from deltafin.model.state import StateFileError
-    from deltafin.saved_state import restore_or_build
+    from deltafin.runtime.saved_state import restore_or_build
     system = [{"role": "system", "content": "Answer briefly."}]
     prefix = fixed_prefix(model, system)
     path = tmp_path / "sys.state"

@@ -111,7 +111,7 @@ def test_help_says_what_auto_threads_and_16_bit_products_do(capsys):
 
 def test_start_up_line_says_what_auto_threads_chose(tiny_k3_path):
     import torch
-    from deltafin.cli import threads_message
+    from deltafin.startup import threads_message
     try:
         m = deltafin.load(tiny_k3_path, device="cpu", stream="off", threads=0)
         assert m.threads == (os.cpu_count() or 1)

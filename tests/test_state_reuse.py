@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import deltafin
-from deltafin.generate import generate
+from deltafin.runtime.generate import generate
 from deltafin.model.state import DecodeState, StateFileError
-from deltafin.prefix_cache import PrefixCache
-from deltafin.saved_state import load_state, save_state
+from deltafin.serve.prefix_cache import PrefixCache
+from deltafin.runtime.saved_state import load_state, save_state
 
 TOL = 1e-4
 CHUNK = 16  # small KDA chunks, so short prompts cross several chunk boundaries

@@ -335,7 +335,7 @@ def test_disk_filling_up_mid_write_fails_cleanly_on_tmpfs(stores, tmp_path, monk
 
 
 def test_start_up_line_says_when_the_spine_or_the_products_are_lossy(stores):
-    from deltafin.cli import startup_message
+    from deltafin.startup import startup_message
     _, bf16, both = stores["k3"]
     line = startup_message(_load(both), both)  # auto picks the int8 spine
     assert "int8 spine: LOSSY, chosen by --spine auto" in line and "for the exact spine: --spine bf16" in line

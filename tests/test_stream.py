@@ -13,7 +13,7 @@ import torch
 import deltafin
 from deltafin.checkpoint.hf import CheckpointError, TensorInfo
 from deltafin.checkpoint.synthetic import make_checkpoint
-from deltafin.engine import PassStats
+from deltafin.runtime.pass_stats import PassStats
 from deltafin.io.reader import ALIGN, URGENT, AlignedBuffer, Files, ReadPool, Run, chunked, make_layout, \
     merge_extents
 from deltafin.io.stream import StreamProvider
@@ -181,7 +181,7 @@ def test_reader_reads_exact_bytes_in_every_mode(tmp_path, mode, direct):
 
 
 def test_pass_recorder_and_profile_lines(tiny_k3_path):
-    from deltafin.generate import generate
+    from deltafin.runtime.generate import generate
     model = deltafin.load(tiny_k3_path, device="cpu", stream="on")
     seen = []
     rec = PassRecorder(model, on_pass=lambda i, s: seen.append(i))

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deltafin.api import open_source  # noqa: E402
+from deltafin.io.sources import open_source  # noqa: E402
 from deltafin.bench import checkpoint_files  # noqa: E402
 from deltafin.io.reader import (URGENT, AlignedBuffer, Files, ReadPool, align_down,  # noqa: E402
                                 drop_file_cache, make_layout)

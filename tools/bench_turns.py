@@ -25,7 +25,7 @@ from pathlib import Path
 import deltafin
 from deltafin.chat import Conversation
 from deltafin.checkpoint.tokenizer_data import CORPUS
-from deltafin.saved_state import load_state, save_state
+from deltafin.runtime.saved_state import load_state, save_state
 from deltafin.settings import add_arguments, from_args
 
 

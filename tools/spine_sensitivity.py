@@ -27,7 +27,7 @@ def model_config(model: str, overrides: list[str]):
     if model.startswith("preset:"):
         from deltafin.checkpoint.synthetic import config_dict, parse_override
         return parse_config(config_dict(model[len("preset:"):], dict(map(parse_override, overrides))))
-    from deltafin.api import open_source
+    from deltafin.io.sources import open_source
     source = open_source(model)
     try:
         return source.config

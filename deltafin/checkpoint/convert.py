@@ -35,7 +35,7 @@ import torch
 from ..config import ModelConfig, parse_config
 from ..kernels.linear import quantize
 from . import expert_codec
-from .files import CheckpointError, confine, fsync_dir, pread_exact, writer_lock
+from ..files import CheckpointError, confine, fsync_dir, pread_exact, writer_lock
 from .hf import DTYPES, TensorInfo
 from .layout import EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, nbytes
 from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, load_config
-from .files import CheckpointError, FileHandles, confine, confinement_root, open_regular, pread_exact, read_json
+from ..files import CheckpointError, FileHandles, confine, confinement_root, open_regular, pread_exact, read_json
 from .layout import all_tensors, check_config_fits
 
 # safetensors dtype names -> (torch dtype, bytes per element)

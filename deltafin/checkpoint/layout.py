@@ -208,7 +208,7 @@ def implied_totals(cfg: ModelConfig) -> tuple[int, int]:
 def check_config_fits(cfg: ModelConfig, have_tensors: int, have_bytes: int, where: str) -> None:
     """Refuse a config whose sizes imply more tensors or bytes than the files hold, before anything
     is enumerated or allocated from those sizes."""
-    from .files import CheckpointError
+    from ..files import CheckpointError
     count, size = implied_totals(cfg)
     shape = (f"num_hidden_layers={cfg.num_layers}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}, "
              f"num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}")

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from .files import CheckpointError, confine, confinement_root
+from ..files import CheckpointError, confine, confinement_root
 from .hf import DTYPES
 from .layout import EXPERT_CODECS
 

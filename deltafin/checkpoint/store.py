@@ -43,7 +43,7 @@ from pathlib import Path
 from ..config import ModelConfig, parse_config
 from ..kernels.linear import QWeight
 from . import source as hf_source
-from .files import CheckpointError, FileHandles, open_regular, pread_exact, read_json, regular_size
+from ..files import CheckpointError, FileHandles, open_regular, pread_exact, read_json, regular_size
 from .manifest import check_manifest
 from .hf import TensorInfo
 from .layout import expert_tensors, global_tensors, layer_spine_tensors

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, parse_config
-from .files import fsync_dir
+from ..files import fsync_dir
 from .layout import DTYPE_BYTES, MXFP4_GROUP, TensorSpec, all_tensors, nbytes
 from .tokenizer_data import BOS_TOKEN, CHAT_TEMPLATE, CORPUS, EOS_TOKEN, IM_END, MEDIA_PAD, PAD_TOKEN, \
     SPECIAL_OFFSETS, UNK_TOKEN

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..engine import NOT_PRODUCTS
+from ..model.layers import NOT_PRODUCTS
 from ..kernels.grouped import ExpertStack, MXFP4Stack, Stacked
 from ..kernels.linear import QWeight
 from ..model.moe import chosen_experts

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 
-from ..checkpoint.files import CheckpointError
+from ..files import CheckpointError
 
 TIMEOUT_S = 60.0
 MAX_RETRY_AFTER_S = 60.0

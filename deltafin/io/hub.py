@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.files import CheckpointError, FileHandles, fsync_dir
+from ..files import CheckpointError, FileHandles, fsync_dir
 from ..checkpoint.hf import TensorInfo, check_index, header_length, parse_safetensors_header, validate_infos, \
     weight_map_of
 from ..checkpoint.layout import expert_tensors, full_name, global_tensors, layer_spine_tensors

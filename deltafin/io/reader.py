@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checkpoint.files import CheckpointError, FileHandles, pread_into
+from ..files import CheckpointError, FileHandles, pread_into
 from ..checkpoint.hf import DTYPES, TensorInfo
 
 ALIGN = 4096  # page size and the O_DIRECT alignment of offsets, lengths and buffer addresses

@@ -18,6 +18,7 @@ it only in summation order).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -97,8 +98,10 @@ class MXFP4Stack(Stacked):
                 q(self.w2_packed[e], self.w2_scale[e]))
 
 
-def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack: Stacked) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) for rows z [T, H] -> fp32 [T, H]."""
+def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack: Stacked,
+                glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) for rows z [T, H] -> fp32 [T, H]. ``glu(gate, up)``
+    is the activation of the torch paths; the Triton kernels apply cfg's own (hidden_act, SiTU betas)."""
     T, k = ids.shape
     flat = ids.reshape(-1).to(torch.int32)
     x = z.float().contiguous()
@@ -107,34 +110,32 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         act = kernels.mxfp4_gate_up(x, flat, k, stack.w13_packed, stack.w13_scale, cfg)
         out = kernels.mxfp4_down(act, flat, stack.w2_packed, stack.w2_scale)
     elif isinstance(stack, MXFP4Stack):
-        out = _grouped_mxfp4(cfg, x, flat, k, stack)
+        out = _grouped_mxfp4(glu, x, flat, k, stack)
     elif kernels is not None:
         out = kernels.grouped_down(kernels.grouped_gate_up(x, flat, k, stack.w13, cfg), flat, stack.w2)
     else:
-        out = _grouped_reference(cfg, x, flat, k, stack)
+        out = _grouped_reference(glu, x, flat, k, stack)
     return (out.view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
 
 
-def _grouped_reference(cfg, x, flat, k, stack):
-    from ..model.moe import glu
+def _grouped_reference(glu, x, flat, k, stack):
     inter = stack.w2.shape[2]
     rows = x.repeat_interleave(k, dim=0)  # [T*k, H]: pair j is token j // k
     w13 = stack.w13[flat.long()].float()  # [T*k, 2I, H]
     gu = torch.bmm(w13, rows.unsqueeze(-1)).squeeze(-1)
-    act = glu(cfg, gu[:, :inter], gu[:, inter:])
+    act = glu(gu[:, :inter], gu[:, inter:])
     return torch.bmm(stack.w2[flat.long()].float(), act.unsqueeze(-1)).squeeze(-1)
 
 
-def _grouped_mxfp4(cfg, x, flat, k, stack: MXFP4Stack):
+def _grouped_mxfp4(glu, x, flat, k, stack: MXFP4Stack):
     """The reference (and the path without Triton): the chosen experts' codes gathered and decoded
     (the torch dequantization, exact) and multiplied in fp32."""
-    from ..model.moe import glu
     from .mxfp4 import mxfp4_dequantize
     idx = flat.long()
     inter = stack.w13_packed.shape[1] // 2
     rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)
     gu = torch.bmm(_decode(stack.w13_packed[idx], stack.w13_scale[idx], mxfp4_dequantize), rows).squeeze(-1)
-    act = glu(cfg, gu[:, :inter], gu[:, inter:])
+    act = glu(gu[:, :inter], gu[:, inter:])
     return torch.bmm(_decode(stack.w2_packed[idx], stack.w2_scale[idx], mxfp4_dequantize),
                      act.unsqueeze(-1)).squeeze(-1)
 

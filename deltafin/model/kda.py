@@ -1,7 +1,7 @@
 """Kimi Delta Attention (K3_MODEL.md section 3.1).
 
 Per head, with state S in R^{Dk x Dv} (fp32):  S <- diag(exp(g)) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q.
-Decode uses that recurrence step by step; prefill uses the equivalent chunked form below.
+The recurrence itself (step by step, chunked, rollback) is in kda_recurrence; this is the sublayer around it.
 """
 from __future__ import annotations
 
@@ -13,59 +13,8 @@ import torch.nn.functional as F
 from ..kernels import cpu_native
 from .binding import Bindable
 from .ops import l2_normalize, linear, linears, products, rms_norm
+from .kda_recurrence import kda_chunked, kda_recurrent
 from .state import KDAState, Rows
-
-
-def kda_recurrent(q, k, v, g, beta, S, in_place: bool = False):
-    """q, k, g: [T, ..., H, Dk]; v: [T, ..., H, Dv]; beta: [T, ..., H]; S: [..., H, Dk, Dv].
-    Returns o [T, ..., H, Dv] and the new S. The dims between T and H are independent sequences
-    (a batch of them steps together). With in_place the new S is written over the given one (the
-    caller gives it up), else the given S is left as it was.
-
-    Each step updates S in place: a decode step of kl_medium's S (32 x 128 x 128 fp32, 2 MB per
-    layer) allocated it twice per layer and token (S * decay, S + k u^T: 570 and 510 us on one core,
-    against 150 and 180 us in place). The rank-1 update is one fused multiply-add per element
-    (addcmul_), so S may differ from S + k u^T, which rounds k u^T first, in its last bit."""
-    S = S if in_place else S.clone()
-    outs = []
-    for t in range(q.shape[0]):
-        S.mul_(torch.exp(g[t]).unsqueeze(-1))
-        kv = torch.einsum("...hd,...hdv->...hv", k[t], S)
-        u = beta[t].unsqueeze(-1) * (v[t] - kv)
-        S.addcmul_(k[t].unsqueeze(-1), u.unsqueeze(-2))
-        outs.append(torch.einsum("...hd,...hdv->...hv", q[t], S))
-    return torch.stack(outs), S
-
-
-def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
-    """The same recurrence over chunks of length `chunk`, exact up to rounding.
-
-    Within a chunk with cumulative log decay G_t = sum_{s<=t} g_s and start state S0, the updates
-    u_i = beta_i (v_i - S_{i-1,decayed}^T k_i) solve a unit lower-triangular system
-    (I + A) u = beta (v - (k * exp(G)) S0),   A_ti = beta_t sum_d k_td k_id exp(G_td - G_id)  (i < t),
-    and then o_t = (q_t * exp(G_t)) S0 + sum_{i<=t} (sum_d q_td k_id exp(G_td - G_id)) u_i.
-    Decay ratios are formed as exp of differences (always <= 1), so nothing overflows.
-    """
-    T = q.shape[0]
-    outs = []
-    for s in range(0, T, chunk):
-        qc, kc, vc, gc, bc = (x[s:s + chunk].transpose(0, 1) for x in (q, k, v, g, beta))  # head-major
-        C = qc.shape[1]
-        G = gc.cumsum(dim=1)  # [H, C, Dk]
-        diff = G.unsqueeze(2) - G.unsqueeze(1)  # [H, C(t), C(i), Dk]
-        incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        decay = torch.exp(diff.masked_fill(~incl[None, :, :, None], float("-inf")))
-        A = torch.einsum("htd,hid,htid->hti", kc, kc, decay) * bc.unsqueeze(-1)
-        A = A.masked_fill(~incl.tril(-1)[None], 0.0)
-        rhs = bc.unsqueeze(-1) * (vc - torch.einsum("htd,hdv->htv", kc * torch.exp(G), S))
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
-        u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        qk = torch.einsum("htd,hid,htid->hti", qc, kc, decay)
-        o = torch.einsum("htd,hdv->htv", qc * torch.exp(G), S) + qk @ u
-        G_end = G[:, -1:]  # [H, 1, Dk]
-        S = torch.exp(G_end).transpose(1, 2) * S + torch.einsum("hid,hiv->hdv", kc * torch.exp(G_end - G), u)
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs), S
 
 
 # Sequences of at most this many new tokens (decode steps, drafts, short prompt pieces) take the
@@ -263,16 +212,3 @@ def _groups(parts: list[Rows], device) -> list[tuple]:
             rows = torch.tensor([s + j for s in starts for j in range(n)], dtype=torch.long, device=device)
         out.append((rows, n, states, keep))
     return out
-
-
-def native_rollback(st: KDAState, keep: int) -> None:
-    """Back to the state after the first ``keep`` rows of the last native pass (its pending record):
-    the saved start state stepped over those rows again, the same call on the same inputs as a pass
-    of only those rows, so the same bits."""
-    p = st.pending
-    st.S, st.conv = p["S0"], p["conv0"]
-    if keep:
-        w = p["native"]
-        D = p["r"].shape[1]
-        cpu_native.kda_steps(p["xin"][:keep], [keep], [st.conv], r=p["r"][:keep], b=p["b"][:keep],
-                             gate=torch.zeros(keep, D), states=[st.S], **w)

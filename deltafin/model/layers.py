@@ -14,6 +14,12 @@ from .moe import DenseMLP, MoE
 from .ops import rms_norm
 
 
+# 2-D slots that are not used as matrix products (router scores, depth-mix pseudo-queries, conv
+# taps): they stay in their stored precision whatever the product dtype.
+NOT_PRODUCTS = {"mlp.gate", "attn_res_proj", "mlp_res_proj", "self_attn.q_conv", "self_attn.k_conv",
+                "self_attn.v_conv"}
+
+
 def attn_res(p: torch.Tensor, blocks: list[torch.Tensor], w_proj, w_norm, eps: float) -> torch.Tensor:
     """Softmax mix over depth of [blocks..., p] for each token (K3_MODEL.md section 3.4), in fp32."""
     values = torch.stack([*blocks, p]).float()  # [N, T, H]

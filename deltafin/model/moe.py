@@ -53,10 +53,11 @@ def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tup
     return ids, w * cfg.routed_scaling_factor
 
 
-# fetch(ids [T, k], residual [T, H]) -> a handle whose .result() is {expert_id: (w1, w3, w2)} for the
+# fetch(ids [T, k], x [T, H] (the router's input), residual [T, H] (the stream it came from)) -> a handle
+# whose .result() is {expert_id: (w1, w3, w2)} for the
 # chosen experts, or an ExpertStack of all of them (every expert resident on the device); the handle
 # lets the caller compute the shared expert while the routed experts are being read.
-ExpertFetch = Callable[[torch.Tensor, torch.Tensor], "object"]
+ExpertFetch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "object"]
 
 
 def chosen_experts(ids) -> list[int]:
@@ -84,7 +85,7 @@ class MoE(Bindable):
         provider may guess the next layer's experts from it; None: x stands for it)."""
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
-        pending = fetch(ids, x if residual is None else residual)  # reads start now ...
+        pending = fetch(ids, x, x if residual is None else residual)  # reads start now ...
         both = self._routed_and_shared(x, ids, weights, pending)
         if both is not None:
             return both[0].to(x.dtype) + both[1]
@@ -93,7 +94,7 @@ class MoE(Bindable):
         z = linear(x, self.routed_expert_down_proj) if c.latent_size else x
         experts = pending.result()
         if isinstance(experts, Stacked) and experts.applies(ids.numel()):
-            y = grouped_mlp(c, z, ids, weights, experts)
+            y = grouped_mlp(c, z, ids, weights, experts, lambda g, u: glu(c, g, u))
         else:
             y = self._per_expert(z, ids, weights, experts)
         y = y.to(x.dtype)

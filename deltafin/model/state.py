@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from .kda_recurrence import kda_rollback
+
 STATE_FORMAT = "deltafin-decode-state"
 STATE_VERSION = 1
 _HEADER_KEY = "deltafin"
@@ -104,7 +106,7 @@ class DecodeState:
         keep = num_tokens - self._pass_start
         for st in self.layers:
             if isinstance(st, KDAState):
-                _kda_rollback(st, keep)
+                kda_rollback(st, keep)
             else:
                 st.length -= self.num_tokens - num_tokens
         self.num_tokens = num_tokens
@@ -244,24 +246,3 @@ class DecodeState:
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def _kda_rollback(st: KDAState, keep: int) -> None:
-    from .kda import kda_recurrent  # the same step the decode path uses
-    p = st.pending
-    if p is None:
-        return
-    if "native" in p:
-        from .kda import native_rollback
-        native_rollback(st, keep)
-        st.pending = None
-        return
-    st.S = p["S0"].clone()
-    if keep:
-        _, st.S = kda_recurrent(p["q"][:keep], p["k"][:keep], p["v"][:keep], p["g"][:keep], p["beta"][:keep], st.S)
-    # conv tail: the last K-1 pre-conv inputs among (old tail, first `keep` new inputs)
-    Km1 = p["conv0"].shape[1]
-    if Km1:
-        seq = torch.cat([p["conv0"], p["xin"][:, :keep]], dim=1)
-        st.conv = seq[:, seq.shape[1] - Km1:].clone()
-    st.pending = None

@@ -37,15 +37,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from deltafin import metrics as metrics_mod
+from deltafin.serve import metrics as metrics_mod
 from deltafin import settings as settings_mod
 from deltafin.errors import DeltafinError
-from deltafin.prefix_cache import PrefixCache
-from deltafin.scheduler import Scheduler
-from deltafin.serve_protocol import (
+from deltafin.serve.prefix_cache import PrefixCache
+from deltafin.runtime.scheduler import Scheduler
+from deltafin.serve.protocol import (
     MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
     resolve_max_tokens, sse)
-from deltafin.serve_http import bind, header_timeout_protocol
+from deltafin.serve.http import bind, header_timeout_protocol
 from deltafin.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class Service:
         self.memo = ResponseMemo(settings.memo_size)
         self.prefix_cache = PrefixCache(settings.prefix_cache_mb * 2 ** 20)
         if settings.prompt_cache:
-            from deltafin.saved_state import load_state
+            from deltafin.runtime.saved_state import load_state
             ids, state, _ = load_state(model, settings.prompt_cache)
             self.prefix_cache.put(ids, state, copy=False, pinned=True)
         self.fault: str | None = None  # why the server is degraded (no local paths), once it is
@@ -790,7 +790,7 @@ def run_cli(args: argparse.Namespace) -> int:
     import sys
 
     import deltafin
-    from deltafin.cli import default_model_path, startup_message
+    from deltafin.startup import default_model_path, startup_message
 
     settings = settings_mod.from_args(args)
     sock = bind(settings.host, settings.port)  # a busy port is reported before the model loads, not after

@@ -15,9 +15,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from .checkpoint import expert_codec
-from .checkpoint.files import pread_exact
-from .model.state import DecodeState, StateFileError
+from ..checkpoint import expert_codec
+from ..files import pread_exact
+from ..model.state import DecodeState, StateFileError
 
 _SAMPLE = 4096  # bytes fingerprinted per tensor
 

@@ -8,7 +8,8 @@ The engine does not know where weights come from. A *provider* hands it each lay
 order, so it can read ahead) and the routed experts the router chose, already on the compute
 device; ``io.ram`` keeps a whole model in memory, ``io.stream`` reads it from disk per layer,
 ``io.device`` keeps what its budget holds in a GPU's memory and streams the rest. Timing and
-byte counts are kept in a ``PassStats`` the engine owns and returns.
+byte counts are kept in a ``PassStats`` the engine owns and returns; whoever wants to watch passes
+(profiles, benchmarks, metrics, routing traces) gives the engine a ``PassObserver`` (``observe``).
 """
 from __future__ import annotations
 
@@ -18,45 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..kernels import cpu_native
+from ..model.binding import bind, slot_names, unbind
+from ..model.layers import NOT_PRODUCTS, attn_res, build_templates, layer_kind
+from ..model.ops import HalfMatmul, linear, rms_norm
+from ..model.state import DecodeState, Rows
+from ..settings import Settings
 from .decode_graph import DecodeGraphs
-from .kernels import cpu_native
-from .model.binding import bind, slot_names, unbind
-from .model.layers import attn_res, build_templates, layer_kind
-from .model.ops import HalfMatmul, linear, rms_norm
-from .model.state import DecodeState, Rows
-from .settings import Settings
-
-
-# 2-D slots that are not used as matrix products (router scores, depth-mix pseudo-queries, conv
-# taps): they stay in their stored precision whatever the product dtype.
-NOT_PRODUCTS = {"mlp.gate", "attn_res_proj", "mlp_res_proj", "self_attn.q_conv", "self_attn.k_conv",
-                "self_attn.v_conv"}
-
-
-@dataclass
-class PassStats:
-    tokens: int = 0
-    seconds: float = 0.0
-    compute_seconds: float = 0.0
-    spine_wait_seconds: float = 0.0
-    expert_wait_seconds: float = 0.0
-    bytes_read: int = 0  # from the model's files on disk
-    bytes_from_cache: int = 0  # from the local cache of a hub repository
-    bytes_from_network: int = 0  # fetched from the hub for this pass
-    bytes_from_ram: int = 0
-    bytes_on_device: int = 0  # read from weights resident on the compute device
-    bytes_to_device: int = 0  # copied host -> device
-    experts_loaded: int = 0
-    spines_loaded: int = 0  # layers whose spine the host streamer served (from its RAM or the disk)
-    spines_cached: int = 0  # of them, those from host RAM (pinned or cached)
-    experts_cached: int = 0  # of experts_loaded, those a host-RAM cache served
-    prefetch_bytes: int = 0  # read ahead of the router on a guess (also in bytes_read)
-    prefetch_used_bytes: int = 0  # of them, experts the router then chose
-
-    def add(self, other: "PassStats") -> None:
-        for k in self.__dataclass_fields__:
-            setattr(self, k, getattr(self, k) + getattr(other, k))
+from .pass_stats import PassObserver, PassStats
 
 
 class Engine:
@@ -76,8 +47,18 @@ class Engine:
         self._product_slots = {name for t in self.templates.values() for name, shape in slot_names(t).items()
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
+        self.observers: list[PassObserver] = []
         # One-token decode passes replayed as a CUDA graph where everything they read is resident.
         self.graphs = DecodeGraphs(self) if DecodeGraphs.possible(self) else None
+
+    @contextlib.contextmanager
+    def observe(self, observer: PassObserver):
+        """Call ``observer`` for every pass inside the ``with`` block (see pass_stats.PassObserver)."""
+        self.observers.append(observer)
+        try:
+            yield observer
+        finally:
+            self.observers.remove(observer)
 
     def new_state(self) -> DecodeState:
         layers = []
@@ -113,7 +94,8 @@ class Engine:
         t0 = time.perf_counter()
         for s in seqs:
             s.state.begin_pass(s.keep_states)
-        if self.graphs is not None and self.graphs.applies(seqs):
+        routes = [o.on_route for o in self.observers if o.on_route is not None]
+        if self.graphs is not None and not routes and self.graphs.applies(seqs):
             logits = self.graphs.run(seqs[0], ids_t, stats)
         else:
             # A decode-sized pass on the CPU runs its products in the native kernels, on every
@@ -121,7 +103,7 @@ class Engine:
             small = self.device.type == "cpu" and len(ids_t) <= cpu_native.GEMV_MAX_ROWS
             native = self.row_threads if len(ids_t) > 1 else None
             with cpu_native.decode_threads(native) if small else contextlib.nullcontext():
-                logits = self.device_pass(self.embed(ids_t), seqs, stats)
+                logits = self.device_pass(self.embed(ids_t), seqs, stats, routes)
         c0 = time.perf_counter()
         if all(s.on_device for s in seqs):
             _wait_for(self.device)  # the pass's time includes the device's work
@@ -132,6 +114,8 @@ class Engine:
         for s in seqs:
             s.state.num_tokens += len(s.ids)
         self.last_pass = stats
+        for o in self.observers:
+            o.on_pass(stats)
         out: list[torch.Tensor | None] = []
         start = 0
         for s in seqs:
@@ -140,14 +124,26 @@ class Engine:
             start += n
         return out
 
+    def _fetch(self, i: int, stats: PassStats, routes):
+        """Layer i's expert fetch (model.moe.ExpertFetch): the provider's read, seen by the observers."""
+        if not routes:
+            return lambda ids, x, residual: self.provider.experts(i, ids, stats, residual)
+
+        def fetch(ids, x, residual):
+            for on_route in routes:
+                on_route(i, ids, x)
+            return self.provider.experts(i, ids, stats, residual)
+        return fetch
+
     def embed(self, ids_t: torch.Tensor) -> torch.Tensor:
         """The rows of the residual stream for token ids (the table stays on the host)."""
         return self.provider.globals()["embed"][ids_t].to(self.device, self.dtype)
 
-    def device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats) -> torch.Tensor:
+    def device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()) -> torch.Tensor:
         """Every layer and the head over the pass's rows h; float32 logits of the wanted rows, on the
         compute device. Reads nothing back to the host when every weight is resident and every MoE
-        layer's experts are stacked (what a recorded decode graph needs, see decode_graph.py)."""
+        layer's experts are stacked (what a recorded decode graph needs, see decode_graph.py), and no
+        observer watches the routing (``routes``: their on_route callbacks)."""
         cfg = self.cfg
         g = self.provider.globals()
         blocks: list[torch.Tensor] = []
@@ -160,8 +156,7 @@ class Engine:
                 bind(tmpl, self._for_products(weights))
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
                 parts = [Rows(s.state.layers[i], len(s.ids), s.keep_states) for s in seqs]
-                h = tmpl(i, h, blocks, parts, chunk,
-                         lambda ids, residual, i=i: self.provider.experts(i, ids, stats, residual))
+                h = tmpl(i, h, blocks, parts, chunk, self._fetch(i, stats, routes))
                 # Waiting for routed experts happens inside the layer; it is I/O, not compute.
                 stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
                 unbind(tmpl)

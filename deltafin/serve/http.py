@@ -14,7 +14,7 @@ import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import DeltafinError
+from ..errors import DeltafinError
 
 _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                      b"content-length: %d\r\n\r\n%s")

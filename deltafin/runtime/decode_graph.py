@@ -32,7 +32,8 @@ import weakref
 
 import torch
 
-from .model.state import KDAState, MLAState
+from ..model.state import KDAState, MLAState
+from .pass_stats import PassStats
 
 MIN_CAPACITY = 256  # MLA cache rows of the first buffers (then doubled as needed)
 # PassStats fields a replay adds as the recorded pass counted them (what it reads does not change).
@@ -125,7 +126,6 @@ class DecodeGraphs:
                     st.at = None
 
     def _capture(self, seq) -> None:
-        from .engine import PassStats
         stats = PassStats()
         try:
             self.graph, self.out = self._recorded_mode(seq, stats, capture=True)

@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..errors import DeltafinError
+from .errors import DeltafinError
 
 MAX_JSON_BYTES = 256 << 20  # a config, index or manifest larger than this is not one deltafin wrote or reads
 

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model.state import DecodeState
+from ..model.state import DecodeState
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .engine import Seq
-from .tokenizer import stream_decoder
+from ..tokenizer import stream_decoder
 
 if TYPE_CHECKING:
     from deltafin.model.state import DecodeState

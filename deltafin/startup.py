@@ -1,0 +1,114 @@
+"""What every front end (run, chat, serve, bench) does at start: find the built-in default model
+(made on first use), read a prompt argument, and print the start-up line that says what runs, from
+where, with which numerics."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .checkpoint import expert_codec
+from .checkpoint.synthetic import make_checkpoint
+from .files import writer_lock
+from .settings import Settings
+
+DEFAULT_PRESET = "small-k3"
+
+
+def default_model_path(settings: Settings) -> Path:
+    """The built-in default model, made on first use under the cache directory."""
+    path = settings.cache_path / DEFAULT_PRESET
+    if (path / "config.json").exists():
+        return path
+    def waiting(holder: str) -> None:
+        print(f"deltafin: waiting for {holder}, which is making the built-in default model in {path}",
+              file=sys.stderr)
+
+    # Two first runs at once: one makes the model, the other waits for it and then uses it.
+    with writer_lock(path, "making the default model", wait=True, on_wait=waiting):
+        if not (path / "config.json").exists():
+            print(f"deltafin: making the built-in default model ({DEFAULT_PRESET}, synthetic weights) in {path}",
+                  file=sys.stderr)
+            make_checkpoint(DEFAULT_PRESET, path, seed=0)
+    return path
+
+
+def spine_message(source, path, chosen: str = "auto") -> str:
+    """Which spine this run reads: whether it is exact, and how to get the exact (or a faster) one."""
+    if source.kind == "hub":
+        return (f"bf16 spine (exact); weights fetched from the hub as they are first used ({source.where}), "
+                f"cached in {source.path}")
+    if source.kind == "hf":
+        return (f"bf16 spine (exact) read from the Hugging Face folder (faster: deltafin convert {path} STORE "
+                "--spine int8, then --model STORE)")
+    codec = source.spine_codec
+    if codec == "bf16":
+        if "int8" in source.spines:
+            return "bf16 spine (exact)"
+        return f"bf16 spine (exact; faster: deltafin convert SRC {path} --spine int8 adds an int8 spine)"
+    what = f"{codec} spine" + (f" (policy {source.manifest['spines']['mixed']['policy']['name']})"
+                               if codec == "mixed" else "")
+    why = " chosen by --spine auto because the store has one;" if chosen == "auto" else ""
+    exact = ("--spine bf16 (or DELTAFIN_SPINE=bf16)" if "bf16" in source.spines
+             else f"deltafin convert SRC {path} --spine bf16 adds it")
+    return f"{what}: LOSSY,{why} outputs differ from the bf16 reference; for the exact spine: {exact}"
+
+
+def experts_message(source) -> str:
+    """What the routed experts are stored as, and whether that is exact."""
+    cfg, codec = source.config, expert_codec.of(source)
+    name = expert_codec.describe(cfg, codec)
+    if codec == expert_codec.published(cfg):
+        return f"{name} experts (as published)"
+    return (f"{name} experts: LOSSY (converted with --experts {codec}; the source's are "
+            f"{expert_codec.describe(cfg, expert_codec.PLAIN)})")
+
+
+def products_message(settings: Settings) -> str:
+    if settings.dtype == "float32":
+        return "float32 products (reference)"
+    return f"{settings.dtype} products (lossy; --dtype float32 is the reference)"
+
+
+def threads_message(model) -> str:
+    if model.settings.threads:
+        return f"{model.threads} compute threads (set)"
+    why = "model in RAM: every core" if not model.streaming else "streaming: one core left to the readers"
+    rows = model.engine.row_threads
+    if rows is not None and rows != model.threads:
+        why += f"; {rows} for the products of a pass of several rows"
+    return f"{model.threads} compute thread{'s' if model.threads != 1 else ''} (auto, {why})"
+
+
+def startup_message(model, path) -> str:
+    """The start-up line: what runs, from where, with which numerics."""
+    return (f"deltafin: {model.name}: {model.config.architecture}, {model.config.num_layers} layers, "
+            f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
+            f"{spine_message(model.source, path, model.settings.spine)}; {experts_message(model.source)}; "
+            f"{products_message(model.settings)}"
+            + (f"\ndeltafin: {model.residency}" if model.residency else ""))
+
+
+MAX_PROMPT_FILE = 64 * 2 ** 20
+
+
+def read_text_arg(value: str) -> str:
+    """A prompt argument: ``-`` reads standard input, ``@FILE`` reads a UTF-8 file, ``@@text`` is the
+    literal ``@text``, anything else is the text itself."""
+    if value == "-":
+        return sys.stdin.read()
+    if value.startswith("@@"):
+        return value[1:]
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:]).expanduser()
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROMPT_FILE:
+            raise ValueError(f"{path}: {size} bytes; a prompt file may be at most {MAX_PROMPT_FILE} bytes")
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such prompt file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the prompt file ({e.strerror or e})") from None
