@@ -8,11 +8,14 @@ from pathlib import Path
 
 import torch
 
-from .runtime.engine import Engine
 from .checkpoint.sizes import model_bytes
 from .errors import DeltafinError
 from .io.sources import open_source
 from .model.state import DecodeState
+from .runtime.engine import Engine
+from .runtime.generate import generate
+from .runtime.pass_stats import PassObserver, PassStats
+from .runtime.sampling import SamplingParams
 from .settings import Settings
 from .tokenizer import load_tokenizer
 
@@ -48,10 +51,8 @@ def row_threads(settings: Settings, streaming: bool) -> int | None:
     """The native products' threads in a CPU pass of several rows, where compute_threads' count
     does not apply: streaming with automatic threads, every core. Such a pass (a batch, drafts, a
     prompt piece) is compute-bound where a one-token pass waits on the disk, and its torch ops run
-    on one thread (cpu_native.decode_threads). Measured on 2 cores, k3-slice streamed in a 6 GiB
-    group: 8 clients' passes 10.2 -> 8.1 s with every core, one client unchanged (0.609 / 0.607
-    tok/s); one-token passes alone were not faster on two threads (kl_medium q8: 2.65 against 2.79
-    tok/s), so they keep the core for the readers."""
+    on one thread (cpu_native.decode_threads). One-token passes alone were not faster on every
+    core, so they keep one for the readers (measured: docs/benchmarks.md#compute-threads)."""
     if settings.threads or not streaming:
         return None
     return compute_threads(settings, streaming=False)  # every core
@@ -99,7 +100,9 @@ class Model:
         self.threads = compute_threads(settings, self.streaming)
         # Process-wide, like the device: the user's setting (or its auto value) for this run.
         torch.set_num_threads(self.threads)
-        self.engine = Engine(self.config, provider, settings, row_threads(settings, self.streaming))
+        self.row_threads = row_threads(settings, self.streaming)
+        self.engine = Engine(self.config, provider, settings, self.row_threads)
+        self.device = self.engine.device
         self.tokenizer = load_tokenizer(self.path)
         self.last_generation_stats: dict = {}
 
@@ -145,14 +148,56 @@ class Model:
     def decode(self, ids) -> str:
         return self.require_tokenizer().decode(list(ids), skip_special_tokens=True)
 
-    def generate(self, token_ids, max_new_tokens=None, speculate=None, temperature=0.0, top_p=1.0, top_k=0,
-                 seed=None, stop=None, on_token=None) -> list[int]:
-        """Greedy by default; returns the new token ids. Statistics land in last_generation_stats."""
-        from .runtime.generate import generate
-        g = generate(self, list(token_ids), max_new_tokens, speculate=speculate, temperature=temperature,
-                     top_p=top_p, top_k=top_k, seed=seed, stop=stop, on_token=on_token)
+    def generate(self, token_ids, params: SamplingParams | None = None, *, on_token=None, **sampling) -> list[int]:
+        """The new token ids after ``token_ids``: as ``params`` says, or as the keyword arguments name a
+        ``SamplingParams`` (``max_new_tokens=32, temperature=0.7, seed=1``; default greedy, which
+        speculates with the same output). Statistics land in last_generation_stats."""
+        if params is None:
+            params = SamplingParams(**sampling)
+        elif sampling:
+            raise TypeError(f"give the sampling parameters as params or as keywords, not both ({sorted(sampling)})")
+        g = generate(self, list(token_ids), params, on_token=on_token)
         self.last_generation_stats = dict(g.stats, finish_reason=g.finish_reason)
         return g.tokens
+
+    # -- what front ends may watch and report -----------------------------------------------
+    def observe(self, observer: PassObserver):
+        """``with model.observe(obs):`` calls ``obs`` for every pass inside the block
+        (runtime.pass_stats.PassObserver: on_pass, on_route)."""
+        return self.engine.observe(observer)
+
+    @property
+    def last_pass(self) -> PassStats:
+        return self.engine.last_pass
+
+    def residency_now(self) -> dict | None:
+        """What the RAM cache or the device holds at this moment (None: a model wholly in RAM)."""
+        report = getattr(self.engine.provider, "residency", None)
+        return report() if report is not None else None
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of weights the device holds (None off a device)."""
+        held = getattr(self.engine.provider, "resident_bytes", None)
+        return held()["total"] if held is not None else None
+
+    def graph_stats(self) -> dict | None:
+        """One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass)."""
+        g = self.engine.graphs
+        if g is None:
+            return None
+        return {"recorded": g.recorded, "replayed": g.replayed, "failed": g.failed, "record_seconds": g.record_seconds}
+
+    def global_weights(self) -> dict:
+        """The weights outside the layers (embedding, head, final norm) as the provider holds them."""
+        return self.engine.provider.globals()
+
+    def layer_weights(self, i: int, stats: PassStats | None = None) -> dict:
+        """Layer i's spine as the provider hands it to a pass (for measurements; streamed models read it)."""
+        return self.engine.provider.spine(i, PassStats() if stats is None else stats)
+
+    def expert_weights(self, i: int, experts: list[int], stats: PassStats | None = None) -> dict:
+        """Experts of layer i as the provider hands them to a pass: {expert id: (w1, w3, w2)}."""
+        return self.engine.provider.experts(i, experts, PassStats() if stats is None else stats).result()
 
 
 def load(path: str | Path, **settings) -> Model:

@@ -12,8 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
-from .runtime.generate import Generation, generate
 from .model.state import DecodeState, StateFileError
+from .runtime import sampling
+from .runtime.generate import Generation, generate
+from .runtime.sampling import SamplingParams
 
 HELP = """commands:
   /reset       forget the conversation (keeps the system prompt)
@@ -83,8 +85,9 @@ class Conversation:
                 f"of {len(self.held)} tokens) and no kept state is a prefix; prefilling all {len(ids)} tokens")
         return 0, self.model.new_state(), note if self.held else None
 
-    def ask(self, text: str, max_new_tokens: int | None = None, on_note=None, **kw) -> Generation:
-        """One turn: the user's ``text`` in, the answer out (``kw`` goes to ``generate``)."""
+    def ask(self, text: str, params: SamplingParams | None = None, on_note=None, **kw) -> Generation:
+        """One turn: the user's ``text`` in, the answer out (``params`` and ``kw`` go to ``generate``)."""
+        params = SamplingParams() if params is None else params
         messages = self.messages + [{"role": "user", "content": text}]
         ids = self.model.encode_chat(messages)
         n, state, note = self._start(ids)
@@ -94,12 +97,12 @@ class Conversation:
             self.anchor = (list(ids), st.snapshot())
 
         limit = self.model.config.max_position_embeddings
-        budget = self.model.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        budget = self.model.settings.max_new_tokens if params.max_new_tokens is None else params.max_new_tokens
         if len(ids) + budget > limit:  # refused before the state is touched
             raise ValueError(f"the conversation is {len(ids)} tokens; with {budget} new tokens it exceeds the "
                              f"model's context of {limit} (/reset starts over)")
         try:
-            g = generate(self.model, ids[n:], max_new_tokens, state=state, held_ids=ids[:n], on_prefill=keep, **kw)
+            g = generate(self.model, ids[n:], params, state=state, held_ids=ids[:n], on_prefill=keep, **kw)
         except BaseException:
             # The state may be half-updated: forget it rather than continue from something unknown.
             self.held, self.state = [], self.model.new_state()
@@ -193,9 +196,8 @@ def repl(conv: Conversation, args, inp=None, out=None, err=None) -> int:
 
         try:
             with stop:
-                g = conv.ask(line, args.max_new_tokens, on_note=lambda m: print(f"[{m}]", file=err, flush=True),
-                             on_token=on_token, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                             seed=args.seed, stop=args.stop)
+                g = conv.ask(line, sampling.from_args(args, args.max_new_tokens),
+                             on_note=lambda m: print(f"[{m}]", file=err, flush=True), on_token=on_token)
         except ValueError as e:  # the template refusing the messages, the context overflowing
             print(f"[{e}]", file=err, flush=True)
             continue
@@ -243,11 +245,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                                           "default model.")
     p.add_argument("--model", metavar="PATH", help="checkpoint folder or converted store")
     p.add_argument("--system", help="system prompt; @FILE reads it from a file")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_arguments(p)
     settings_mod.add_arguments(p)
     p.set_defaults(func=run_cli)
     return p

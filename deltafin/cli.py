@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from . import bench, chat
 from .checkpoint import convert
 from .errors import DeltafinError
+from .profile import PassRecorder, format_pass, format_summary
+from .runtime import sampling
+from .runtime.generate import generate
 from .serve import app as serve_app
 from .settings import Settings, SettingsError, add_arguments, from_args
 from .startup import default_model_path, read_text_arg, startup_message
+
 
 # -- run ---------------------------------------------------------------------------------------
 def _add_run(sub) -> None:
@@ -22,18 +27,13 @@ def _add_run(sub) -> None:
     p.add_argument("--model", help="checkpoint folder, converted store, or hub repository owner/name (fetched "
                    "lazily) (default: built-in synthetic model)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the checkpoint's chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_arguments(p)
     add_arguments(p)
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args) -> int:
     import deltafin
-    from .runtime.generate import generate
     settings = from_args(args)
     path = args.model or default_model_path(settings)
     print(f"deltafin: {settings.summary()}", file=sys.stderr)
@@ -50,17 +50,16 @@ def cmd_run(args) -> int:
         from .runtime.saved_state import restore_or_build
         held = ids[:-1]
         state = restore_or_build(model, settings.prompt_cache, held, lambda m: print(f"deltafin: {m}", file=sys.stderr))
-    runner = model
-    if settings.profile:  # every pass prints a line as it ends
-        from .profile import PassRecorder, format_pass
-        runner = PassRecorder(model, on_pass=lambda i, s: print(format_pass(i, s), file=sys.stderr))
+    # With --profile every pass prints a line as it ends.
+    recorder = PassRecorder(report=lambda i, s: print(format_pass(i, s), file=sys.stderr))
 
     def on_token(token_id: int, text: str):
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    g = generate(runner, ids[len(held):], settings.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                 top_k=args.top_k, seed=args.seed, stop=args.stop, on_token=on_token, state=state, held_ids=held)
+    with model.observe(recorder) if settings.profile else contextlib.nullcontext():
+        g = generate(model, ids[len(held):], sampling.from_args(args, settings.max_new_tokens), on_token=on_token,
+                     state=state, held_ids=held)
     sys.stdout.write("\n")
     s = g.stats
     print(f"deltafin: {s['tokens']} tokens in {s['decode_seconds']:.2f} s ({s['decode_tok_s']:.2f} tok/s), "
@@ -68,11 +67,10 @@ def cmd_run(args) -> int:
           f"{s['passes']} passes ({s['tokens_per_pass']:.2f} tokens/pass), finish: {g.finish_reason}",
           file=sys.stderr)
     if settings.profile:
-        from .profile import format_summary
-        print(format_summary(runner.passes), file=sys.stderr)
-        residency = getattr(model.engine.provider, "residency", None)
+        print(format_summary(recorder.passes), file=sys.stderr)
+        residency = model.residency_now()
         if residency is not None:
-            print(f"  residency now: {residency()}", file=sys.stderr)
+            print(f"  residency now: {residency}", file=sys.stderr)
     return 0
 
 

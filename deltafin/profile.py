@@ -1,43 +1,32 @@
 """Where time and bytes went: per-pass lines and a summary from the engine's ``PassStats``.
 
-``PassRecorder`` stands in for a model wherever a model is expected (``generate`` takes it) and
-keeps each forward pass's stats, optionally reporting every pass as it ends. ``deltafin run
---profile`` and ``deltafin bench`` both use it.
+``PassRecorder`` is an engine observer (``with model.observe(recorder):``) that keeps each forward
+pass's stats, optionally reporting every pass as it ends. ``deltafin run --profile`` and ``deltafin
+bench`` both use it.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from .runtime.pass_stats import PassStats
+from .runtime.pass_stats import PassObserver, PassStats
 
 MB = 1e6
 
 
-class PassRecorder:
-    """A model whose forward() / forward_batch() also records the pass's stats (and when it ended)."""
+class PassRecorder(PassObserver):
+    """Every pass's stats (and when it ended); ``report(index, stats)`` is called as each one ends."""
 
-    def __init__(self, model, on_pass: Callable[[int, PassStats], None] | None = None):
-        self._model = model
-        self.on_pass = on_pass
+    def __init__(self, report: Callable[[int, PassStats], None] | None = None):
+        self.report = report
         self.passes: list[PassStats] = []
         self.ended: list[float] = []  # perf_counter() at the end of each pass
 
-    def forward(self, ids, state, *args, **kwargs):
-        return self._record(self._model.forward(ids, state, *args, **kwargs))
-
-    def forward_batch(self, seqs):
-        return self._record(self._model.forward_batch(seqs))
-
-    def _record(self, logits):
-        self.passes.append(self._model.engine.last_pass)
+    def on_pass(self, stats: PassStats) -> None:
+        self.passes.append(stats)
         self.ended.append(time.perf_counter())
-        if self.on_pass is not None:
-            self.on_pass(len(self.passes) - 1, self.passes[-1])
-        return logits
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+        if self.report is not None:
+            self.report(len(self.passes) - 1, stats)
 
 
 SOURCES = (("network", "bytes_from_network"), ("disk_cache", "bytes_from_cache"), ("disk", "bytes_read"),

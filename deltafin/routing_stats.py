@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import moe
+from .runtime.pass_stats import PassObserver
 
 
 @dataclass
@@ -37,35 +37,24 @@ class RoutingTrace:
 def trace_routing(model, prompt: list[int], new_tokens: int) -> RoutingTrace:
     """Prefill `prompt` and decode `new_tokens` greedily, recording every MoE layer's routing.
 
-    The router's selection function and the provider's expert reads are wrapped for the
-    duration of the call only (the model computes exactly as it would without the trace)."""
+    An engine observer watches the call's passes only (the model computes exactly as it would
+    without the trace)."""
     cfg = model.config
     trace = RoutingTrace(cfg.num_experts, cfg.experts_per_token, cfg.router_activation)
-    pending: list = []  # (x, gate, bias) of the route call whose layer is not known yet
-    route, experts = moe.route, model.engine.provider.experts
     rows: dict[int, list] = {}
     xs: dict[int, list] = {}
 
-    def recording_route(c, x, gate_w, bias):
-        pending.append((x.detach().float().clone(), gate_w, bias))
-        return route(c, x, gate_w, bias)
+    class Tracer(PassObserver):
+        def on_route(self, layer, ids, x):
+            rows.setdefault(layer, []).append(ids.detach().cpu().clone())
+            xs.setdefault(layer, []).append(x.detach().float().cpu().clone())
+            if layer not in trace.routers:
+                w = model.layer_weights(layer)
+                trace.routers[layer] = tuple(w[k].float().cpu().clone() for k in
+                                             ("mlp.gate", "mlp.e_score_correction_bias", "post_attention_layernorm"))
 
-    def recording_experts(i, ids, stats, residual=None):
-        x, gate_w, bias = pending.pop()
-        rows.setdefault(i, []).append(ids.detach().cpu().clone())
-        xs.setdefault(i, []).append(x.cpu())
-        if i not in trace.routers:
-            norm = model.engine.provider.spine(i, type(stats)())["post_attention_layernorm"]
-            trace.routers[i] = (gate_w.float().cpu().clone(), bias.float().cpu().clone(), norm.float().cpu().clone())
-        return experts(i, ids, stats, residual)
-
-    moe.route = recording_route
-    model.engine.provider.experts = recording_experts
-    try:
+    with model.observe(Tracer()):
         model.generate(prompt, max_new_tokens=new_tokens, speculate=False)  # drafts would add rejected rows
-    finally:
-        moe.route = route
-        del model.engine.provider.experts
     trace.ids = {i: torch.cat(r) for i, r in sorted(rows.items())}
     trace.inputs = {i: torch.cat(x) for i, x in sorted(xs.items())}
     return trace

@@ -73,7 +73,7 @@ def threads_message(model) -> str:
     if model.settings.threads:
         return f"{model.threads} compute threads (set)"
     why = "model in RAM: every core" if not model.streaming else "streaming: one core left to the readers"
-    rows = model.engine.row_threads
+    rows = model.row_threads
     if rows is not None and rows != model.threads:
         why += f"; {rows} for the products of a pass of several rows"
     return f"{model.threads} compute thread{'s' if model.threads != 1 else ''} (auto, {why})"

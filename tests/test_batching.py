@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.engine import Seq
 from deltafin.runtime.generate import generate
 from deltafin.runtime.scheduler import (ACCEPTED_DRAFTS, COST_SMOOTHING, MAX_PASS_ROWS, PASS_ROWS, PassCosts, Scheduler,
@@ -125,7 +126,7 @@ def _requests(model):
         if k % 3 == 1:
             prompt = prompt + prompt[:6] + prompt  # repetition gives the n-gram drafter something
         options = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.8, "top_k": 20, "seed": 7 + k}
-        out.append((prompt, (12, 5, 20, 1, 9, 16, 3, 7)[k], options))
+        out.append((prompt, SamplingParams(max_new_tokens=(12, 5, 20, 1, 9, 16, 3, 7)[k], **options)))
     return out
 
 
@@ -148,15 +149,15 @@ def _drafts(model, k: int, prompt: list[int], truth: list[int]) -> dict:
 
 @pytest.fixture(scope="module")
 def alone(model):
-    return [generate(model, p, n, prefill_chunk=PREFILL_CHUNK, **o) for p, n, o in _requests(model)]
+    return [generate(model, p, params, prefill_chunk=PREFILL_CHUNK) for p, params in _requests(model)]
 
 
 def _run_all(sched, model, alone) -> list:
     """Every request of _requests submitted at once (some with their own drafters); the results,
     with the scheduler closed."""
     try:
-        futures = [sched.submit(p, n, **o, **_drafts(model, k, p, want.generated))
-                   for k, ((p, n, o), want) in enumerate(zip(_requests(model), alone))]
+        futures = [sched.submit(p, params, **_drafts(model, k, p, want.generated))
+                   for k, ((p, params), want) in enumerate(zip(_requests(model), alone))]
         return [f.result(timeout=300) for f in futures]
     finally:
         sched.close()
@@ -177,7 +178,7 @@ def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
     # once, one decoding row per decode pass plus its drafts.
     t = sched.tally
     assert t.passes == sched.passes and t.forward_seconds > 0
-    assert t.prompt_rows == sum(len(p) for p, _, _ in _requests(model))
+    assert t.prompt_rows == sum(len(p) for p, _ in _requests(model))
     assert t.decoding == sum(g.stats["passes"] for g in got)
     assert t.rows - t.prompt_rows == sum(g.stats["passes"] + g.stats["drafted_tokens"] for g in got)
     assert t.decoding + len(got) <= t.sequences <= max_batch * t.passes
@@ -237,7 +238,7 @@ def test_sequences_whose_drafts_are_accepted_draft_as_they_would_alone(model):
     not free (one draft each within PASS_ROWS before), and every output is still the one it gets
     alone."""
     requests = [(_ids(model, 3 + k, 300 + k), 14) for k in range(8)]
-    alone = [generate(model, p, n, speculate=False) for p, n in requests]
+    alone = [generate(model, p, SamplingParams(max_new_tokens=n, speculate=False)) for p, n in requests]
 
     def oracle(prompt, truth):
         return lambda context, n: list(truth[len(context) - len(prompt):][:n])
@@ -246,7 +247,7 @@ def test_sequences_whose_drafts_are_accepted_draft_as_they_would_alone(model):
     sched = Scheduler(widest, 8, PREFILL_CHUNK)
     sched.costs = _SteepCosts()
     try:
-        futures = [sched.submit(p, n, speculate=True, drafter=oracle(p, want.generated))
+        futures = [sched.submit(p, SamplingParams(max_new_tokens=n, speculate=True), drafter=oracle(p, want.generated))
                    for (p, n), want in zip(requests, alone)]
         got = [f.result(timeout=300) for f in futures]
     finally:
@@ -289,8 +290,8 @@ def test_requests_sent_together_to_an_idle_engine_start_in_one_pass(model, alone
     sched = Scheduler(widest, 2, PREFILL_CHUNK)
     sched.costs.record(1, 600.0)  # a pass costs ten minutes: the first of two waits for the second
     try:
-        (p, n, o), (q, m, u) = _requests(model)[:2]
-        first, second = sched.submit(p, n, **o), sched.submit(q, m, **u)
+        (p, a), (q, b) = _requests(model)[:2]
+        first, second = sched.submit(p, a), sched.submit(q, b)
         assert first.result(timeout=300).tokens == alone[0].tokens
         assert second.result(timeout=300).tokens == alone[1].tokens
     finally:
@@ -302,16 +303,16 @@ def test_scheduler_takes_a_prefilled_state_and_cancels(model, alone):
     prefix, rest = _ids(model, 10, 50), _ids(model, 6, 51)
     held = model.new_state()
     model.forward(prefix, held)
-    want = generate(model, rest, 8, state=held.snapshot(), prefill_chunk=PREFILL_CHUNK)
+    want = generate(model, rest, SamplingParams(max_new_tokens=8), state=held.snapshot(), prefill_chunk=PREFILL_CHUNK)
     gone = threading.Event()
     gone.set()
     sched = Scheduler(model, 4, PREFILL_CHUNK)
     try:
-        cancelled = sched.submit(_ids(model, 30, 52), 50, cancel=gone)
-        got = sched.submit(rest, 8, state=held.snapshot())
-        p, n, o = _requests(model)[2]
-        other = sched.submit(p, n, **o)
-        bad = sched.submit([], 3)
+        cancelled = sched.submit(_ids(model, 30, 52), SamplingParams(max_new_tokens=50), cancel=gone)
+        got = sched.submit(rest, SamplingParams(max_new_tokens=8), state=held.snapshot())
+        p, params = _requests(model)[2]
+        other = sched.submit(p, params)
+        bad = sched.submit([], SamplingParams(max_new_tokens=3))
         assert cancelled.result(timeout=300).finish_reason == "cancelled"
         assert cancelled.result().tokens == []
         assert got.result(timeout=300).tokens == want.tokens
@@ -363,8 +364,8 @@ def test_server_answers_equal_each_request_served_alone(model, clients):
     # the engine itself, one request at a time (before the server's engine thread exists)
     engine = []
     for prompt, max_tokens, sampling, _, stop in requests:
-        g = generate(model, model.encode(prompt), max_tokens, prefill_chunk=4, stop=stop,
-                     temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0), seed=sampling.get("seed"))
+        g = generate(model, model.encode(prompt), SamplingParams(max_new_tokens=max_tokens, stop=stop, temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0), seed=sampling.get("seed")),
+                                         prefill_chunk=4)
         engine.append((g.text, g.finish_reason))
     with RunningServer(create_app(model, settings=settings)) as srv:
         scheduler = srv.server.config.app.state.service.scheduler

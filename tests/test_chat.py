@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from deltafin.runtime.sampling import SamplingParams
 import deltafin
 from deltafin.chat import Conversation, fixed_prefix, repl
 from deltafin.cli import main
@@ -57,7 +58,7 @@ def test_each_turn_prefills_only_new_tokens_and_answers_as_a_full_prefill(traine
         held = len(conv.held)
         g = conv.ask(text)
         assert conv.last["reused_tokens"] == held  # the template renders past turns as they were fed
-        whole = generate(trained, trained.encode_chat(conv.messages[:-1]), None)
+        whole = generate(trained, trained.encode_chat(conv.messages[:-1]), SamplingParams())
         assert (g.tokens, g.text) == (whole.tokens, whole.text)
         assert conv.state.max_abs_diff(prefilled(trained, conv.held)) <= STATE_TOL
     assert conv.last["prefilled_tokens"] < len(conv.held) // 2
@@ -72,7 +73,7 @@ def test_a_differently_rendered_answer_falls_back_to_the_kept_prompt_state(k3):
     g = conv.ask("Again", on_note=notes.append)
     assert conv.last["reused_tokens"] == len(first_prompt)
     assert "differently" in notes[0] and "kept after the last prompt" in notes[0]
-    whole = generate(k3, k3.encode_chat(conv.messages[:-1]), None)
+    whole = generate(k3, k3.encode_chat(conv.messages[:-1]), SamplingParams())
     assert g.tokens == whole.tokens
     assert conv.state.max_abs_diff(prefilled(k3, conv.held)) <= STATE_TOL
 
@@ -130,7 +131,7 @@ def test_save_load_reset_and_bad_files(k3, tiny_kl_path, tmp_path):
     assert "/save FILE" in out.getvalue()
     assert (conv.held, conv.messages) == (held, messages)  # failed loads changed nothing
     g = conv.ask("More")  # continues from the loaded state (as far as the template renders it the same)
-    assert g.tokens == generate(k3, k3.encode_chat(conv.messages[:-1]), None).tokens
+    assert g.tokens == generate(k3, k3.encode_chat(conv.messages[:-1]), SamplingParams()).tokens
 
 
 def test_a_conversation_too_long_for_the_context_is_refused_and_kept(k3):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import deltafin
-from deltafin.io.placement import ModelSizes
+from deltafin.checkpoint.sizes import ModelSizes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -30,7 +30,7 @@ def test_cuda_logits_match_cpu(request, fixture):
 
 def test_cuda_greedy_generation_matches_cpu(tiny_k3_path):
     prompt = [7, 93, 41, 250, 12, 77]
-    cpu = deltafin.load(tiny_k3_path, device="cpu", stream="off").generate(prompt, 12, speculate=False)
+    cpu = deltafin.load(tiny_k3_path, device="cpu", stream="off").generate(prompt, max_new_tokens=12, speculate=False)
     gpu = deltafin.load(tiny_k3_path, device="cuda", stream="on")
-    assert gpu.generate(prompt, 12) == gpu.generate(prompt, 12, speculate=False)
-    assert len(cpu) == 12 and gpu.generate(prompt, 12, speculate=False)[:4] == cpu[:4]
+    assert gpu.generate(prompt, max_new_tokens=12) == gpu.generate(prompt, max_new_tokens=12, speculate=False)
+    assert len(cpu) == 12 and gpu.generate(prompt, max_new_tokens=12, speculate=False)[:4] == cpu[:4]

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.generate import NgramDrafter, generate
 
 STATE_TOL = 1e-4
@@ -101,12 +102,12 @@ def test_speculation_equals_plain_greedy(model, truths, name):
     prompt, truth = truths[name]
     assert len(truth) == MAX_NEW  # the tiny model's EOS never comes first here
     if name in ("random", "code"):  # the non-speculative path of generate() itself
-        plain = generate(model, prompt, MAX_NEW, speculate=False)
+        plain = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW, speculate=False))
         assert plain.tokens == truth and plain.stats["drafted_tokens"] == 0
         assert plain.stats["passes"] == MAX_NEW - 1
         assert_state_is_prefill(model, prompt, plain)
     for n in (1, 7, MAX_NEW):
-        g = generate(model, prompt, n, speculate=True)
+        g = generate(model, prompt, SamplingParams(max_new_tokens=n, speculate=True))
         assert g.tokens == truth[:n] and g.generated == truth[:n]
         assert g.finish_reason == "length"
         assert_state_is_prefill(model, prompt, g)
@@ -125,7 +126,7 @@ def test_draft_rejected_at_every_position(model, truths, wrong_at):
     draft_len = model.settings.draft_len
     assert draft_len == 4
     oracle = Oracle(prompt, truth, model.config.vocab_size, wrong_at=wrong_at)
-    g = generate(model, prompt, n, drafter=oracle)
+    g = generate(model, prompt, SamplingParams(max_new_tokens=n), drafter=oracle)
     assert g.tokens == truth[:n]
     assert_state_is_prefill(model, prompt, g)
     # One pass per draft, and each pass took exactly the drafts before the wrong one plus the
@@ -145,7 +146,7 @@ def test_full_acceptance_and_longer_drafts_are_trimmed(model, truths):
     oracle = Oracle(prompt, truth, model.config.vocab_size, length=9)  # ignores max_len
     for n in (2, 5, 7, 13):
         oracle.calls.clear()
-        g = generate(model, prompt, n, drafter=oracle)
+        g = generate(model, prompt, SamplingParams(max_new_tokens=n), drafter=oracle)
         assert g.tokens == truth[:n] and g.finish_reason == "length"
         assert_state_is_prefill(model, prompt, g)
         # bursts of draft_len + 1 tokens; the last one shortened to what may still be produced
@@ -164,8 +165,8 @@ def test_eos_inside_an_accepted_burst(model, truths):
     eos = [truth[i]]
     oracle = Oracle(prompt, truth, model.config.vocab_size)
     seen = []
-    g = generate(model, prompt, MAX_NEW, eos_token_ids=eos, drafter=oracle,
-                 on_token=lambda t, text: seen.append(t))
+    g = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW),
+                 eos_token_ids=eos, drafter=oracle, on_token=lambda t, text: seen.append(t))
     assert g.tokens == truth[:i] == plain_greedy(model, prompt, MAX_NEW, eos=eos)
     assert g.finish_reason == "stop" and seen == g.tokens
     assert g.generated == truth[:i + 1]  # the EOS was produced, never returned
@@ -173,7 +174,7 @@ def test_eos_inside_an_accepted_burst(model, truths):
     assert done <= i < done + len(draft)  # EOS was an accepted draft with more accepted after it
     assert_state_is_prefill(model, prompt, g)
     # EOS as the very first token: nothing returned, the state is the prompt
-    g = generate(model, prompt, MAX_NEW, eos_token_ids=[truth[0]])
+    g = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW), eos_token_ids=[truth[0]])
     assert (g.tokens, g.generated, g.finish_reason, g.stats["passes"]) == ([], truth[:1], "stop", 0)
     assert_state_is_prefill(model, prompt, g)
 
@@ -189,7 +190,7 @@ def test_cancel_inside_a_burst(model, truths):
 
     # (the 4th token of this continuation is the first byte of a character: on_token would see it
     # only with the 5th, which completes it)
-    g = generate(model, prompt, MAX_NEW, drafter=oracle, on_token=on_token)
+    g = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW), drafter=oracle, on_token=on_token)
     assert g.finish_reason == "cancelled"
     assert g.tokens == seen == truth[:3] and g.generated == truth[:3]
     assert len(oracle.calls) == 1 and g.stats["passes"] == 1
@@ -230,8 +231,8 @@ def test_stop_string_across_a_burst_boundary(model, truths):
     for speculate in (True, False):
         oracle = Oracle(prompt, truth, model.config.vocab_size, length=2)
         calls = []
-        g = generate(model, prompt, MAX_NEW, speculate=speculate, drafter=oracle, stop=["\x00none", stop],
-                     on_token=lambda t, text: calls.append((t, text)))
+        g = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW, speculate=speculate, stop=["\x00none", stop]),
+                     drafter=oracle, on_token=lambda t, text: calls.append((t, text)))
         assert g.finish_reason == "stop"
         assert g.text == full[:at] and stop not in g.text
         assert g.tokens == truth[:kept] and g.generated == truth[:b + 1]
@@ -244,12 +245,13 @@ def test_stop_string_across_a_burst_boundary(model, truths):
 
 def test_text_held_back_for_a_possible_stop_string_is_released(model, truths):
     prompt, truth = truths["code"]
-    base = generate(model, prompt, MAX_NEW)
+    base = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW))
     assert base.text == _text_after(model.tokenizer, truth)
     # stop strings that begin like pieces of the output but never complete
     stops = [base.text[k] + "\x00" for k in range(0, len(base.text), 3)] + [base.text[-2:] + "\x00"]
     calls = []
-    g = generate(model, prompt, MAX_NEW, stop=stops, on_token=lambda t, text: calls.append((t, text)))
+    g = generate(model, prompt, SamplingParams(max_new_tokens=MAX_NEW, stop=stops),
+                 on_token=lambda t, text: calls.append((t, text)))
     assert (g.tokens, g.text, g.finish_reason) == (truth, base.text, "length")
     assert [t for t, _ in calls] == truth and "".join(x for _, x in calls) == base.text
 
@@ -260,21 +262,21 @@ def test_seeded_sampling_is_reproducible(model, truths):
     prompt, truth = truths["random"]
     n = 12
     kw = dict(temperature=0.9, top_p=0.95, top_k=40)
-    a = generate(model, prompt, n, seed=123, **kw)
-    b = generate(model, prompt, n, seed=123, **kw)
+    a = generate(model, prompt, SamplingParams(max_new_tokens=n, seed=123, **kw))
+    b = generate(model, prompt, SamplingParams(max_new_tokens=n, seed=123, **kw))
     assert a.tokens == b.tokens and len(a.tokens) == n
     assert a.stats["drafted_tokens"] == 0  # sampling never speculates
     assert_state_is_prefill(model, prompt, a)
-    others = {tuple(generate(model, prompt, n, seed=s, temperature=1.5).tokens) for s in (1, 2)}
+    others = {tuple(generate(model, prompt, SamplingParams(max_new_tokens=n, seed=s, temperature=1.5)).tokens) for s in (1, 2)}
     assert len(others) > 1
     # top_k=1 and a tiny top_p leave only the argmax
-    assert generate(model, prompt, n, seed=5, temperature=1.0, top_k=1).tokens == truth[:n]
-    assert generate(model, prompt, n, seed=5, temperature=1.0, top_p=1e-6).tokens == truth[:n]
+    assert generate(model, prompt, SamplingParams(max_new_tokens=n, seed=5, temperature=1.0, top_k=1)).tokens == truth[:n]
+    assert generate(model, prompt, SamplingParams(max_new_tokens=n, seed=5, temperature=1.0, top_p=1e-6)).tokens == truth[:n]
 
 
 def test_sampling_respects_top_k(model, truths):
     prompt, _ = truths["code"]
-    g = generate(model, prompt, 12, seed=7, temperature=2.0, top_k=3)
+    g = generate(model, prompt, SamplingParams(max_new_tokens=12, seed=7, temperature=2.0, top_k=3))
     logits = model.forward(prompt + g.tokens[:-1], model.new_state())[len(prompt) - 1:]
     allowed = logits.topk(3, dim=-1).indices.tolist()
     assert all(t in row for t, row in zip(g.tokens, allowed))
@@ -285,23 +287,23 @@ def test_sampling_respects_top_k(model, truths):
 def test_bad_input_is_refused(model):
     vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
     with pytest.raises(ValueError, match="empty"):
-        generate(model, [], 4)
+        generate(model, [], SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match=r"id -1\b"):
-        generate(model, [5, -1], 4)
+        generate(model, [5, -1], SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match=rf"id {vocab}\b"):
-        generate(model, [5, vocab, 6], 4)
+        generate(model, [5, vocab, 6], SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="not an integer"):
-        generate(model, [5, "6"], 4)
+        generate(model, [5, "6"], SamplingParams(max_new_tokens=4))
     state = model.new_state()
     with pytest.raises(ValueError, match=rf"{limit} tokens \(max_position_embeddings\)"):
-        generate(model, [5] * (limit - 3), 4, state=state)
+        generate(model, [5] * (limit - 3), SamplingParams(max_new_tokens=4), state=state)
     assert state.num_tokens == 0
     for kw in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(stop=[""]), dict(stop=[3])):
         with pytest.raises(ValueError):
-            generate(model, [5, 6], 4, **kw)
+            generate(model, [5, 6], SamplingParams(max_new_tokens=4, **kw))
     with pytest.raises(ValueError, match=rf"draft token 0 has id {vocab}\b"):
-        generate(model, [5, 6], 4, drafter=lambda context, n: [vocab])
-    g = generate(model, [5, 6], 0)
+        generate(model, [5, 6], SamplingParams(max_new_tokens=4), drafter=lambda context, n: [vocab])
+    g = generate(model, [5, 6], SamplingParams(max_new_tokens=0))
     assert (g.tokens, g.finish_reason, g.state.num_tokens) == ([], "length", 0)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from deltafin.runtime.sampling import SamplingParams
 import deltafin
 from deltafin.runtime.generate import generate
 from deltafin.serve.app import create_app
@@ -98,21 +99,21 @@ def test_weights_read_fault_is_a_503_and_health_turns_degraded(tiny_k3_path, tmp
 
 def test_tiny_temperature_is_greedy_and_nan_is_refused(model):
     ids = model.encode("The river ran")
-    greedy = generate(model, ids, 6).tokens
+    greedy = generate(model, ids, SamplingParams(max_new_tokens=6)).tokens
     for t in (1e-300, 1e-30, 1e-9):
-        assert generate(model, ids, 6, temperature=t, seed=1, top_p=0.9, top_k=5).tokens == greedy
+        assert generate(model, ids, SamplingParams(max_new_tokens=6, temperature=t, seed=1, top_p=0.9, top_k=5)).tokens == greedy
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="temperature"):
-            generate(model, ids, 2, temperature=bad)
+            generate(model, ids, SamplingParams(max_new_tokens=2, temperature=bad))
     with pytest.raises(ValueError, match="seed"):
-        generate(model, ids, 2, temperature=0.5, seed=1 << 64)
+        generate(model, ids, SamplingParams(max_new_tokens=2, temperature=0.5, seed=1 << 64))
 
 
 def test_server_ranges_name_the_parameter(model):
     with serving(model) as srv:
         r = srv.request("POST", COMPLETIONS, {"prompt": "The river ran", "max_tokens": 4, "temperature": 1e-300})
         assert r[0] == 200
-        assert r[1]["choices"][0]["text"] == generate(model, model.encode("The river ran"), 4).text
+        assert r[1]["choices"][0]["text"] == generate(model, model.encode("The river ran"), SamplingParams(max_new_tokens=4)).text
         r = srv.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "temperature": 0.5, "seed": 1 << 63})
         assert r[0] == 200  # any 64-bit seed is a seed
         for body, param in (({"seed": 1 << 64}, "seed"), ({"seed": -(1 << 63) - 1}, "seed"),
@@ -390,7 +391,7 @@ def test_hub_cache_snapshot_symlinks_keep_working(tiny_k3_path, tmp_path):
     m = deltafin.load(snap, device="cpu", stream="on")
     ref = deltafin.load(tiny_k3_path, device="cpu", stream="off")
     ids = ref.encode("The river ran")
-    assert generate(m, ids, 4).tokens == generate(ref, ids, 4).tokens
+    assert generate(m, ids, SamplingParams(max_new_tokens=4)).tokens == generate(ref, ids, SamplingParams(max_new_tokens=4)).tokens
     # ...but a snapshot link that leaves the repo's cache folder is still refused
     from deltafin.checkpoint.hf import CheckpointError, HFCheckpoint
     (tmp_path / "elsewhere.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
@@ -759,10 +760,10 @@ def test_fuzz_request_bodies(body, kind):
         assert e.status == 400 and e.message and (e.param is None or isinstance(e.param, str))
         return
     # accepted: every field is in its range
-    assert 0.0 <= req.temperature <= 2.0 and 0.0 < req.top_p <= 1.0 and req.top_k >= 0
+    assert 0.0 <= req.sampling.temperature <= 2.0 and 0.0 < req.sampling.top_p <= 1.0 and req.sampling.top_k >= 0
     assert req.max_tokens is None or req.max_tokens >= 1
-    assert req.seed is None or -(1 << 63) <= req.seed < (1 << 64)
-    assert all(isinstance(s, str) and s for s in req.stop) and len(req.stop) <= 16
+    assert req.sampling.seed is None or -(1 << 63) <= req.sampling.seed < (1 << 64)
+    assert all(isinstance(s, str) and s for s in req.sampling.stop) and len(req.sampling.stop) <= 16
     assert (req.messages is not None) == (kind == "chat")
 
 

@@ -12,9 +12,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "deltafin"
 
 # Lowest first: a module may import from its own layer and the layers below it, never above.
 LAYERS = [
-    ["errors"],
+    ["errors", "units"],
     ["files"],
-    ["settings", "config", "tokenizer"],
+    ["settings", "config", "tokenizer", "units"],
     ["kernels"],
     ["model"],
     ["checkpoint"],

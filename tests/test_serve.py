@@ -16,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 
+from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.generate import generate
 from deltafin.serve.app import create_app, uvicorn_config
 from deltafin.serve.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, parse_chat, parse_completion,
@@ -148,7 +149,7 @@ def test_chat_matches_engine_and_tokenizer(server, model):
     tok = model.tokenizer
     assert ids == tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                              add_special_tokens=False)
-    want = generate(model, ids, 6)
+    want = generate(model, ids, SamplingParams(max_new_tokens=6))
     assert want.tokens
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == model.name
     assert r.created > 0 and len(r.choices) == 1
@@ -165,7 +166,7 @@ def test_chat_stream_with_usage(server, model):
         model=model.name, messages=messages, max_tokens=5, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     ids = model.encode_chat(messages)
-    want = generate(model, ids, 5)
+    want = generate(model, ids, SamplingParams(max_new_tokens=5))
     assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     with_choices = [c for c in chunks if c.choices]
@@ -181,7 +182,7 @@ def test_completions_plain_and_streamed(server, model):
     prompt = "The river ran slowly past the old mill"
     ids = model.encode(prompt)
     assert ids == model.tokenizer.encode(prompt, add_special_tokens=False)
-    want = generate(model, ids, 6)
+    want = generate(model, ids, SamplingParams(max_new_tokens=6))
     r = c.completions.create(model=model.name, prompt=prompt, max_tokens=6, temperature=0)
     assert r.object == "text_completion" and r.choices[0].text == want.text
     assert r.choices[0].finish_reason == want.finish_reason
@@ -189,7 +190,7 @@ def test_completions_plain_and_streamed(server, model):
         (len(ids), len(want.tokens), len(ids) + len(want.tokens))
 
     whole = want
-    want = generate(model, ids, 4)
+    want = generate(model, ids, SamplingParams(max_new_tokens=4))
     chunks = list(c.completions.create(model=model.name, prompt=prompt, max_tokens=4, temperature=0, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
@@ -204,7 +205,7 @@ def test_completions_plain_and_streamed(server, model):
 def test_stop_strings_plain_and_streamed(server, model):
     prompt = "Question: What is the capital of France?\nAnswer:"
     ids = model.encode(prompt)
-    text = generate(model, ids, 12).text
+    text = generate(model, ids, SamplingParams(max_new_tokens=12)).text
     # a stop string of plain letters that first occurs inside the output, not at its start
     at = next((i for i in range(2, len(text) - 2)
                if text[i:i + 2].isascii() and text[i:i + 2].isalpha() and text.find(text[i:i + 2]) == i), None)
@@ -223,7 +224,7 @@ def test_max_tokens_is_clamped_to_the_cap(model):
     app = create_app(model, settings=dataclasses.replace(model.settings, max_tokens_cap=3))
     messages = _ask("Tell me a long story.")
     ids = model.encode_chat(messages)
-    want = generate(model, ids, 3)
+    want = generate(model, ids, SamplingParams(max_new_tokens=3))
     with RunningServer(app) as srv:
         c = srv.client()
         for extra in ({}, {"max_tokens": 50}, {"max_completion_tokens": 50}):  # omitted: chat runs to EOS, capped
@@ -268,7 +269,7 @@ def test_memo_answers_repeated_deterministic_requests(server, model, logs):
 @pytest.mark.parametrize("max_batch", [1, 2])
 def test_request_beyond_max_batch_waits(model, logs, max_batch):
     messages = _ask("Is this request waiting?")
-    want = generate(model, model.encode_chat(messages), 3).text  # the engine serves one thread at a time
+    want = generate(model, model.encode_chat(messages), SamplingParams(max_new_tokens=3)).text  # the engine serves one thread at a time
     settings = dataclasses.replace(model.settings, max_batch=max_batch)
     with RunningServer(create_app(model, settings=settings)) as srv:
         longs = [_start_long_stream(srv, model) for _ in range(max_batch)]
@@ -525,7 +526,7 @@ def test_long_prompts_leave_block_states_for_prompts_that_share_a_beginning(mode
         conn.close()
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 32
-    assert second.choices[0].text == generate(model, base + [11, 12], 3).text
+    assert second.choices[0].text == generate(model, base + [11, 12], SamplingParams(max_new_tokens=3)).text
     for line in ('deltafin_prefix_cache_lookups_total{result="hit"} 1',
                  'deltafin_prefix_cache_lookups_total{result="miss"} 1', "deltafin_prefix_cache_tokens_total 32",
                  "deltafin_prefix_cache_entries 7"):  # 16, 32, 48, 50, 52 (its end); 42, 44

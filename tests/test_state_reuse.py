@@ -14,6 +14,7 @@ import struct
 import pytest
 import torch
 
+from deltafin.runtime.sampling import SamplingParams
 import deltafin
 from deltafin.runtime.generate import generate
 from deltafin.model.state import DecodeState, StateFileError
@@ -112,13 +113,13 @@ def test_state_after_speculation_rollbacks_is_reusable(models, name):
     from a copy of it gives the logits of a full prefill of everything it holds."""
     model = models[name]
     prompt = _ids(model, 20, seed=3)
-    truth = generate(model, prompt, 12, speculate=False).generated
+    truth = generate(model, prompt, SamplingParams(max_new_tokens=12, speculate=False)).generated
 
     def drafter(context, n):  # one right token, then a wrong one: every pass accepts and rolls back
         i = len(context) - len(prompt)
         return (truth[i:i + 1] + [5] * n)[:n]
 
-    g = generate(model, prompt, 12, speculate=True, drafter=drafter)
+    g = generate(model, prompt, SamplingParams(max_new_tokens=12, speculate=True), drafter=drafter)
     assert g.generated == truth and 0 < g.stats["accepted_draft_tokens"] < g.stats["drafted_tokens"]
     held = prompt + g.generated[:-1]
     cache = PrefixCache(budget_bytes=1 << 30)
@@ -204,17 +205,17 @@ def test_bad_state_files_get_clear_errors(models, tmp_path):
 def test_generate_after_a_reused_prefix_gives_the_same_text(models):
     model = models["k3"]
     ids = model.encode("The committee met on Thursday. After a long discussion about the budget, they agreed to")
-    whole = generate(model, ids, 16, speculate=True)
+    whole = generate(model, ids, SamplingParams(max_new_tokens=16, speculate=True))
     seen = []
     for cut in (3, len(ids) - 1):
         st = model.new_state()
         model.forward(ids[:cut], st)
-        g = generate(model, ids[cut:], 16, speculate=True, state=st, held_ids=ids[:cut],
-                     on_prefill=lambda s: seen.append(s.num_tokens))
+        g = generate(model, ids[cut:], SamplingParams(max_new_tokens=16, speculate=True),
+                     state=st, held_ids=ids[:cut], on_prefill=lambda s: seen.append(s.num_tokens))
         assert (g.tokens, g.text) == (whole.tokens, whole.text)
         assert g.state.num_tokens == len(ids) + len(g.generated) - 1
     assert seen == [len(ids), len(ids)]
     with pytest.raises(ValueError, match="held_ids has 2 tokens, but the state holds 3"):
         st = model.new_state()
         model.forward(ids[:3], st)
-        generate(model, ids[3:], 4, state=st, held_ids=ids[:2])
+        generate(model, ids[3:], SamplingParams(max_new_tokens=4), state=st, held_ids=ids[:2])

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deltafin.runtime.sampling import SamplingParams
 import deltafin
 from deltafin.chat import Conversation
 from deltafin.checkpoint.tokenizer_data import CORPUS
@@ -53,16 +54,16 @@ def main(argv=None) -> int:
     question = "Summarize the text above in one sentence."
 
     conv = Conversation(model, system="You are a helpful assistant.")
-    t1 = conv.ask("Read this:\n\n" + history_text(model, args.history_tokens), n, speculate=False)
+    t1 = conv.ask("Read this:\n\n" + history_text(model, args.history_tokens), SamplingParams(max_new_tokens=n, speculate=False))
     turn1 = dict(conv.last)
     prompt_ids, prompt_state = conv.anchor  # the state right after turn 1's prompt
     history = list(conv.messages)
-    reused = conv.ask(question, n, speculate=False)
+    reused = conv.ask(question, SamplingParams(max_new_tokens=n, speculate=False))
     turn2 = dict(conv.last)
 
     fresh = Conversation(model, system="You are a helpful assistant.")
     fresh.messages = history
-    full = fresh.ask(question, n, speculate=False)
+    full = fresh.ask(question, SamplingParams(max_new_tokens=n, speculate=False))
     turn2_full = dict(fresh.last)
 
     with tempfile.TemporaryDirectory() as tmp:

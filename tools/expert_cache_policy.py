@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deltafin  # noqa: E402
 from deltafin.io.placement import ExpertSlots  # noqa: E402
+from deltafin.runtime.pass_stats import PassObserver  # noqa: E402
 
 TEXTS = [
     "def parse_args(argv):\n    parser = argparse.ArgumentParser(description=",
@@ -37,22 +38,18 @@ TEXTS = [
 def record(path: str, tokens: int, prompts: int, use_random: bool, seed: int) -> list[list[tuple[int, list[int]]]]:
     """Per decode pass: [(layer, chosen experts), ...], over `prompts` generations."""
     model = deltafin.load(path, device="cpu", stream="off", speculate=False)
-    provider = model.engine.provider
     passes: list[list[tuple[int, list[int]]]] = []
-    real = provider.experts
 
-    def experts(i, ids, stats, residual=None):
-        passes[-1].append((i, sorted(set(ids.flatten().tolist()))))
-        return real(i, ids, stats, residual)
+    class Recorder(PassObserver):
+        routes: list = []
 
-    provider.experts = experts
-    start = provider.start_pass
+        def on_route(self, layer, ids, x):
+            self.routes.append((layer, sorted(set(ids.flatten().tolist()))))
 
-    def start_pass(stats):
-        passes.append([])
-        return start(stats)
+        def on_pass(self, stats):
+            passes.append(self.routes)
+            self.routes = []
 
-    provider.start_pass = start_pass
     rng = random.Random(seed)
     for k in range(prompts):
         if use_random or model.tokenizer is None:
@@ -60,7 +57,8 @@ def record(path: str, tokens: int, prompts: int, use_random: bool, seed: int) ->
         else:
             ids = model.encode(TEXTS[k % len(TEXTS)])
         before = len(passes)
-        model.generate(ids, max_new_tokens=tokens, speculate=False)
+        with model.observe(Recorder()):
+            model.generate(ids, max_new_tokens=tokens, speculate=False)
         del passes[before]  # the prefill: one pass over the whole prompt, not decode routing
     return passes
 

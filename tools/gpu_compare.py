@@ -53,7 +53,7 @@ def cpu_check(path: str, tokens: int) -> dict:
     out = {}
     for dev in ("cuda", "cpu"):
         m = deltafin.load(path, device=dev, stream="off", dtype="float32")
-        out[dev] = m.generate(prompt, tokens, speculate=False)
+        out[dev] = m.generate(prompt, max_new_tokens=tokens, speculate=False)
         del m
     return {"fp32_tokens_cuda": out["cuda"], "fp32_tokens_cpu": out["cpu"],
             "fp32_tokens_identical": out["cuda"] == out["cpu"]}
@@ -100,7 +100,7 @@ def launches(path: str, tokens: int = 64) -> dict:
             m.forward([8 + t], state)
         out[name]["pass_ms"] = (time.perf_counter() - t0) / tokens * 1e3
         if graphs:
-            out[name]["replayed"] = m.engine.graphs.replayed if m.engine.graphs else 0
+            out[name]["replayed"] = (m.graph_stats() or {}).get("replayed", 0)
         del m, state
         torch.cuda.empty_cache()
     return {"launches": out}

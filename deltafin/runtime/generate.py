@@ -14,7 +14,6 @@ gives after exactly the tokens before it, so the output equals plain greedy deco
 """
 from __future__ import annotations
 
-import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .engine import Seq
+from .sampling import SamplingParams
 from ..tokenizer import stream_decoder
 
 if TYPE_CHECKING:
@@ -52,10 +52,10 @@ class Generation:
     state: "DecodeState | None" = None
 
 
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int | None = None, **options) -> Generation:
-    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``: one ``Decoding`` driven alone,
-    one forward pass at a time. The options are ``Decoding``'s."""
-    d = Decoding(model, prompt_ids, max_new_tokens, **options)
+def generate(model, prompt_ids: Sequence[int], params: SamplingParams | None = None, **options) -> Generation:
+    """Generate after ``prompt_ids`` as ``params`` says (default: greedy, the model's max_new_tokens):
+    one ``Decoding`` driven alone, one forward pass at a time. The options are ``Decoding``'s."""
+    d = Decoding(model, prompt_ids, params, **options)
     while not d.done:
         d.take(model.forward_batch([d.next_pass()])[0])
     return d.result()
@@ -70,7 +70,8 @@ class Decoding:
     pass, so a request's output is the same however it is batched (up to the rounding of matrix
     products over a different number of rows).
 
-    ``None`` for ``max_new_tokens`` or ``speculate`` means the model's settings. The prompt is
+    ``params`` (a ``SamplingParams``; default greedy) says how tokens are picked and when generation
+    stops; ``None`` for its ``max_new_tokens`` or ``speculate`` means the model's settings. The prompt is
     prefilled after whatever ``state`` already holds (a fresh state if none is given), in one pass,
     or in pieces of ``prefill_chunk`` tokens when that is > 0. The state is returned in
     ``Generation.state``. ``held_ids`` are the token ids that ``state`` already holds (a reused
@@ -107,9 +108,7 @@ class Decoding:
     as plain greedy decoding leaves it: the last produced token is known but not yet fed.
     """
 
-    def __init__(self, model, prompt_ids: Sequence[int], max_new_tokens: int | None = None, *,
-                 speculate: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+    def __init__(self, model, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                  on_token: OnToken | None = None, state: "DecodeState | None" = None,
                  eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None,
                  held_ids: Sequence[int] | None = None,
@@ -118,20 +117,12 @@ class Decoding:
         prompt = _check_ids(prompt_ids, config.vocab_size, "prompt")
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed to start generating")
-        max_new = settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if seed is not None and not -(1 << 63) <= int(seed) < (1 << 64):
-            raise ValueError(f"seed must be a 64-bit integer, got {seed}")
+        p = SamplingParams() if params is None else params
+        max_new = settings.max_new_tokens if p.max_new_tokens is None else int(p.max_new_tokens)
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
-        stops = _check_stops(stop, model.tokenizer)
+        if p.stop and model.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
         state = model.new_state() if state is None else state
         held = state.num_tokens
         history = _check_ids(held_ids or (), config.vocab_size, "held")
@@ -147,20 +138,20 @@ class Decoding:
         self.vocab = config.vocab_size
         self.prompt, self.max_new, self.state = prompt, max_new, state
         self.prefill_chunk = prefill_chunk or len(prompt)
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.params = p
         self.rng: torch.Generator | None = None
-        if temperature > 0:
+        if not p.greedy:
             self.rng = torch.Generator()
-            if seed is None:
+            if p.seed is None:
                 self.rng.seed()  # fresh entropy for this call only; the global generator is untouched
             else:
-                self.rng.manual_seed(int(seed))
-        self.spec = (settings.speculate if speculate is None else bool(speculate)) and self.rng is None
+                self.rng.manual_seed(int(p.seed))
+        self.spec = (settings.speculate if p.speculate is None else bool(p.speculate)) and self.rng is None
         self.drafter = drafter
         if self.spec and drafter is None:
             self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
         self.draft_len = settings.draft_len
-        self.out = _Output(model.tokenizer, history + prompt, stops, on_token)
+        self.out = _Output(model.tokenizer, history + prompt, list(p.stop), on_token)
         self.on_prefill = on_prefill
         self.stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0,
                       "drafted_tokens": 0, "tokens_per_pass": 0.0, "prefill_tokens": len(prompt),
@@ -272,7 +263,8 @@ class Decoding:
         """The produced token(s): logits may be on the compute device (``next_pass`` asks for that),
         where the argmax runs too, so only the chosen ids come back to the host."""
         if self.rng is not None:
-            return [_sample(logits[-1], self.temperature, self.top_k, self.top_p, self.rng)]
+            p = self.params
+            return [_sample(logits[-1], p.temperature, p.top_k, p.top_p, self.rng)]
         return logits.argmax(dim=-1).tolist()
 
     def _consume(self, token: int) -> str | None:
@@ -339,18 +331,6 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> list[int]:
             raise ValueError(f"{what} token {i} has id {t}, outside the vocabulary [0, {vocab})")
         out.append(t)
     return out
-
-
-def _check_stops(stop: str | Sequence[str] | None, tokenizer) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-    if stops and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer, and this model has none")
-    return stops
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rng: torch.Generator) -> int:

@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .generate import Decoding
+from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -49,43 +50,38 @@ log = logging.getLogger(__name__)
 PASS_ROWS = 16
 # Rows a pass carries at most while sequences decode, where the measured costs allow: streamed
 # from disk a pass reads the same bytes for 8 rows or 40, so drafts and prompt pieces beyond
-# PASS_ROWS come almost free (k3-slice, 8 clients: 16 rows left each stream one draft token and
-# newcomers 16 prompt rows a pass, while the passes cost 7-9 s of reads each).
+# PASS_ROWS come almost free (measured: docs/benchmarks.md#scheduler).
 MAX_PASS_ROWS = 64
 # Drafts take rows beyond PASS_ROWS while a pass is estimated to cost at most this much more than
 # the decoding sequences' tokens alone (a rejected draft row then costs next to nothing).
 FREE_ROWS_COST = 1.1
 # How much longer than the decoding sequences' own pass a pass that also reads one newcomer's
-# prompt may take. Rows are not a measure of cost: in RAM, on small-k3, one decoding token plus 15
-# prompt rows cost ~4x the token alone, while beside 8 decoding tokens 8 more rows cost ~1.3x. At
-# 1.5 a running stream's inter-token time grows by about half while a long prompt is read in.
+# prompt may take. Rows are not a measure of cost: in RAM a few prompt rows beside one decoding
+# token cost several times the token alone, beside many decoding tokens little more. At 1.5 a
+# running stream's inter-token time grows by about half while a long prompt is read in.
 # Each further newcomer waiting adds as much again (PROMPT_COST_FACTOR - 1 of the streams' pass):
 # their waits are latency users see too, and a newcomer let in a row or two per pass beside
-# several streams stays out of the shared passes for dozens of them (eight clients arriving
-# together decoded ~3 at a time on average, against ~6 with this allowance).
+# several streams stays out of the shared passes for dozens of them (measured:
+# docs/benchmarks.md#scheduler).
 PROMPT_COST_FACTOR = 1.5
 # A sequence whose drafts have been accepted at least at this rate (accepted over drafted tokens,
 # over its generation so far) drafts as it would alone, not only its share of the rows: its draft
-# rows then yield tokens at that rate, while one pass per token is what the batch saves. Streamed k3-slice,
-# greedy clients: one alone took 3 tokens a pass (4 passes for 12 tokens), beside seven others 1.6
-# (16 rows: one draft each), so eight clients gained less than half of what they shared.
+# rows then yield tokens at that rate, while one pass per token is what the batch saves (measured:
+# docs/benchmarks.md#scheduler).
 ACCEPTED_DRAFTS = 0.5
 # When the engine is idle and a request comes, it waits up to this share of a one-row pass's
 # measured cost for others arriving with it, so that they start in the same pass: clients that
 # send together reach the engine milliseconds apart, and a newcomer one pass late beside the
-# others finishes one pass late. Streamed from disk (passes of seconds) the first pass otherwise
-# carried one of four or eight clients sent together; a lone request's first token comes up to
-# this share of a pass later.
+# others finishes one pass late. A lone request's first token comes up to this share of a pass
+# later (measured: docs/benchmarks.md#scheduler).
 GATHER_SHARE = 0.05
-# ... and at least this long: in RAM a one-row pass of small-k3 costs ~20-40 ms, whose 5% (1-2 ms)
-# is shorter than eight clients take to send together, so the first pass carried two of them and the
-# others' prompts then trickled in beside the running streams a few rows a pass.
+# ... and at least this long: in RAM that share of a one-row pass is shorter than clients sending
+# together take to arrive.
 GATHER_MIN_SECONDS = 0.02
 # While requests keep coming, each arrival extends the wait to GATHER_MIN_SECONDS after it, up to
-# this long (or the share above, when longer): eight clients of one load generator reached the
-# engine over more than 20 ms (6 of 8 were there after 20 ms), and the two late ones then ran a pass
-# behind the others for the rest of the run (72-74 passes for 64 passes' tokens). A lone request
-# still waits GATHER_MIN_SECONDS.
+# this long (or the share above, when longer): clients of one load generator arrive spread over
+# more than GATHER_MIN_SECONDS, and a late one runs a pass behind the others for the rest of the
+# run. A lone request still waits GATHER_MIN_SECONDS.
 GATHER_MAX_SECONDS = 0.1
 # Weight of the newest pass in the running mean of pass seconds per row count.
 COST_SMOOTHING = 0.3
@@ -238,17 +234,17 @@ class Scheduler:
     def passes(self) -> int:
         return self.tally.passes
 
-    def submit(self, prompt_ids, max_new_tokens: int | None = None, *, cancel: threading.Event | None = None,
+    def submit(self, prompt_ids, params: SamplingParams | None = None, *, cancel: threading.Event | None = None,
                **options) -> Future:
         """Queue one generation; its Future resolves to a ``Generation`` (or the error that ended it).
 
-        ``options`` are ``Decoding``'s (sampling, stop, on_token, a pre-filled ``state``, ...);
+        ``params`` and ``options`` are ``Decoding``'s (on_token, a pre-filled ``state``, ...);
         ``on_token`` is called from the engine thread. Setting ``cancel`` ends the generation before
         the next pass with finish_reason "cancelled". Bad arguments fail the Future at once.
         """
         future: Future = Future()
         try:
-            decoding = Decoding(self.model, prompt_ids, max_new_tokens, prefill_chunk=self.prefill_chunk, **options)
+            decoding = Decoding(self.model, prompt_ids, params, prefill_chunk=self.prefill_chunk, **options)
         except Exception as e:
             future.set_exception(e)
             return future

@@ -21,13 +21,13 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
 import os
 import threading
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,8 @@ from deltafin.serve import metrics as metrics_mod
 from deltafin import settings as settings_mod
 from deltafin.errors import DeltafinError
 from deltafin.serve.prefix_cache import PrefixCache
+from deltafin.runtime.pass_stats import PassObserver
+from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.scheduler import Scheduler
 from deltafin.serve.protocol import (
     MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
@@ -124,14 +126,9 @@ class EngineGate:
 
 @dataclass(frozen=True)
 class Job:
-    """One generation, as the engine sees it."""
+    """One generation, as the engine sees it (also its memo key, with the served name)."""
     prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
+    params: SamplingParams  # max_new_tokens resolved; canonical (greedy ignores the sampling knobs)
 
 
 @dataclass(frozen=True)
@@ -171,21 +168,15 @@ class ResponseMemo:
         return len(self._entries)
 
 
-class _CountPasses:
-    """The model as the scheduler sees it: each forward pass also reports its weight bytes."""
+class _CountBytes(PassObserver):
+    """Every pass's weight bytes into the server's counter, by where they came from."""
 
-    def __init__(self, model, on_pass):
-        self._model, self._on_pass = model, on_pass
+    def __init__(self, counter):
+        self.counter = counter
 
-    def forward_batch(self, seqs):
-        out = self._model.forward_batch(seqs)
-        stats = getattr(getattr(self._model, "engine", None), "last_pass", None)
-        if stats is not None:
-            self._on_pass(stats)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+    def on_pass(self, stats) -> None:
+        self.counter.inc(stats.bytes_read, source="disk")
+        self.counter.inc(stats.bytes_from_ram, source="ram")
 
 
 class Service:
@@ -220,7 +211,9 @@ class Service:
         self.metrics = metrics_mod.Registry()
         self._count_metrics()
         # The engine runs off the event loop, on the scheduler's thread.
-        self.scheduler = Scheduler(_CountPasses(model, self._count_pass), settings.max_batch, settings.prefill_chunk)
+        self._open = contextlib.ExitStack()  # what close() ends
+        self._open.enter_context(model.observe(_CountBytes(self.weight_bytes)))
+        self.scheduler = Scheduler(model, settings.max_batch, settings.prefill_chunk)
         # Chat templates and tokenizers run here, so a slow one never holds up the event loop.
         self.renderer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltafin-render")
 
@@ -265,12 +258,9 @@ class Service:
                        lambda: {("plan",): tally().plan_seconds, ("forward",): tally().forward_seconds,
                                 ("take",): tally().take_seconds}, ("part",))
 
-    def _count_pass(self, stats) -> None:
-        self.weight_bytes.inc(stats.bytes_read, source="disk")
-        self.weight_bytes.inc(stats.bytes_from_ram, source="ram")
-
     def close(self) -> None:
         self.scheduler.close()
+        self._open.close()
         self.renderer.shutdown(wait=False, cancel_futures=True)
 
     def without_paths(self, text: str) -> str:
@@ -344,12 +334,10 @@ class Service:
 
     def job(self, req: ParsedRequest, prompt_ids: list[int]) -> Job:
         max_tokens = resolve_max_tokens(req, len(prompt_ids), self.context, self.settings.max_tokens_cap)
-        if req.temperature == 0:  # greedy decoding ignores the sampling knobs: one memo key for all
-            return Job(tuple(prompt_ids), max_tokens, 0.0, 1.0, 0, None, req.stop)
-        return Job(tuple(prompt_ids), max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop)
+        return Job(tuple(prompt_ids), req.sampling.replace(max_new_tokens=max_tokens).canonical())
 
     def memo_key(self, req: ParsedRequest, job: Job) -> tuple | None:
-        return (self.name, job) if req.deterministic and self.memo.size > 0 else None
+        return (self.name, job) if job.params.deterministic and self.memo.size > 0 else None
 
     # -- the engine ----------------------------------------------------------------------------
     def start(self, job: Job, emit, cancel: threading.Event) -> concurrent.futures.Future:
@@ -400,9 +388,7 @@ class Service:
             emit(None)
 
         try:
-            future = self.scheduler.submit(ids[cached:], job.max_tokens, temperature=job.temperature,
-                                           top_p=job.top_p, top_k=job.top_k, seed=job.seed,
-                                           stop=list(job.stop) or None, on_token=on_token, cancel=cancel,
+            future = self.scheduler.submit(ids[cached:], job.params, on_token=on_token, cancel=cancel,
                                            state=state, held_ids=ids[:cached] if cached else None,
                                            on_prefill=on_prefill if keep else None)
         except BaseException:
@@ -615,7 +601,7 @@ def create_app(model, settings: Settings | None = None) -> FastAPI:
     """The server as an ASGI app. ``settings`` defaults to the model's own."""
     service = Service(model, settings if settings is not None else model.settings)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         service.close()

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from ..runtime.sampling import SEED_RANGE, SamplingParams
+
 # Larger request bodies are refused with 413 before they are read in full.
 MAX_BODY_BYTES = 1 << 20
 # /v1/completions without max_tokens generates at most this many tokens (the OpenAI default is 16;
@@ -56,18 +58,9 @@ class ParsedRequest:
     messages: list[dict] | None  # chat: [{"role", "content": str}, ...], roles normalized
     prompt: str | list[int] | None  # completion: text, or token ids
     max_tokens: int | None  # None: omitted (chat runs to EOS, completions take the default)
-    temperature: float
-    top_p: float
-    top_k: int  # 0: off
-    seed: int | None
-    stop: tuple[str, ...]
+    sampling: SamplingParams  # max_new_tokens left None: the server resolves max_tokens against its context
     stream: bool
     include_usage: bool
-
-    @property
-    def deterministic(self) -> bool:
-        """Greedy decoding, or sampling from a fixed seed: the same request gives the same output."""
-        return self.temperature == 0 or self.seed is not None
 
     @property
     def prompt_param(self) -> str:
@@ -147,7 +140,6 @@ def _is_number(v: Any) -> bool:
 
 
 # Seeds are what torch's generator accepts: any 64-bit value, signed or not.
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 class StreamOptions(BaseModel):
@@ -200,9 +192,10 @@ def _parse_common(body: dict, kind: str, messages, prompt) -> ParsedRequest:
     return ParsedRequest(
         kind=kind, model=f.model, messages=messages, prompt=prompt,
         max_tokens=f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens,
-        temperature=DEFAULT_TEMPERATURE if f.temperature is None else f.temperature,
-        top_p=DEFAULT_TOP_P if f.top_p is None else f.top_p,
-        top_k=max(f.top_k or 0, 0), seed=f.seed, stop=stop, stream=stream,
+        sampling=SamplingParams(temperature=DEFAULT_TEMPERATURE if f.temperature is None else f.temperature,
+                                top_p=DEFAULT_TOP_P if f.top_p is None else f.top_p, top_k=max(f.top_k or 0, 0),
+                                seed=f.seed, stop=stop),
+        stream=stream,
         include_usage=bool(f.stream_options and f.stream_options.include_usage))
 
 
