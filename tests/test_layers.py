@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "deltafin"
 LAYERS = [
     ["errors", "units"],
     ["files"],
-    ["settings", "config", "tokenizer", "units"],
+    ["settings", "config", "tokenizer"],
     ["kernels"],
     ["model"],
     ["checkpoint"],
