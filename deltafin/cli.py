@@ -12,7 +12,7 @@ from .errors import DeltafinError
 from .profile import PassRecorder, format_pass, format_summary
 from .runtime import sampling
 from .runtime.generate import generate
-from .serve import app as serve_app
+from .serve import cli as serve_cli
 from .settings import Settings, SettingsError, add_arguments, from_args
 from .startup import default_model_path, read_text_arg, startup_message
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_inspect(sub)
     _add_make_checkpoint(sub)
-    for add_cli in (chat.add_cli, serve_app.add_cli, bench.add_cli, convert.add_cli):
+    for add_cli in (chat.add_cli, serve_cli.add_cli, bench.add_cli, convert.add_cli):
         add_cli(sub)
     for command in sub.choices.values():  # every command takes --debug
         add_arguments(command, groups=("cli",))

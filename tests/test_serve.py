@@ -18,7 +18,8 @@ import uvicorn
 
 from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.generate import generate
-from deltafin.serve.app import create_app, uvicorn_config
+from deltafin.serve.app import create_app
+from deltafin.serve.cli import uvicorn_config
 from deltafin.serve.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, parse_chat, parse_completion,
                                     resolve_max_tokens)
 

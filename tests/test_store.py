@@ -18,7 +18,8 @@ import torch
 
 import deltafin
 from deltafin.checkpoint import convert as conv
-from deltafin.checkpoint.convert import convert, is_spine_projection
+from deltafin.checkpoint.convert import convert
+from deltafin.checkpoint.policy import is_spine_projection
 from deltafin.checkpoint.source import HFSource
 from deltafin.checkpoint.store import MANIFEST, PAGE, StoreError, StoreSource, verify, verify_command
 from deltafin.kernels.linear import QWeight, quantize

@@ -39,7 +39,6 @@ from ..files import CheckpointError, confine, fsync_dir, pread_exact, writer_loc
 from .hf import DTYPES, TensorInfo
 from .layout import EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, nbytes
 from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles
-from .policy import is_spine_projection  # noqa: F401  (its home was here; callers import it from here)
 from .source import HFSource
 from .store import (ALIGN, CHECKSUM, FORMAT, MANIFEST, PAGE, PLAIN, VERSION, StoreError, check_files,
                     checksum, expert_file, expert_prefix, globals_file, hex_checksum, layer_file,

@@ -47,7 +47,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 13
+#define KERNELS_ABI 14
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -1069,9 +1069,6 @@ static const float *e8m0_factors(void) {
 /* ------------------------------------------------------------------ exported */
 
 int cpu_kernels_abi(void) { return KERNELS_ABI; }
-
-/* 1 when the AVX-512 code runs on this CPU. */
-int cpu_kernels_has_avx512(void) { return have_avx512(); }
 
 /* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8, bf16, MXFP4; the others portable), 0 portable. */
 int cpu_kernels_simd(void) { return simd_level(); }

@@ -32,16 +32,14 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 13
+ABI = 14
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
 # Rows of x up to which the int8, bf16 and MXFP4 gemvs beat dequantize-then-matmul (they widen or
 # decode each weight row once per few rows of x, where a matmul does it once for all of them, but
-# the torch path first widens the weight to float32, a block of rows at a time). Measured on one thread of an AVX2 EPYC,
-# 2048 x 7168 (MXFP4 3072 x 3584, as a K3 expert), gemv against the torch path: int8 at 32 / 64 /
-# 128 rows 18 / 38 / 79 ms against 109 / 117 / 139, bf16 22 / 36 / 80 against 70 / 79 / 123,
-# MXFP4 45 / 88 / 145 against 80 / 94 / 107. 64 is also the most rows a server pass carries.
+# the torch path first widens the weight to float32, a block of rows at a time; measured:
+# docs/benchmarks.md#native-cpu-products). 64 is also the most rows a server pass carries.
 GEMV_MAX_ROWS = 64
 # The same for int4 / int6, whose gemv is portable C on CPUs without AVX-512: there it was slower
 # than the torch path already at 16 rows (2048 x 7168: 63 against 48 ms), so it keeps the limit
@@ -68,7 +66,6 @@ def _library() -> ctypes.CDLL | None:
                           f"this deltafin needs {ABI}); products run in torch, much slower, until deltafin is "
                           "installed again (./run.sh does it)", RuntimeWarning, stacklevel=2)
             return None
-        lib.cpu_kernels_has_avx512.restype = _int
         lib.cpu_kernels_simd.restype = _int
         lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.mxfp4_gemv_f32.restype = _int
@@ -102,12 +99,6 @@ def available() -> bool:
     return _library() is not None
 
 
-def has_avx512() -> bool:
-    """True when the native library runs its AVX-512 code on this CPU (else its portable C)."""
-    lib = _library()
-    return lib is not None and bool(lib.cpu_kernels_has_avx512())
-
-
 def simd() -> str:
     """The widest code the gemvs run on this CPU: "avx512", "avx2" (int8, bf16 and MXFP4 gemvs; the others
     run portable C there), "portable", or "none" when the library is not built."""
@@ -132,9 +123,8 @@ def decode_threads(native: int | None = None) -> Iterator[None]:
     """A decode-sized pass on the CPU: torch's own ops run on one thread while these kernels keep
     every compute thread torch had (or ``native`` threads, when given). A decode step's torch ops are small (norms, the KDA step, conv,
     routing): on more threads they only wait on each other, and torch's OpenMP workers spin after
-    each of them on the cores these kernels' threads need. Measured on 2 cores (kl_medium, int8
-    spine and experts, in RAM): one token 236 against 1623 ms with both sharing two threads (and 209
-    with everything on one thread), on a loaded machine. Nested use keeps the outer counts."""
+    each of them on the cores these kernels' threads need (measured: docs/benchmarks.md#native-cpu-products).
+    Nested use keeps the outer counts."""
     global _decode_threads
     if _decode_threads is not None:
         yield

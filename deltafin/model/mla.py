@@ -131,9 +131,7 @@ class MLAttention(Bindable):
 # The native decode attention takes a pass while no sequence's cache is larger than this many
 # multiply-adds per score pass (heads x cached tokens x (kv_lora_rank + rope)): below it, torch's ~8
 # small ops per sequence cost more than the attention itself; above it, torch's matrix products are
-# faster than the native loops (one sequence, 2 threads: small-k3's 4 heads of 128 at 512 cached
-# tokens 0.09 against 0.25 ms, at 8192 0.97 against 1.07; K3's 64 heads of 512 at 64 tokens 0.28
-# against 0.30, at 512 1.73 against 0.99, at 8192 29 against 12.6).
+# faster than the native loops (measured: docs/benchmarks.md#mla-decode-attention).
 NATIVE_ATTEND_MAX_WORK = 1 << 22
 
 

@@ -1,35 +1,28 @@
-"""``deltafin serve``: an OpenAI-compatible HTTP server over one loaded model.
+"""The HTTP side of ``deltafin serve``: an OpenAI-compatible ASGI app over one ``Service``.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both with or without ``stream``),
-GET /v1/models, GET /v1/models/{id}, GET|HEAD /health, GET /metrics. The wire format lives in
-serve_protocol, listening and the header time limit in serve_http; this module owns the engine's
-use: up to ``max_batch`` generations at a time, batched into shared passes by the scheduler
-(``deltafin.scheduler``), a bounded wait queue in front of them (429 beyond ``queue_size`` waiting
-or ``queue_timeout`` seconds), prompt cancellation when a client goes away, a memo of
-deterministic answers, and a prefix cache of decode states (``deltafin.prefix_cache``): a request
-whose prompt starts with the tokens of an earlier request's prompt (or prompt + answer, as chat
-clients resend it) prefills only the rest.
+GET /v1/models, GET /v1/models/{id}, GET|HEAD /health, GET /metrics. This module owns reading
+request bodies (a size limit, and a time limit on the whole body), the API key check, counting
+answered requests, OpenAI-style error bodies for every failure, and one generation's life as an
+HTTP response: the wait for the engine (429 beyond ``queue_size`` waiting or ``queue_timeout``
+seconds), the answer as one JSON body or as server-sent events, the generation stopped when the
+client goes away, and answers from the memo shaped like fresh ones. The wire format lives in
+``protocol``, the engine's use in ``service``, listening and the header time limit in ``http``,
+the ``deltafin serve`` command in ``cli``.
 
-What the server trusts: the model folder (its chat template is rendered in a sandbox, off the
-event loop, within ``render_timeout``), and nothing a client sends. Requests are validated before
-anything runs; a fault reading the weights is answered 503 without local paths and turns
+What it trusts: nothing a client sends. Bodies are decoded and validated (``protocol``) before
+the service sees them; a fault reading the weights is answered 503 without local paths and turns
 /health to "degraded".
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import collections
-import concurrent.futures
 import contextlib
 import hmac
 import json
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,18 +30,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from deltafin.serve import metrics as metrics_mod
-from deltafin import settings as settings_mod
-from deltafin.errors import DeltafinError
-from deltafin.serve.prefix_cache import PrefixCache
-from deltafin.runtime.pass_stats import PassObserver
-from deltafin.runtime.sampling import SamplingParams
-from deltafin.runtime.scheduler import Scheduler
-from deltafin.serve.protocol import (
-    MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat, parse_completion,
-    resolve_max_tokens, sse)
-from deltafin.serve.http import bind, header_timeout_protocol
-from deltafin.settings import Settings, SettingsError
+from ..errors import DeltafinError
+from ..settings import Settings
+from . import metrics as metrics_mod
+from .admission import EngineBusy
+from .memo import MemoEntry
+from .protocol import (MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat,
+                       parse_completion, sse)
+from .service import Job, Service
 
 log = logging.getLogger(__name__)
 
@@ -56,370 +45,20 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
                 (b"x-accel-buffering", b"no")]
 
 
-class EngineBusy(APIError):
-    def __init__(self, message: str, code: str):
-        super().__init__(429, message, code=code, type="rate_limit_error")
-
-
-class EngineGate:
-    """Admits up to ``slots`` generations at a time. At most ``queue_size`` requests wait, first
-    come first served, each for at most ``queue_timeout`` seconds. Used from the event loop thread
-    only."""
-
-    def __init__(self, queue_size: int, queue_timeout: float, slots: int = 1):
-        self.queue_size = queue_size
-        self.queue_timeout = max(float(queue_timeout), 0.0)
-        self.slots = slots
-        self.running = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
-
-    @property
-    def busy(self) -> bool:
-        return self.running >= self.slots
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    async def acquire(self, abandon: asyncio.Event) -> bool:
-        """Wait for the engine. True: it is ours (call ``release`` once done). False: ``abandon``
-        was set while waiting. Raises EngineBusy when the queue is full or the wait times out."""
-        if not self.busy:
-            self.running += 1
-            return True
-        if len(self._waiters) >= self.queue_size:
-            raise EngineBusy(f"the engine is busy and {len(self._waiters)} request(s) are already waiting "
-                             f"(queue_size={self.queue_size}); retry later", code="queue_full")
-        turn = asyncio.get_running_loop().create_future()
-        self._waiters.append(turn)
-        gone = asyncio.ensure_future(abandon.wait())
-        try:
-            await asyncio.wait({turn, gone}, timeout=self.queue_timeout, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            if turn.done() and not turn.cancelled():
-                self.release()  # the engine was handed to us just as we were cancelled
-            raise
-        finally:
-            gone.cancel()
-            if not turn.done():
-                turn.cancel()
-                self._waiters.remove(turn)
-        if turn.cancelled():
-            if abandon.is_set():
-                return False
-            raise EngineBusy(f"the engine stayed busy for the whole queue_timeout of {self.queue_timeout:g} s; "
-                             "retry later", code="queue_timeout")
-        if abandon.is_set():
-            self.release()
-            return False
-        return True
-
-    def release(self) -> None:
-        # A freed slot passes straight to the next live waiter, so a newcomer cannot jump the queue.
-        while self._waiters:
-            turn = self._waiters.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
-        self.running -= 1
-
-
-@dataclass(frozen=True)
-class Job:
-    """One generation, as the engine sees it (also its memo key, with the served name)."""
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams  # max_new_tokens resolved; canonical (greedy ignores the sampling knobs)
-
-
-@dataclass(frozen=True)
-class MemoEntry:
-    pieces: tuple[str, ...]  # the text as it was streamed
-    completion_tokens: int
-    finish_reason: str
-    cached_tokens: int = 0
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-
-class ResponseMemo:
-    """Least-recently-used answers to deterministic requests; size 0 keeps nothing."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._entries: collections.OrderedDict[tuple, MemoEntry] = collections.OrderedDict()
-
-    def get(self, key: tuple) -> MemoEntry | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: tuple, entry: MemoEntry) -> None:
-        if self.size <= 0:
-            return
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-class _CountBytes(PassObserver):
-    """Every pass's weight bytes into the server's counter, by where they came from."""
-
-    def __init__(self, counter):
-        self.counter = counter
-
-    def on_pass(self, stats) -> None:
-        self.counter.inc(stats.bytes_read, source="disk")
-        self.counter.inc(stats.bytes_from_ram, source="ram")
-
-
-class Service:
-    """Everything one app serves with: the model, its name, the gate, the memo, the engine thread."""
-
-    def __init__(self, model, settings: Settings):
-        self.model = model
-        self.settings = settings
-        aliases = [n.strip() for n in settings.served_model_name.split(",") if n.strip()]
-        self.names = aliases or [model_name(model)]
-        self.name = self.names[0]  # the name responses report
-        self.tokenizer = getattr(model, "tokenizer", None)
-        self.context = int(model.config.max_position_embeddings)
-        if settings.max_model_len:
-            if settings.max_model_len > self.context:
-                raise SettingsError(f"setting 'max_model_len' is {settings.max_model_len}, more than the model's "
-                                    f"context of {self.context} tokens")
-            self.context = settings.max_model_len
-        self.started = int(time.time())
-        self.gate = EngineGate(settings.queue_size, settings.queue_timeout, settings.max_batch)
-        self.memo = ResponseMemo(settings.memo_size)
-        self.prefix_cache = PrefixCache(settings.prefix_cache_mb * 2 ** 20)
-        if settings.prompt_cache:
-            from deltafin.runtime.saved_state import load_state
-            ids, state, _ = load_state(model, settings.prompt_cache)
-            self.prefix_cache.put(ids, state, copy=False, pinned=True)
-        self.fault: str | None = None  # why the server is degraded (no local paths), once it is
-        self._renders: dict[int, float] = {}  # render job id -> when it started
-        self._render_ids = iter(range(1 << 62))
-        root = getattr(model, "path", None)
-        self._roots = sorted({str(root), os.path.realpath(root)}, key=len, reverse=True) if root else []
-        self.metrics = metrics_mod.Registry()
-        self._count_metrics()
-        # The engine runs off the event loop, on the scheduler's thread.
-        self._open = contextlib.ExitStack()  # what close() ends
-        self._open.enter_context(model.observe(_CountBytes(self.weight_bytes)))
-        self.scheduler = Scheduler(model, settings.max_batch, settings.prefill_chunk)
-        # Chat templates and tokenizers run here, so a slow one never holds up the event loop.
-        self.renderer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltafin-render")
-
-    def _count_metrics(self) -> None:
-        m = self.metrics
-        self.requests = m.counter("deltafin_requests_total", "HTTP requests answered, by route and status",
-                                  ("route", "status"))
-        self.prompt_tokens = m.counter("deltafin_prompt_tokens_total", "prompt tokens of finished generations")
-        self.completion_tokens = m.counter("deltafin_completion_tokens_total", "tokens generated")
-        self.weight_bytes = m.counter("deltafin_weight_bytes_total",
-                                      "weight bytes used by forward passes, by where they came from "
-                                      "(ram: a cache hit, disk: read)", ("source",))
-        self.memo_lookups = m.counter("deltafin_memo_lookups_total",
-                                      "deterministic requests looked up in the response memo", ("result",))
-        self.faults = m.counter("deltafin_engine_faults_total", "generations ended by a fault reading the weights")
-        m.gauge("deltafin_queue_depth", "requests waiting for the engine", lambda: self.gate.waiting)
-        m.gauge("deltafin_running", "generations running (batched into shared passes)", lambda: self.gate.running)
-        m.gauge("deltafin_memo_entries", "answers held by the response memo", lambda: len(self.memo))
-        self.prefix_lookups = m.counter("deltafin_prefix_cache_lookups_total",
-                                        "prompts looked up in the prefix cache (hit: a kept state begins it)",
-                                        ("result",))
-        self.cached_tokens = m.counter("deltafin_prefix_cache_tokens_total",
-                                       "prompt tokens served from the prefix cache instead of prefilled")
-        m.gauge("deltafin_prefix_cache_entries", "decode states held by the prefix cache",
-                lambda: len(self.prefix_cache))
-        m.gauge("deltafin_prefix_cache_bytes", "bytes of the decode states held by the prefix cache",
-                lambda: self.prefix_cache.nbytes)
-        # What the engine thread's passes carried and where their time went (divide by the passes
-        # for means per pass: requests batched together, rows, milliseconds in each part).
-        tally = lambda: self.scheduler.tally  # noqa: E731  (the scheduler is made after the metrics)
-        m.read_counter("deltafin_passes_total", "forward passes run by the engine thread", lambda: tally().passes)
-        m.read_counter("deltafin_pass_sequences_total", "requests carried by forward passes, summed over passes",
-                       lambda: tally().sequences)
-        m.read_counter("deltafin_pass_decoding_sequences_total", "requests past their prompt carried by forward "
-                       "passes, summed over passes", lambda: tally().decoding)
-        m.read_counter("deltafin_pass_rows_total", "token rows fed to forward passes, by kind (prompt: a "
-                       "newcomer's prompt piece; decode: tokens and drafts of decoding requests)",
-                       lambda: {("prompt",): tally().prompt_rows, ("decode",): tally().rows - tally().prompt_rows},
-                       ("kind",))
-        m.read_counter("deltafin_pass_seconds_total", "engine thread seconds per part of a pass (plan: what to "
-                       "feed; forward: the model; take: picking tokens, detokenizing, handing text on)",
-                       lambda: {("plan",): tally().plan_seconds, ("forward",): tally().forward_seconds,
-                                ("take",): tally().take_seconds}, ("part",))
-
-    def close(self) -> None:
-        self.scheduler.close()
-        self._open.close()
-        self.renderer.shutdown(wait=False, cancel_futures=True)
-
-    def without_paths(self, text: str) -> str:
-        """`text` with the model folder's location removed (file names inside it stay)."""
-        for root in self._roots:
-            text = text.replace(root + os.sep, "").replace(root, "<model>")
-        return text
-
-    def health(self) -> tuple[int, dict]:
-        stuck = [time.monotonic() - t for t in list(self._renders.values())]
-        stuck = [s for s in stuck if s > self.settings.render_timeout]
-        reason = self.fault or (f"a prompt has been rendering for {max(stuck):.0f} s (is the chat template "
-                                "looping?)" if stuck else None)
-        body = {"status": "degraded" if reason else "ok", "model": self.name, "busy": self.gate.busy,
-                "running": self.gate.running, "waiting": self.gate.waiting, "memo_entries": len(self.memo),
-                "prefix_cache": self.prefix_cache.stats(), "passes": self.scheduler.tally.summary()}
-        if reason:
-            body["reason"] = reason
-        return (503 if reason else 200), body
-
-    # -- request -> job ----------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        # A request without "model" means the one model served here.
-        if name is not None and name not in self.names:
-            raise APIError(404, f"the model '{name}' does not exist here; this server serves '{self.name}'",
-                           param="model", code="model_not_found")
-
-    async def encode(self, req: ParsedRequest) -> list[int]:
-        """The prompt's token ids, rendered and tokenized off the event loop within render_timeout."""
-        job = next(self._render_ids)
-
-        def run():
-            self._renders[job] = time.monotonic()
-            try:
-                return self._encode(req)
-            finally:
-                self._renders.pop(job, None)
-
-        limit = self.settings.render_timeout
-        try:
-            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.renderer, run), limit)
-        except asyncio.TimeoutError:
-            log.warning("rendering and tokenizing a prompt took longer than %g s; answered 503", limit)
-            raise APIError(503, f"rendering and tokenizing the prompt took longer than {limit:g} s "
-                           "(render_timeout)", code="render_timeout") from None
-
-    def _encode(self, req: ParsedRequest) -> list[int]:
-        tok = self.tokenizer
-        if tok is None:
-            raise APIError(500, f"the model '{self.name}' was loaded without a tokenizer, so the text endpoints "
-                           "cannot answer", code="no_tokenizer")
-        if req.kind == "chat":
-            if not getattr(tok, "chat_template", None):
-                raise bad(f"the model '{self.name}' has no chat template; use /v1/completions with a prompt",
-                          param="messages", code="no_chat_template")
-            try:
-                ids = self.model.encode_chat(req.messages)
-            except Exception as e:  # the template's own checks (role order, ...) raise here
-                raise bad(f"the chat template cannot render these messages: {e}", param="messages") from None
-        elif isinstance(req.prompt, list):
-            vocab = self.model.config.vocab_size
-            for i, t in enumerate(req.prompt):
-                if not 0 <= t < vocab:
-                    raise bad(f"'prompt[{i}]' is token id {t}, outside the vocabulary [0, {vocab})", param="prompt")
-            ids = list(req.prompt)
-        else:
-            ids = self.model.encode(req.prompt)
-        if not ids:
-            raise bad("the prompt is empty: at least one token is needed", param=req.prompt_param)
-        return list(ids)
-
-    def job(self, req: ParsedRequest, prompt_ids: list[int]) -> Job:
-        max_tokens = resolve_max_tokens(req, len(prompt_ids), self.context, self.settings.max_tokens_cap)
-        return Job(tuple(prompt_ids), req.sampling.replace(max_new_tokens=max_tokens).canonical())
-
-    def memo_key(self, req: ParsedRequest, job: Job) -> tuple | None:
-        return (self.name, job) if job.params.deterministic and self.memo.size > 0 else None
-
-    # -- the engine ----------------------------------------------------------------------------
-    def start(self, job: Job, emit, cancel: threading.Event) -> concurrent.futures.Future:
-        """Run ``job`` on the engine thread, batched with the others (the caller holds a gate slot;
-        it is released when the job is done). ``emit(text)`` is called from the engine thread for
-        each new piece of text and ``emit(None)`` once at the end; setting ``cancel`` stops the
-        generation.
-
-        The generation starts from the longest cached prefix of the prompt and leaves states for
-        later requests: the one at the end (prompt + answer as fed), the one right after the prompt,
-        and, while a long prompt is read in, one each time another ``prefix_cache_block`` tokens
-        are in. A chat client's next turn starts with the first when the template renders the
-        answer as it was generated, with the second otherwise; prompts that share only a beginning
-        (a long system prompt) with the third. ``stats["cached_tokens"]`` of the result counts the
-        prompt tokens that were not prefilled."""
-        loop = asyncio.get_running_loop()
-        ids, cache, block = list(job.prompt_ids), self.prefix_cache, self.settings.prefix_cache_block
-        cached, state = cache.lookup(ids) if cache.enabled else (0, None)
-        if cache.enabled:
-            self.prefix_lookups.inc(result="hit" if cached else "miss")
-            self.cached_tokens.inc(cached)
-        keep = cache.budget_bytes > 0
-        kept_at = [cached]
-
-        def on_prefill(st) -> None:
-            n = st.num_tokens
-            if n == len(ids) or (block and n // block > kept_at[0] // block):
-                cache.put(ids[:n], st)
-                kept_at[0] = n
-
-        def on_token(token_id: int, text: str) -> bool:
-            if text:
-                emit(text)
-            return not cancel.is_set()
-
-        def engine_done(future):
-            if not future.cancelled() and future.exception() is None:
-                gen = future.result()
-                gen.stats["cached_tokens"] = cached
-                if keep and gen.generated:  # the state holds the prompt and every produced token but the last
-                    cache.put(ids + gen.generated[:-1], gen.state, copy=False)
-            # The slot is handed back before the end is announced, so a client that has its
-            # answer never finds the server still counting its request.
-            try:
-                loop.call_soon_threadsafe(self.gate.release)
-            except RuntimeError:  # the loop is already closed: nobody is left to admit
-                return
-            emit(None)
-
-        try:
-            future = self.scheduler.submit(ids[cached:], job.params, on_token=on_token, cancel=cancel,
-                                           state=state, held_ids=ids[:cached] if cached else None,
-                                           on_prefill=on_prefill if keep else None)
-        except BaseException:
-            self.gate.release()
-            raise
-        future.add_done_callback(engine_done)
-        return future
-
-    # -- responses -----------------------------------------------------------------------------
-    async def respond(self, req: ParsedRequest) -> Response:
-        self.check_model(req.model)
-        prompt_ids = await self.encode(req)
-        job = self.job(req, prompt_ids)
-        shaper = Shaper(req.kind, self.name, req.include_usage)
-        key = self.memo_key(req, job)
-        entry = self.memo.get(key) if key is not None else None
-        if key is not None:
-            self.memo_lookups.inc(result="hit" if entry is not None else "miss")
-        if entry is not None:
-            log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, len(prompt_ids),
-                     entry.completion_tokens)
-            return memo_response(shaper, req.stream, entry, len(prompt_ids))
-        return _GenerationResponse(self, req, job, key, shaper)
-
-
-def model_name(model) -> str:
-    name = getattr(model, "name", None)
-    if name:
-        return str(name)
-    path = getattr(model, "path", None)
-    return Path(path).name if path else "deltafin"
+async def _respond(service: Service, req: ParsedRequest) -> Response:
+    service.check_model(req.model)
+    prompt_ids = await service.encode(req)
+    job = service.job(req, prompt_ids)
+    shaper = Shaper(req.kind, service.name, req.include_usage)
+    key = service.memo_key(job)
+    entry = service.memo.get(key) if key is not None else None
+    if key is not None:
+        service.metrics.memo_lookups.inc(result="hit" if entry is not None else "miss")
+    if entry is not None:
+        log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, len(prompt_ids),
+                 entry.completion_tokens)
+        return memo_response(shaper, req.stream, entry, len(prompt_ids))
+    return _GenerationResponse(service, req, job, key, shaper)
 
 
 def memo_response(shaper: Shaper, stream: bool, entry: MemoEntry, prompt_tokens: int) -> Response:
@@ -527,9 +166,8 @@ class _GenerationResponse(Response):
         except Exception as e:
             if isinstance(e, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
                 log.error("%s: reading the weights failed: %s", shaper.id, e)
-                service.faults.inc()
-                service.fault = f"reading the model's weights failed: {service.without_paths(str(e))}"
-                error = APIError(503, f"{service.fault}; the server is degraded (see /health)", code="engine_fault")
+                fault = service.weights_failed(e)
+                error = APIError(503, f"{fault}; the server is degraded (see /health)", code="engine_fault")
             else:  # requests are validated before they reach the engine: this is a bug
                 log.exception("%s: generation failed", shaper.id)
                 error = APIError(500, f"generation failed: {type(e).__name__}", code="engine_error")
@@ -541,8 +179,8 @@ class _GenerationResponse(Response):
 
         prompt_n, completion_n = len(job.prompt_ids), len(gen.tokens)
         cached_n = gen.stats.get("cached_tokens", 0)
-        service.prompt_tokens.inc(prompt_n)
-        service.completion_tokens.inc(completion_n)
+        service.metrics.prompt_tokens.inc(prompt_n)
+        service.metrics.completion_tokens.inc(completion_n)
         elapsed = time.perf_counter() - t0
         if gen.finish_reason == "cancelled":
             log.info("%s: generation cancelled (client disconnected) after %d tokens", shaper.id, completion_n)
@@ -609,7 +247,7 @@ def create_app(model, settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = service
     app.add_middleware(_RequireKey, key=service.settings.api_key)
-    app.add_middleware(_CountRequests, counter=service.requests)
+    app.add_middleware(_CountRequests, counter=service.metrics.requests)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -667,11 +305,11 @@ def create_app(model, settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await service.respond(parse_chat(await _read_json(request, body_timeout)))
+        return await _respond(service, parse_chat(await _read_json(request, body_timeout)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await service.respond(parse_completion(await _read_json(request, body_timeout)))
+        return await _respond(service, parse_completion(await _read_json(request, body_timeout)))
 
     return app
 
@@ -714,78 +352,3 @@ class _CountRequests:
             await send(message)
 
         await self.app(scope, receive, counting_send)
-
-
-# -- running it ---------------------------------------------------------------------------------
-
-def _url_host(host: str) -> str:
-    # A wildcard address is not something to curl; the loopback of the same family is.
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"[{host}]" if ":" in host else host
-
-
-def serve(model, host: str | None = None, port: int | None = None, sock=None) -> None:
-    """Serve ``model`` until interrupted. host/port default to the model's settings; ``sock``, a
-    socket already listening (see ``serve_http.bind``), replaces them."""
-    settings = model.settings
-    host = settings.host if host is None else host
-    port = settings.port if port is None else int(port)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
-    app = create_app(model)
-    sock = bind(host, port) if sock is None else sock
-    bound = sock.getsockname()[1]
-    base = f"http://{_url_host(host)}:{bound}"
-    name = app.state.service.name
-    print(f"deltafin serving '{name}' at {base}/v1 (max_batch={settings.max_batch}, "
-          f"prefill_chunk={settings.prefill_chunk}, queue_size={settings.queue_size}, "
-          f"queue_timeout={settings.queue_timeout:g}s, memo_size={settings.memo_size}, "
-          f"max_tokens_cap={settings.max_tokens_cap}, api key {'required' if settings.api_key else 'not required'})",
-          flush=True)
-    example = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
-    auth = " -H 'Authorization: Bearer $KEY'" if settings.api_key else ""
-    print(f"try: curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{example}'",
-          flush=True)
-    uvicorn.Server(uvicorn_config(app, settings)).run(sockets=[sock])
-
-
-def uvicorn_config(app, settings: Settings):
-    """How uvicorn runs the app: h11 with the header time limit."""
-    import uvicorn
-    return uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5,
-                          http=header_timeout_protocol(settings.header_timeout))
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Add ``serve`` to the CLI's subparsers (it runs ``run_cli``)."""
-    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                                          "/v1/completions, /v1/models, /health). Without --model, serves the "
-                                          "built-in default model.")
-    p.add_argument("--model", metavar="PATH",
-                   help="checkpoint folder, converted store, or hub repository owner/name (fetched lazily) "
-                        "(default: built-in synthetic model)")
-    settings_mod.add_arguments(p, groups=("engine", "generate", "serve"))
-    p.set_defaults(func=run_cli)
-    return p
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    import sys
-
-    import deltafin
-    from deltafin.startup import default_model_path, startup_message
-
-    settings = settings_mod.from_args(args)
-    sock = bind(settings.host, settings.port)  # a busy port is reported before the model loads, not after
-    try:
-        path = args.model or default_model_path(settings)
-        print(f"deltafin: {settings.summary()}", file=sys.stderr)
-        model = deltafin.load(path, settings=settings)
-        print(startup_message(model, path), file=sys.stderr)
-        serve(model, sock=sock)
-    finally:
-        sock.close()
-    return 0

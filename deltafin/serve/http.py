@@ -5,7 +5,7 @@ take to send a request's headers: a client that sends a few bytes and then nothi
 connection (and its memory) for ever. ``HeaderTimeoutH11`` is uvicorn's h11 protocol with one
 addition: from the moment a connection opens, and again after each response, the next request's
 headers must arrive within ``header_timeout`` seconds, or the server answers 408 and closes the
-connection. (The body has its own limit, per read, in the app: see ``serve._read_json``.)
+connection. (The body has its own limit, on all of it, in the app: see ``app._read_json``.)
 """
 from __future__ import annotations
 
