@@ -9,10 +9,11 @@ from .checkpoint.layout import expert_tensors, full_name, global_tensors, layer_
 from .checkpoint.sizes import summarize
 from .config import load_config
 from .io.sources import open_source
+from .units import GB, MB
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:,.3f} GB" if n >= 1e8 else f"{n / 1e6:,.3f} MB"
+    return f"{n / GB:,.3f} GB" if n >= 100 * MB else f"{n / MB:,.3f} MB"
 
 
 def _count(n: int) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .errors import DeltafinError
+from .units import GB
 
 
 class SettingsError(DeltafinError):
@@ -44,23 +45,23 @@ class Settings:
     spine: str = _knob("auto", "which spine of a converted store to use: auto (int8 if present, else bf16) "
                        "| bf16 (exact) | int8 | mixed (int8 and mixed are lossy: smaller and faster to read, "
                        "logits measurably off the bf16 reference)", choices=("auto", "bf16", "int8", "mixed"))
-    gpu_budget: str = _knob("auto", "device memory (GB) the weights may take on a CUDA / MPS device: the globals, "
-                            "then the spines of a fixed set of layers, then in every MoE layer the experts "
-                            "routed most often; the rest streams. auto = the device's free memory minus "
-                            "headroom for states and activations (printed at start). With --stream off the "
-                            "whole model must fit in it")
+    gpu_budget: str = _knob("auto", "device memory in GB (10^9 bytes) the weights may take on a CUDA / MPS "
+                            "device: the globals, then the spines of a fixed set of layers, then in every MoE "
+                            "layer the experts routed most often; the rest streams. auto = the device's free "
+                            "memory minus headroom for states and activations (printed at start). With --stream "
+                            "off the whole model must fit in it")
     cuda_graphs: bool = _knob(True, "with the whole model resident on a CUDA device, replay each one-token decode "
                               "pass as a recorded CUDA graph (one launch per token instead of about a hundred "
                               "kernel launches per layer); off = launch every kernel of every pass")
     pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming, whatever the "
                             "RAM budget")
-    ram_budget: str = _knob("auto", "host memory (GB) a streamed model may hold: its streaming buffers, then the "
-                            "spines of a fixed set of layers, then in every MoE layer the experts routed most "
-                            "often lately; the rest is read from disk per token. auto = grow only into genuinely "
-                            "free memory (page cache is not counted; a cgroup's limit is respected), keep "
-                            "headroom, and give memory back as soon as free memory falls or memory pressure "
-                            "appears (a set budget does the same below its ceiling). 0 = no cache. Printed at "
-                            "start")
+    ram_budget: str = _knob("auto", "host memory in GB (10^9 bytes) a streamed model may hold: its streaming "
+                            "buffers, then the spines of a fixed set of layers, then in every MoE layer the "
+                            "experts routed most often lately; the rest is read from disk per token. auto = grow "
+                            "only into genuinely free memory (page cache is not counted; a cgroup's limit is "
+                            "respected), keep headroom, and give memory back as soon as free memory falls or "
+                            "memory pressure appears (a set budget does the same below its ceiling). 0 = no "
+                            "cache. Printed at start")
     prefetch: str = _knob("off", "when streaming, read a MoE layer's likely experts before its router runs, at the "
                           "lowest read priority (demand reads go first; a guess the router confirms while it "
                           "is still being read is waited for, not read again): early = the layer's router "
@@ -93,8 +94,8 @@ class Settings:
     hub_retries: int = _knob(5, "retries of a failed hub request (429, 5xx, broken connection, short body)")
     hub_backoff: float = _knob(0.5, "seconds before the first retry of a hub request; doubled each time "
                                "(a Retry-After from the server wins)")
-    hub_cache_gb: float = _knob(0.0, "disk budget in GB for routed experts fetched from the hub (least "
-                                "recently used ones are deleted); 0 = no limit")
+    hub_cache_gb: float = _knob(0.0, "disk budget in GB (10^9 bytes) for routed experts fetched from the hub "
+                                "(least recently used ones are deleted); 0 = no limit")
     host: str = _knob("127.0.0.1", "address the server listens on", group="serve")
     port: int = _knob(8000, "port the server listens on", group="serve")
     queue_size: int = _knob(8, "requests that may wait for the engine before 429", group="serve")
@@ -105,8 +106,9 @@ class Settings:
                            "time)", group="serve")
     prefill_chunk: int = _knob(256, "prompt tokens fed per pass while no other request is decoding (while "
                                "others decode, a newcomer's pieces shrink to keep their pace)", group="serve")
-    prefix_cache_mb: int = _knob(2048, "memory budget in MiB for decode states kept between requests, reused "
-                                 "when a new prompt starts with the same tokens (0 disables)", group="serve")
+    prefix_cache_mb: int = _knob(2048, "memory budget in MiB (2^20 bytes) for decode states kept between "
+                                 "requests, reused when a new prompt starts with the same tokens (0 disables)",
+                                 group="serve")
     prefix_cache_block: int = _knob(1024, "while a long prompt is read in, also keep its state each time another "
                                     "this many tokens are in (at the end of that prefill piece), so prompts that "
                                     "share only a beginning reuse it; 0 = only at the end of the prompt",
@@ -248,7 +250,7 @@ def _parse_budget(name: str, spec: str, zero_ok: bool, allowed: str) -> int | No
         gb = float("nan")
     if not (gb >= 0 if zero_ok else gb > 0) or gb == float("inf"):
         raise SettingsError(f"setting '{name}' (DELTAFIN_{name.upper()}): invalid value {spec!r} (allowed: {allowed})")
-    return int(gb * 1e9)
+    return int(gb * GB)
 
 
 def parse_gpu_budget(spec: str) -> int | None:
@@ -293,3 +295,56 @@ def add_arguments(parser: argparse.ArgumentParser, groups=("engine", "generate")
 def from_args(args: argparse.Namespace) -> Settings:
     names = {f.name for f in fields(Settings)}
     return Settings.resolve({k: v for k, v in vars(args).items() if k in names})
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every knob of ``Settings``, one table per group, in declaration order.
+    tools/settings_doc.py writes it; tests/test_docs.py fails when the file differs from this."""
+    titles = {
+        "engine": "Engine: how the model runs (run, chat, serve, bench; inspect takes `--spine`)",
+        "generate": "Generation (run, chat, serve)",
+        "serve": "Server (serve)",
+        "cli": "Command line (every command)",
+    }
+    kinds = {int: "integer", float: "number", str: "text"}
+    lines = [
+        "# Settings",
+        "",
+        "<!-- Generated from deltafin/settings.py by `python tools/settings_doc.py`; edit the help texts there. -->",
+        "",
+        "Every knob is a command-line flag, a `DELTAFIN_<NAME>` environment variable, or a default, in that",
+        "order of priority (the Python API takes them as keyword arguments of `deltafin.load`). They are",
+        "resolved once, at start. An invalid value is refused with a message naming the flag or variable and",
+        "the allowed values; numbers are also range-checked (the *values* column). `deltafin COMMAND --help`",
+        "lists the same with their defaults. Sampling (`--temperature`, `--top-p`, `--top-k`, `--seed`,",
+        "`--stop`) is per generation, not a setting: see `deltafin run --help`.",
+    ]
+    groups = dict.fromkeys(f.metadata["group"] for f in fields(Settings))
+    for group in groups:
+        lines += ["", f"## {titles.get(group, group)}", "",
+                  "| setting | flag | environment | default | values | help |", "|---|---|---|---|---|---|"]
+        for f in fields(Settings):
+            if f.metadata["group"] != group:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = type(f.default)
+            if kind is bool:
+                flag, values = f"`{flag}` / `--no-{flag[2:]}`", "`true` \\| `false`"
+                default = f"`{str(f.default).lower()}`"
+            else:
+                flag, values = f"`{flag}`", kinds[kind]
+                default = f"`{f.default}`" if f.default != "" else "(empty)"
+            if f.name == "cache_dir":  # computed from this machine's environment; the page must not be
+                default = "`$XDG_CACHE_HOME/deltafin`, else `~/.cache/deltafin`"
+            lo, hi = RANGES.get(f.name, (None, None))
+            if f.metadata["choices"]:
+                values = " \\| ".join(f"`{c}`" for c in f.metadata["choices"])
+            elif lo is not None and hi is not None:
+                values += f", {lo} to {hi}"
+            elif lo is not None:
+                values += f", >= {lo}"
+            elif hi is not None:
+                values += f", <= {hi}"
+            help_ = f.metadata["help"].replace("|", "\\|")
+            lines.append(f"| `{f.name}` | {flag} | `DELTAFIN_{f.name.upper()}` | {default} | {values} | {help_} |")
+    return "\n".join(lines) + "\n"

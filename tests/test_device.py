@@ -10,7 +10,8 @@ import deltafin
 from deltafin.io.sources import open_source
 from deltafin.runtime.engine import Engine
 from deltafin.io.device import DeviceProvider
-from deltafin.io.placement import ExpertSlots, ModelSizes, PlacementError, plan, require_everything
+from deltafin.checkpoint.sizes import ModelSizes
+from deltafin.io.placement import ExpertSlots, PlacementError, plan, require_everything
 from deltafin.io.ram import RAMProvider
 from deltafin.settings import Settings, SettingsError
 

@@ -13,10 +13,10 @@ import torch
 from deltafin.io.sources import open_source
 from deltafin.checkpoint.synthetic import make_checkpoint
 from deltafin.runtime.engine import Engine
-from deltafin.io.memory import GiB
 from deltafin.io.reader import PREFETCH, URGENT, AlignedBuffer, Batch, Files, Run, _work
 from deltafin.io.stream import StreamProvider
 from deltafin.settings import Settings, SettingsError
+from deltafin.units import GiB
 
 from conftest import KL_CODE_TINY
 from test_ram_cache import host

@@ -11,12 +11,14 @@ import torch
 
 from deltafin.io.sources import open_source
 from deltafin.runtime.engine import Engine
-from deltafin.io.memory import FIXED_WINDOW_S, GROW_WINDOW_S, GiB, MemoryBudget, cgroup_levels, read_memory, read_meminfo, \
+from deltafin.io.memory import FIXED_WINDOW_S, GROW_WINDOW_S, MemoryBudget, cgroup_levels, read_memory, read_meminfo, \
     read_stall_us
 from deltafin.io.placement import ExpertSlots
 from deltafin.io.ram_cache import RamCache
+from deltafin.io.reader import spine_layout
 from deltafin.io.stream import StreamProvider
 from deltafin.settings import Settings, SettingsError
+from deltafin.units import GiB
 
 KB = 1024
 
@@ -421,12 +423,12 @@ def test_spines_are_kept_in_their_read_buffers_and_a_prompt_borrows_expert_room(
     engine.forward(PROMPT * 3, state)  # routes to every expert of a layer
     assert borrowed, "the prompt needed no extra buffers"
     # Back but for the expert slots a decode keeps (counted among the streamer's buffers now).
-    assert p.cache.target == before - sum(b.nbytes for b in p._slots)
+    assert p.cache.target == before - sum(b.nbytes for b in p.expert_buffers())
     engine.forward([3], state)
     held = p.cache._spines
-    assert sorted(held) == p._streamable and p.resident_bytes()["spine_buffers"] == 0 and p.cache.ring_bytes == 0
+    assert sorted(held) == p.streamable and p.resident_bytes()["spine_buffers"] == 0 and p.cache.ring_bytes == 0
     for i, (buf, weights) in held.items():
-        assert buf.nbytes == p._spine_layouts[i].capacity
+        assert buf.nbytes == spine_layout(src, i).capacity
         some = next(t for t in weights.values() if isinstance(t, torch.Tensor) and t.numel())
         start = torch.frombuffer(buf.mem, dtype=torch.uint8).data_ptr()
         assert start <= some.data_ptr() < start + buf.nbytes  # the weights view the kept buffer

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from deltafin.runtime.sampling import SamplingParams
 import deltafin
 from deltafin.checkpoint.hf import CheckpointError, TensorInfo
 from deltafin.checkpoint.synthetic import make_checkpoint
@@ -101,15 +102,15 @@ def test_resident_memory_does_not_grow_with_layers(tmp_path):
         p = model.engine.provider
         state = model.new_state()
         model.forward(PROMPT, state)
-        slots, bufs = list(p._slots), [b.buf for b in p._spine_bufs]
+        slots, bufs = p.expert_buffers(), p.spine_buffers()
         for t in DECODE:
             model.forward([t], state)
         # Decoding after the prefill allocates nothing: the same buffers, reused.
-        assert [id(s) for s in p._slots] == [id(s) for s in slots]
-        assert [id(b.buf) for b in p._spine_bufs] == [id(b) for b in bufs]
-        assert len(p._slots) <= model.config.num_experts
+        assert [id(s) for s in p.expert_buffers()] == [id(s) for s in slots]
+        assert [id(b) for b in p.spine_buffers()] == [id(b) for b in bufs]
+        assert len(p.expert_buffers()) <= model.config.num_experts
         resident[n] = p.resident_bytes()
-        resident[n]["slot_sizes"] = {s.nbytes for s in p._slots}
+        resident[n]["slot_sizes"] = {s.nbytes for s in p.expert_buffers()}
     # The same two spine buffers and the same slot size whatever the depth; at most E slots.
     assert resident[4]["spine_buffers"] == resident[8]["spine_buffers"] > 0
     assert resident[4]["globals"] == resident[8]["globals"]
@@ -184,8 +185,9 @@ def test_pass_recorder_and_profile_lines(tiny_k3_path):
     from deltafin.runtime.generate import generate
     model = deltafin.load(tiny_k3_path, device="cpu", stream="on")
     seen = []
-    rec = PassRecorder(model, on_pass=lambda i, s: seen.append(i))
-    g = generate(rec, PROMPT, 4, speculate=False, eos_token_ids=[])
+    rec = PassRecorder(report=lambda i, s: seen.append(i))
+    with model.observe(rec):
+        g = generate(model, PROMPT, SamplingParams(max_new_tokens=4, speculate=False), eos_token_ids=[])
     assert len(rec.passes) == g.stats["passes"] + 1 == len(seen) == 4
     line = format_pass(1, rec.passes[1])
     assert "pass    1" in line and "MB" in line and "experts" in line

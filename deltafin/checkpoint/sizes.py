@@ -1,9 +1,79 @@
 """What a checkpoint holds and what one decode token must read: parameters and bytes per part,
-from the source's tensor index (nothing is read)."""
+from the source's tensor index (nothing is read), and the bytes of weights once in memory.
+
+Every size of a model is counted here: ``ModelSizes`` (the placement plans, ``inspect``, ``bench``)
+and ``weight_bytes`` (the in-RAM provider's accounting of what it holds).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from . import expert_codec
 from .layout import global_tensors, layer_spine_tensors
+
+EMBED = "model.embed_tokens.weight"
+
+
+def group_bytes(infos: dict) -> int:
+    """Bytes of a group of tensors (a spine, an expert, the globals) as stored."""
+    return sum(t.nbytes for t in infos.values())
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Bytes of each part of a model as stored (from the source's tensor index, nothing read)."""
+    globals_bytes: int  # without the embedding table
+    spine_bytes: tuple[int, ...]  # per layer
+    expert_bytes: tuple[int, ...]  # one routed expert of each layer (0 for dense layers)
+    num_experts: int  # per MoE layer (0 for a model without routed experts)
+    embed_bytes: int = 0  # the embedding table, which stays in host memory wherever the rest is
+    embed_row_bytes: int = 0  # one row of it: what a token reads of it
+
+    @classmethod
+    def of(cls, source) -> "ModelSizes":
+        cfg = source.config
+        g = dict(source.global_infos())
+        embed = g.pop(EMBED, None)
+        spines = tuple(group_bytes(source.spine_infos(i)) for i in range(cfg.num_layers))
+        experts = tuple(group_bytes(source.expert_infos(i, 0)) if cfg.is_moe(i) else 0
+                        for i in range(cfg.num_layers))
+        embed_bytes = embed.nbytes if embed is not None else 0
+        return cls(group_bytes(g), spines, experts, cfg.num_experts if any(experts) else 0,
+                   embed_bytes, embed_bytes // cfg.vocab_size)
+
+    @property
+    def one_expert(self) -> int:
+        """Bytes of one routed expert (every MoE layer's are alike); 0 without routed experts."""
+        return next((b for b in self.expert_bytes if b), 0)
+
+    @property
+    def experts_total(self) -> int:
+        """Every routed expert of every MoE layer."""
+        return self.num_experts * sum(self.expert_bytes)
+
+    @property
+    def total(self) -> int:
+        """What a memory tier can hold: everything but the embedding table."""
+        return self.globals_bytes + sum(self.spine_bytes) + self.experts_total
+
+    @property
+    def stored(self) -> int:
+        """The whole model as stored, embedding table included."""
+        return self.total + self.embed_bytes
+
+    def token_bytes(self, experts_per_token: int) -> int:
+        """What one decode token reads: every layer's spine, the globals but the embedding table
+        (the head), one row of that, and `experts_per_token` experts in each MoE layer."""
+        return (sum(self.spine_bytes) + self.globals_bytes + self.embed_row_bytes
+                + experts_per_token * sum(self.expert_bytes))
+
+
+def weight_bytes(w) -> int:
+    """Bytes of a weight in memory: a tensor, a QWeight, or a tuple of them (an expert). A tensor
+    stored padded past what the model uses (a KDA layer's A_log) counts only its used part."""
+    if isinstance(w, tuple):
+        return sum(weight_bytes(x) for x in w)
+    return w.nbytes if not hasattr(w, "element_size") else w.numel() * w.element_size()
 
 
 def _params(spec) -> int:
@@ -21,20 +91,12 @@ def expert_params(cfg) -> int:
 
 def summarize(source) -> dict:
     cfg = source.config
-    g_infos = source.global_infos()
-    global_bytes = sum(i.nbytes for i in g_infos.values())
-    layer_bytes = [sum(i.nbytes for i in source.spine_infos(l).values()) for l in range(cfg.num_layers)]
+    sizes = ModelSizes.of(source)
     moe_layers = [l for l in range(cfg.num_layers) if cfg.is_moe(l)]
-    one_expert = (sum(i.nbytes for i in source.expert_infos(moe_layers[0], 0).values()) if moe_layers else 0)
     spine_params = sum(_params(s) for s in global_tensors(cfg).values()) + sum(
         _params(s) for l in range(cfg.num_layers) for s in layer_spine_tensors(cfg, l).values())
     n_expert_params = expert_params(cfg) * cfg.num_experts * len(moe_layers)
-    embed = g_infos["model.embed_tokens.weight"]
-    embed_row = embed.nbytes // cfg.vocab_size
-    # Per decode token: every layer's spine, the head (all but the embedding table, of which one row),
-    # and top-k experts in each MoE layer.
-    per_token = (sum(layer_bytes) + global_bytes - embed.nbytes + embed_row
-                 + cfg.experts_per_token * one_expert * len(moe_layers))
+    global_bytes = sizes.globals_bytes + sizes.embed_bytes
     schedule = []
     for l in range(cfg.num_layers):
         attn = "KDA" if l in cfg.kda_layers else "MLA"
@@ -65,17 +127,17 @@ def summarize(source) -> dict:
         "total_params": spine_params + n_expert_params,
         # What a token multiplies with: the embedding table is a lookup, not a product, so it is
         # left out (the convention behind published "active parameter" figures).
-        "active_params": (spine_params - _params(global_tensors(cfg)["model.embed_tokens.weight"])
+        "active_params": (spine_params - _params(global_tensors(cfg)[EMBED])
                           + expert_params(cfg) * cfg.experts_per_token * len(moe_layers)),
         "global_bytes": global_bytes,
-        "spine_bytes": global_bytes + sum(layer_bytes),
-        "layer_spine_bytes": layer_bytes,
-        "expert_bytes": one_expert * cfg.num_experts * len(moe_layers),
-        "bytes_per_expert": one_expert,
-        "bytes_per_token": per_token,
+        "spine_bytes": global_bytes + sum(sizes.spine_bytes),
+        "layer_spine_bytes": list(sizes.spine_bytes),
+        "expert_bytes": sizes.experts_total,
+        "bytes_per_expert": sizes.one_expert,
+        # Per decode token: every layer's spine, the head and top-k experts in each MoE layer.
+        "bytes_per_token": sizes.token_bytes(cfg.experts_per_token),
     }
 
 
 def model_bytes(source) -> int:
-    s = summarize(source)
-    return s["spine_bytes"] + s["expert_bytes"]
+    return ModelSizes.of(source).stored

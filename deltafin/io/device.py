@@ -35,8 +35,10 @@ import torch
 from ..model.layers import NOT_PRODUCTS
 from ..kernels.grouped import ExpertStack, MXFP4Stack, Stacked
 from ..kernels.linear import QWeight
+from ..checkpoint.sizes import ModelSizes
 from ..model.moe import chosen_experts
-from .placement import GiB, ExpertSlots, ModelSizes, Placement, plan, require_everything
+from ..units import GB, GiB
+from .placement import ExpertSlots, Placement, plan, require_everything
 from .ram import done
 
 
@@ -93,7 +95,7 @@ def device_budget(settings, device: torch.device) -> tuple[int, str]:
         import psutil
         free = total = psutil.virtual_memory().available
     headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * total))
-    return max(0, free - headroom), (f"auto: {free / GiB:.1f} GiB free - {headroom / GiB:.1f} GiB headroom")
+    return max(0, free - headroom), (f"auto: {free / GB:.1f} GB free - {headroom / GB:.1f} GB headroom")
 
 
 def device_placement(source, settings, device: torch.device, stream: str) -> tuple[Placement, str]:
@@ -190,8 +192,8 @@ class DeviceProvider:
             # No host-RAM cache under it yet: the copier registers the streamer's buffers as pinned
             # memory once, which a cache that resizes them would invalidate.
             self._host = StreamProvider(source, settings, held=placement.spine_layers, cache=False)
-            for b in self._host._spine_bufs:
-                self._copier.pin(b.buf)
+            for buf in self._host.spine_buffers():
+                self._copier.pin(buf)
         self._spine_copy = None  # event of the last copy out of a streamer spine buffer
         self._expert_copy = None  # ... and out of its expert slots
 
@@ -276,8 +278,8 @@ class DeviceProvider:
             return done(got)
         _wait(self._expert_copy)  # the streamer reuses its expert slots in this call
         pending = self._host.experts(i, missing, stats, residual)
-        for s in self._host._slots:
-            self._copier.pin(s)
+        for buf in self._host.expert_buffers():
+            self._copier.pin(buf)
         return _Arriving(self, i, pending, got, stats)
 
     # -- introspection -----------------------------------------------------------------------

@@ -45,6 +45,7 @@ from ..checkpoint.layout import expert_tensors, full_name, global_tensors, layer
 from ..checkpoint.source import PublishedTensors
 from ..config import ModelConfig, load_config
 from ..settings import Settings
+from ..units import GB, MB
 from .fetch import HubError, NotOnHub, Remote, resolve_commit
 from .reader import ALIGN, Files, merge_extents
 
@@ -240,7 +241,7 @@ class EntryCache:
             entries = [e for e in dict.fromkeys(entries + self._group) if not self.present(e)]
             total = sum(e.size for e in entries)
             raise HubError(f"{self.where}: offline (HF_HUB_OFFLINE is set) and not in the cache {self.folder}: "
-                           + ", ".join(e.label for e in entries) + f" ({total / 1e6:.1f} MB); run once online "
+                           + ", ".join(e.label for e in entries) + f" ({total / MB:.1f} MB); run once online "
                            "to fetch them")
         self._make_room(sum(e.size for e in entries if e.evictable))
         parts = [_Part(self.folder, e) for e in entries]
@@ -301,8 +302,8 @@ class EntryCache:
                     pass
             if self._expert_bytes + need > self.budget and not self._warned_budget:
                 self._warned_budget = True
-                print(f"deltafin: the hub cache holds {(self._expert_bytes + need) / 1e9:.2f} GB of experts, over its "
-                      f"budget of {self.budget / 1e9:.2f} GB, because this run uses them all", file=sys.stderr)
+                print(f"deltafin: the hub cache holds {(self._expert_bytes + need) / GB:.2f} GB of experts, over its "
+                      f"budget of {self.budget / GB:.2f} GB, because this run uses them all", file=sys.stderr)
 
     def close(self) -> None:
         for pool in (self._ahead, self._pool):
@@ -442,7 +443,7 @@ class HubSource(PublishedTensors):
         validate_infos(self.config, infos, self.where)
         self.infos = infos
         self.cache = EntryCache(self.path / "entries", remote, settings.hub_connections,
-                                int(settings.hub_cache_gb * 1e9), {s: m["size"] for s, m in meta["shards"].items()},
+                                int(settings.hub_cache_gb * GB), {s: m["size"] for s, m in meta["shards"].items()},
                                 self.where)
         self._files = FileHandles()
         self._groups: dict[tuple, tuple[Entry, dict[str, TensorInfo]]] = {}

@@ -28,9 +28,10 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
-GiB = 2**30
+from ..units import GB, MiB
+
 # Room left free under an automatic budget (activations, states, the allocator, other programs).
-HEADROOM_MIN = 256 * 2**20
+HEADROOM_MIN = 256 * MiB
 HEADROOM_FRACTION = 0.04
 # A memory stall share above this (since the last look) makes the caches give back an eighth of
 # what they hold, and stop growing for COOLDOWN_S seconds.
@@ -222,9 +223,9 @@ class MemoryBudget:
         room = free - headroom
         share = self.pressure_share(r)
         _window(self._seen, now, held + free, GROW_WINDOW_S)  # what the caches could reach now
-        where = f"{r.where} free {r.free / GiB:.2f} GiB, headroom {headroom / GiB:.2f}"
+        where = f"{r.where} free {r.free / GB:.2f} GB, headroom {headroom / GB:.2f}"
         if peak > fixed:
-            where += f", {(peak - fixed) / GiB:.2f} kept for the streamer's buffers"
+            where += f", {(peak - fixed) / GB:.2f} kept for the streamer's buffers"
         if share > PRESSURE_SHARE:
             self._cooldown_until = self.clock() + COOLDOWN_S
             new = min(target, held - max(held // 8, 1), held + room)
@@ -241,17 +242,17 @@ class MemoryBudget:
             new, why = (min(low, held + room) if low > target else min(target, held + room)), where
         if top is not None:
             new = min(new, top)
-            why += f", set budget {self.ceiling / 1e9:g} GB less the streamer's {peak / 1e9:.2f}"
+            why += f", set budget {self.ceiling / GB:g} GB less the streamer's {peak / GB:.2f}"
         return max(0, new), why
 
     def describe(self, fixed: int) -> str:
         """The start-up line: the budget and how it was set."""
         r = read_memory(self.root)
-        what = (f"{self.ceiling / 1e9:g} GB set" if self.ceiling is not None
+        what = (f"{self.ceiling / GB:g} GB set" if self.ceiling is not None
                 else "auto (grows into free memory, gives it back under pressure)")
-        seen = (f"{r.free / GiB:.2f} GiB free now ({r.where}; page cache not counted), headroom "
-                f"{self.headroom(r) / GiB:.2f} GiB" if r.free is not None else "free memory unknown")
-        return f"ram budget {what}: {seen}; the streamer's own buffers take {fixed / GiB:.2f} GiB of it"
+        seen = (f"{r.free / GB:.2f} GB free now ({r.where}; page cache not counted), headroom "
+                f"{self.headroom(r) / GB:.2f} GB" if r.free is not None else "free memory unknown")
+        return f"ram budget {what}: {seen}; the streamer's own buffers take {fixed / GB:.2f} GB of it"
 
 
 class Watcher:

@@ -17,29 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """Bytes of each part of a model as stored (from the source's tensor index, nothing read)."""
-    globals_bytes: int  # without the embedding table
-    spine_bytes: tuple[int, ...]  # per layer
-    expert_bytes: tuple[int, ...]  # one routed expert of each layer (0 for dense layers)
-    num_experts: int
-
-    @classmethod
-    def of(cls, source) -> "ModelSizes":
-        cfg = source.config
-        g = sum(t.nbytes for k, t in source.global_infos().items() if "embed_tokens" not in k)
-        spines = tuple(sum(t.nbytes for t in source.spine_infos(i).values()) for i in range(cfg.num_layers))
-        experts = tuple(sum(t.nbytes for t in source.expert_infos(i, 0).values()) if cfg.is_moe(i) else 0
-                        for i in range(cfg.num_layers))
-        return cls(g, spines, experts, cfg.num_experts if any(experts) else 0)
-
-    @property
-    def total(self) -> int:
-        return self.globals_bytes + sum(self.spine_bytes) + self.num_experts * sum(self.expert_bytes)
+from ..checkpoint.sizes import ModelSizes
+from ..units import GB
 
 
 @dataclass(frozen=True)
@@ -69,8 +48,8 @@ class Placement:
 
     def describe(self) -> str:
         s = self.summary()
-        return (f"{self.tier}: holds {s['held_bytes'] / GiB:.2f} of {s['model_bytes'] / GiB:.2f} GiB "
-                f"(budget {self.budget / GiB:.2f} GiB): spines of {s['spine_layers']}/{s['layers']} layers, "
+        return (f"{self.tier}: holds {s['held_bytes'] / GB:.2f} of {s['model_bytes'] / GB:.2f} GB "
+                f"(budget {self.budget / GB:.2f} GB): spines of {s['spine_layers']}/{s['layers']} layers, "
                 f"{s['experts_per_layer']}/{s['experts_in_layer']} experts in each of {s['moe_layers']} MoE layers")
 
 
@@ -82,7 +61,7 @@ def plan(sizes: ModelSizes, budget: int, tier: str) -> Placement:
     left = budget - sizes.globals_bytes
     if left < 0:
         raise PlacementError(f"the model does not fit in {tier}: its globals alone need "
-                             f"{sizes.globals_bytes / GiB:.4f} GiB, more than the budget of {budget / GiB:.4f} GiB")
+                             f"{sizes.globals_bytes / GB:.4f} GB, more than the budget of {budget / GB:.4f} GB")
     spines = []
     for i, b in enumerate(sizes.spine_bytes):
         if b > left:
@@ -102,9 +81,9 @@ def require_everything(p: Placement, how: str) -> None:
         return
     s = p.sizes
     raise PlacementError(
-        f"the model does not fit in {p.tier}: it needs {s.total / GiB:.2f} GiB (globals {s.globals_bytes / GiB:.2f}, "
-        f"spines {sum(s.spine_bytes) / GiB:.2f}, experts {s.num_experts * sum(s.expert_bytes) / GiB:.2f}) and the "
-        f"budget is {p.budget / GiB:.2f} GiB ({how}); stream the rest with --stream on")
+        f"the model does not fit in {p.tier}: it needs {s.total / GB:.2f} GB (globals {s.globals_bytes / GB:.2f}, "
+        f"spines {sum(s.spine_bytes) / GB:.2f}, experts {s.experts_total / GB:.2f}) and the "
+        f"budget is {p.budget / GB:.2f} GB ({how}); stream the rest with --stream on")
 
 
 class ExpertSlots:

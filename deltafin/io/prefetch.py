@@ -27,6 +27,11 @@ cancelled guesses until their last piece is read; while more than one layer's wo
 outstanding, nothing new is guessed, which bounds the buffers to about three layers' worth.
 Buffers whose expert the cache admits are handed to the cache (no copy) and replaced.
 
+When each guess is made (``Guesses``, for the streaming provider): ``prev`` queues a layer's guess
+when its spine is asked for; ``early`` queues the next MoE layer's right after this layer's demand
+reads. The first MoE layer has no MoE layer before it to guess from: in both modes its guess is
+the previous pass's last token's experts there, queued when the pass starts.
+
 Accounting (into the pass's ``PassStats``): bytes read by prefetch (also counted as disk bytes),
 and of them the bytes of experts that the router then chose (``prefetch_useful_rate`` is their ratio).
 """
@@ -168,6 +173,55 @@ class Prefetcher:
             if b.nbytes >= nbytes:
                 return self._free.pop(k)
         return AlignedBuffer(nbytes)
+
+
+class Guesses:
+    """When the streamer's prefetcher guesses, which layer, and from what (the setting ``prefetch``).
+    It holds no memory of its own: the guesses' buffers are the prefetcher's."""
+
+    def __init__(self, cfg, mode: str, prefetcher: Prefetcher, spine_in_memory):
+        """`mode`: the setting ``prefetch`` ("prev" or "early"); `spine_in_memory(j)`: layer j's
+        spine if it is in memory now, else None (its router makes an ``early`` guess)."""
+        self._cfg, self._mode, self._prefetcher = cfg, mode, prefetcher
+        self._spine_in_memory = spine_in_memory
+        self._first_moe = next((i for i in range(cfg.num_layers) if cfg.is_moe(i)), None)
+
+    def start_pass(self, stats) -> None:
+        """The first MoE layer's guess, queued before the dense layers before it compute."""
+        self._prefetcher.start(self._first_moe, stats)
+
+    def before_spine(self, i: int, stats) -> None:
+        """``prev``: layer i's guess, queued when its spine is asked for, ahead of the next spine's
+        read (the experts are needed first)."""
+        if self._mode == "prev" and self._cfg.is_moe(i) and i != self._first_moe:
+            self._prefetcher.start(i, stats)
+
+    def routed(self, i: int, ids, chosen: list[int], got: dict, stats) -> dict:
+        """Layer i's router chose `chosen` (``ids``: its tensor, or a list); `got`: those at hand
+        already. Adds to `got` the prefetched ones whose read completed; returns those still being
+        read (expert -> ``Ahead``), to wait for instead of reading them again."""
+        if self._mode == "prev" or i == self._first_moe:
+            self._prefetcher.observe(i, ids)
+        under_way = {}
+        for e in chosen:
+            w = self._prefetcher.take(i, e, stats) if e not in got else None
+            if isinstance(w, Ahead):
+                under_way[e] = w
+            elif w is not None:
+                got[e] = w
+        return under_way
+
+    def after_experts(self, i: int, residual, stats) -> None:
+        """``early``: the next MoE layer's router on this layer's residual stream (the rows of this
+        pass at its MoE), queued behind this layer's demand reads."""
+        if self._mode != "early":
+            return
+        cfg = self._cfg
+        j = next((n for n in range(i + 1, cfg.num_layers) if cfg.is_moe(n)), None)
+        router = self._spine_in_memory(j) if j is not None else None
+        guess = early_guess(cfg, residual, router) if router is not None else None
+        if guess:
+            self._prefetcher.start(j, stats, guess, computing=i)
 
 
 def early_guess(cfg, residual: torch.Tensor, spine: dict) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+from ..checkpoint.sizes import weight_bytes
 from ..model.moe import chosen_experts
 
 
@@ -13,12 +14,6 @@ def done(value) -> Future:
     return f
 
 
-def _nbytes(w) -> int:
-    if isinstance(w, tuple):
-        return sum(_nbytes(x) for x in w)
-    return w.nbytes if not hasattr(w, "element_size") else w.numel() * w.element_size()
-
-
 class RAMProvider:
     def __init__(self, source, progress=None):
         cfg = self.config = source.config
@@ -26,8 +21,8 @@ class RAMProvider:
         embed = self._globals["embed"]
         # Per pass every global but the embedding is read (the head, the final norm); of the
         # embedding one row per token, as the streamer counts them.
-        self._embed_row_bytes = _nbytes(embed) // max(1, embed.shape[0])
-        self._global_pass_bytes = sum(_nbytes(w) for k, w in self._globals.items() if k != "embed")
+        self._embed_row_bytes = weight_bytes(embed) // max(1, embed.shape[0])
+        self._global_pass_bytes = sum(weight_bytes(w) for k, w in self._globals.items() if k != "embed")
         self._spines = []
         self._experts: list[dict] = []
         layers = range(cfg.num_layers)
@@ -35,9 +30,9 @@ class RAMProvider:
             self._spines.append(source.read_spine(i))
             self._experts.append({e: source.read_expert(i, e) for e in range(cfg.num_experts)}
                                  if cfg.is_moe(i) else {})
-        self._spine_bytes = [sum(_nbytes(w) for w in s.values()) for s in self._spines]
+        self._spine_bytes = [sum(weight_bytes(w) for w in s.values()) for s in self._spines]
         # counted once here: summing them per expert per layer per pass cost ~8% of a batched pass
-        self._expert_bytes = [{e: _nbytes(w) for e, w in layer.items()} for layer in self._experts]
+        self._expert_bytes = [{e: weight_bytes(w) for e, w in layer.items()} for layer in self._experts]
 
     def globals(self) -> dict:
         return self._globals

@@ -42,7 +42,9 @@ import sys
 import threading
 import time
 
-from .placement import GiB, ExpertSlots, ModelSizes, Placement
+from ..checkpoint.sizes import ModelSizes
+from ..units import GB
+from .placement import ExpertSlots, Placement
 from .reader import AlignedBuffer
 
 
@@ -128,7 +130,7 @@ class RamCache:
         # Every turn is told; more steps the same way at most one line a second.
         if verb != self._last_verb or now - self._last_line >= 1.0:
             self._last_verb, self._last_line = verb, now
-            self._log(f"deltafin: ram cache {verb} to {self.target / GiB:.2f} GiB ({why}): "
+            self._log(f"deltafin: ram cache {verb} to {self.target / GB:.2f} GB ({why}): "
                       f"{self._describe(self._plan)}")
 
     def make_room(self, nbytes: int, why: str) -> None:

@@ -6,7 +6,8 @@ Three pieces, used by the streaming provider and by ``deltafin bench``:
   (tensors adjacent in one file are merged, so a group is one pread per file region) and where
   each run and tensor lands in a buffer. Runs start at their file offset modulo the page size
   past a page boundary, so O_DIRECT can read whole pages and tensor views keep the alignment
-  they have in the file.
+  they have in the file. ``spine_layout`` / ``expert_layout`` / ``globals_layout``: a source's
+  group, read as the one extent the source knows for it where it knows one (a converted store).
 - ``Files``: how bytes get from a file into a buffer, by read mode: ``buffered`` (pread through
   the page cache), ``nocache`` (O_DIRECT where the filesystem allows it, else pread followed by
   ``POSIX_FADV_DONTNEED`` on the range), ``mmap`` (the file mapped once, copied from the map).
@@ -125,6 +126,24 @@ def make_layout(infos: dict[str, TensorInfo], extent: tuple[str, int, int] | Non
     return Layout(tuple(runs), tuple(starts), tuple(placed), pos)
 
 
+def globals_layout(source) -> Layout:
+    return make_layout(source.global_infos(), _extent(source, "globals_extent"))
+
+
+def spine_layout(source, i: int) -> Layout:
+    return make_layout(source.spine_infos(i), _extent(source, "spine_extent", i))
+
+
+def expert_layout(source, i: int, e: int) -> Layout:
+    return make_layout(source.expert_infos(i, e), _extent(source, "expert_extent", i, e))
+
+
+def _extent(source, method: str, *args):
+    """The source's one-read extent for a group, when it has one (a converted store does)."""
+    f = getattr(source, method, None)
+    return f(*args) if f is not None else None
+
+
 def views(buf: memoryview, layout: Layout, base: int = 0) -> dict[str, torch.Tensor]:
     """The group's tensors as views into `buf` (where the layout was read at `base`)."""
     out = {}
@@ -143,9 +162,7 @@ class AlignedBuffer:
     Private, not shared: a shared anonymous mapping is shmem, whose pages cost more to fault in
     (an O_DIRECT read into a new buffer inserts each page into a shmem file) and to give back (the
     file is truncated), and which a memory cgroup counts as page cache rather than as the process's
-    own memory. With the RAM cache admitting and evicting experts, kl_medium int8 store in a 3 GiB
-    cgroup: compute 0.121 / 0.125 s per token private against 0.130 / 0.156 shared, decode at 0.67 /
-    0.79 of the disk limit against 0.56 / 0.57 (alternated, one script)."""
+    own memory (measured: docs/benchmarks.md#read-buffers)."""
 
     def __init__(self, nbytes: int):
         self.nbytes = align_up(max(nbytes, 1))
@@ -349,6 +366,12 @@ class ReadPool:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
+
+
+def read_now(pool: ReadPool, layout: Layout, buf: AlignedBuffer) -> None:
+    """Read a group into `buf` and wait for it (at load: the globals, the pinned spines)."""
+    jobs = [(run, buf.mem, s) for run, s in zip(layout.runs, layout.starts)]
+    pool.submit(chunked(jobs, SPINE_CHUNK), URGENT).wait()
 
 
 def _work(q: queue.PriorityQueue, files: Files) -> None:
