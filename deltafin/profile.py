@@ -10,8 +10,7 @@ import time
 from collections.abc import Callable
 
 from .runtime.pass_stats import PassObserver, PassStats
-
-MB = 1e6
+from .units import GB, MB
 
 
 class PassRecorder(PassObserver):
@@ -83,7 +82,7 @@ def summarize(passes: list[PassStats]) -> dict:
         "expert_wait_seconds": total.expert_wait_seconds,
         "compute_seconds": total.compute_seconds,
         "other_seconds": max(other, 0.0),
-        "read_gbps": total.bytes_read / total.seconds / 1e9 if total.seconds > 0 else 0.0,
+        "read_gbps": total.bytes_read / total.seconds / GB if total.seconds > 0 else 0.0,
         "prefetch_bytes_per_token": total.prefetch_bytes / n,
         # of the bytes read ahead of the router on a guess, the share the router then chose (None: no prefetch)
         "prefetch_useful_rate": total.prefetch_used_bytes / total.prefetch_bytes if total.prefetch_bytes else None,

@@ -10,6 +10,7 @@ from .checkpoint import expert_codec
 from .checkpoint.synthetic import make_checkpoint
 from .files import writer_lock
 from .settings import Settings
+from .units import MiB
 
 DEFAULT_PRESET = "small-k3"
 
@@ -88,7 +89,7 @@ def startup_message(model, path) -> str:
             + (f"\ndeltafin: {model.residency}" if model.residency else ""))
 
 
-MAX_PROMPT_FILE = 64 * 2 ** 20
+MAX_PROMPT_FILE = 64 * MiB
 
 
 def read_text_arg(value: str) -> str:
