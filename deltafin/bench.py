@@ -43,6 +43,7 @@ weights alone allows, and ``decode_vs_ram_limit`` the share of it the decode rea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,12 +55,17 @@ import time
 from pathlib import Path
 
 from .checkpoint import expert_codec
-from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, make_layout
+from .checkpoint.sizes import ModelSizes
+from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, \
+    expert_layout, spine_layout
 from .profile import SOURCES, PassRecorder, summarize
+from .runtime.generate import Decoding
+from .runtime.pass_stats import PassObserver
+from .runtime.sampling import SamplingParams
 from .runtime.scheduler import PASS_ROWS
 from .settings import Settings, add_arguments, from_args
+from .units import GB, MB, GiB
 
-GB = 1e9
 
 
 def checkpoint_files(source) -> list[str]:
@@ -74,11 +80,6 @@ def checkpoint_files(source) -> list[str]:
     return sorted(files)
 
 
-def _extent(source, method: str, *args):
-    f = getattr(source, method, None)
-    return f(*args) if f is not None else None
-
-
 def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, evict: list[str] = ()) -> dict:
     """Read what `tokens` decode passes read (streamed spines + random experts), reads only timed.
 
@@ -87,12 +88,12 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
     cfg = source.config
     rng = random.Random(seed)
     layers = range(min(settings.pin_layers, cfg.num_layers), cfg.num_layers)
-    spines = [make_layout(source.spine_infos(i), _extent(source, "spine_extent", i)) for i in layers]
+    spines = [spine_layout(source, i) for i in layers]
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
     k = min(cfg.experts_per_token, cfg.num_experts) if moe else 0
     # Which experts each token reads, chosen (and laid out) before any timing.
-    picks = [[make_layout(source.expert_infos(i, e), _extent(source, "expert_extent", i, e))
-              for i in moe for e in rng.sample(range(cfg.num_experts), k)] for _ in range(tokens)]
+    picks = [[expert_layout(source, i, e) for i in moe for e in rng.sample(range(cfg.num_experts), k)]
+             for _ in range(tokens)]
     # The bytes are not used, only the reads timed: every piece lands in one small scratch buffer
     # (at its file offset's place in a page, as O_DIRECT needs), read in the pieces decode reads
     # (spines in SPINE_CHUNK, experts in EXPERT_CHUNK). A buffer per spine and expert slot would
@@ -138,17 +139,15 @@ def measure_ram_read(model, threads: int, seed: int = 0, passes: int = 3) -> dic
     """How fast `threads` threads read, where they lie, the weights one decode token of a resident
     CPU model reads: every spine, ``experts_per_token`` random experts per MoE layer and every global
     but the embedding (of which a token reads one row). Best of `passes` reads, each one native call."""
-    from .runtime.pass_stats import PassStats
     from .kernels import cpu_native
-    provider, cfg = model.engine.provider, model.config
+    cfg = model.config
     rng = random.Random(seed)
-    stats = PassStats()
-    weights = [w for name, w in provider.globals().items() if name != "embed"]
+    weights = [w for name, w in model.global_weights().items() if name != "embed"]
     for i in range(cfg.num_layers):
-        weights.append(provider.spine(i, stats))
+        weights.append(model.layer_weights(i))
         if cfg.is_moe(i):
             k = min(cfg.experts_per_token, cfg.num_experts)
-            weights.append(provider.experts(i, rng.sample(range(cfg.num_experts), k), stats).result())
+            weights.append(model.expert_weights(i, rng.sample(range(cfg.num_experts), k)))
     tensors = [t for t in _tensors(weights) if t.is_cpu and t.is_contiguous()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     best = float("inf")
@@ -217,7 +216,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
 
     # A resident CPU model's bound is memory: probed the same way, before and after the decode.
     from .kernels import cpu_native
-    ram_probing = not model.streaming and model.engine.device.type == "cpu" and cpu_native.available()
+    ram_probing = not model.streaming and model.device.type == "cpu" and cpu_native.available()
     ram_probes: list[dict] = []
 
     def probe() -> None:
@@ -229,13 +228,15 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
 
     marks: dict[str, float] = {}
     # What the decode's routers chose (streamed on the CPU), for the best-cache figure.
-    routings = _RoutingCounter(model) if model.streaming and model.engine.device.type == "cpu" else None
+    routings = _RoutingCounter(model.config) if model.streaming and model.device.type == "cpu" else None
 
     # On CUDA the first decode passes of a process compile and tune the GPU kernels (seconds) and
-    # record the decode graph; the figures are the steady state's, so those passes are not timed. A
-    # resident model decodes 3 tokens of its own first. A streamed one must not (they would fill its
-    # expert slots with the measured prompt's experts): its first decode pass is left out instead.
-    cuda = model.engine.device.type == "cuda"
+    # record the decode graphs; the figures are the steady state's, so those passes are not timed. A
+    # resident model decodes 3 tokens of its own first, the whole batch together (a graph is recorded
+    # per batch size: the batch's own must exist before the timing starts). A streamed one must not
+    # (they would fill its expert slots with the measured prompt's experts): its first decode pass is
+    # left out instead.
+    cuda = model.device.type == "cuda"
     warmup = 3 if cuda and not model.streaming else 0
     untimed = 1 if cuda and model.streaming and tokens > 2 else 0  # decode passes before the timed ones
     piece = prefill_piece(batch, prompt_tokens)
@@ -252,15 +253,12 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
                 routings.on = True
 
     if warmup:
-        _decode(PassRecorder(model), prompts[:1], warmup)
-    rec = PassRecorder(model, on_pass)
+        _decode(model, prompts, warmup, piece)
+    rec = PassRecorder(on_pass)
     cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
-    try:
-        gen_stats = _decode(rec, prompts, tokens, piece)
-    finally:
-        if routings is not None:
-            routings.close()
+    with model.observe(rec), model.observe(routings) if routings else contextlib.nullcontext():
+        gen_stats = _decode(model, prompts, tokens, piece)
     if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
@@ -276,13 +274,11 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     def efficiency(gbps: float) -> float:
         return disk_s_per_tok / gbps / s_per_tok if gbps > 0 else 0.0
 
-    provider = model.engine.provider
-    residency = provider.residency() if model.streaming and hasattr(provider, "residency") else {}
+    residency = (model.residency_now() or {}) if model.streaming else {}
     limit = raw["gbps"] * GB / d["read_bytes_per_token"] if raw and d["read_bytes_per_token"] > 0 else None
     ram = raw_read_summary(ram_probes) if ram_probes else None
     ram_limit = ram["gbps"] * GB / d["bytes_per_token"] if ram and d["bytes_per_token"] > 0 else None
-    expert_bytes = _expert_bytes(model.source)
-    spine_bytes = sum(t.nbytes for i in range(cfg.num_layers) for t in model.source.spine_infos(i).values())
+    sizes = ModelSizes.of(model.source)
     out = {
         "model": str(path),
         "streaming": model.streaming,
@@ -331,8 +327,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "io_efficiency": efficiency(raw["gbps"]) if raw else None,
         "io_efficiency_range": [efficiency(raw["max_gbps"]), efficiency(raw["min_gbps"])] if raw else None,
         "io_split": {
-            "spine_bytes_per_token": spine_bytes,
-            "expert_bytes_per_token": d["experts_per_token"] * expert_bytes,
+            "spine_bytes_per_token": sum(sizes.spine_bytes),
+            "expert_bytes_per_token": d["experts_per_token"] * sizes.one_expert,
             "experts_per_token": d["experts_per_token"],
             "spine_wait_s_per_token": d["spine_wait_seconds"] / d["tokens"],
             "expert_wait_s_per_token": d["expert_wait_seconds"] / d["tokens"],
@@ -347,35 +343,27 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "settings": dataclasses.asdict(settings),
         "machine": machine_info(settings),
     }
-    resident = getattr(model.engine.provider, "resident_bytes", None)
+    resident = model.resident_bytes()
     if resident is not None:
-        out["provider_resident_bytes"] = resident()["total"]
-    if model.engine.device.type == "cuda":
+        out["provider_resident_bytes"] = resident
+    if model.device.type == "cuda":
         out.update(device_figures(model, d, s_per_tok, raw))
     return out
 
 
-class _RoutingCounter:
-    """Routings per expert of each MoE layer (the rows of every pass), counted while ``on``: the
-    provider's expert reads are wrapped for the bench's run only (``close`` unwraps them), so no
-    decode outside a bench pays for counting."""
+class _RoutingCounter(PassObserver):
+    """Routings per expert of each MoE layer (the rows of every pass), counted while ``on``: an
+    engine observer for the bench's run only, so no decode outside a bench pays for counting."""
 
-    def __init__(self, model) -> None:
-        cfg, self.provider, self.on = model.config, model.engine.provider, False
-        self.counts = {i: [0] * cfg.num_experts for i in range(cfg.num_layers) if cfg.is_moe(i)}
-        inner = self.provider.experts
-
-        def experts(i, ids, stats, residual=None):
-            if self.on:
-                counts = self.counts[i]
-                for e in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids):
-                    counts[e] += 1
-            return inner(i, ids, stats, residual)
-        self.provider.experts = experts
-
-    def close(self) -> None:
+    def __init__(self, cfg) -> None:
         self.on = False
-        self.provider.__dict__.pop("experts", None)
+        self.counts = {i: [0] * cfg.num_experts for i in range(cfg.num_layers) if cfg.is_moe(i)}
+
+    def on_route(self, layer: int, ids, x) -> None:
+        if self.on:
+            counts = self.counts[layer]
+            for e in ids.flatten().tolist():
+                counts[e] += 1
 
 
 def routing_figures(before: dict[int, list[int]], after: dict[int, list[int]], cache: dict | None) -> dict | None:
@@ -407,7 +395,7 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
     much of the first the decode used, and the tok/s the slowest tier allows for the bytes it
     delivered per token (device memory, host->device copies, and the disk when streaming)."""
     import torch
-    device = model.engine.device
+    device = model.device
     dev_gbps = measure_device_copy(device)
     h2d_gbps = measure_pinned_copy(device)
     dev_bytes, h2d_bytes = d["device_bytes_per_token"], d["h2d_bytes_per_token"]
@@ -415,8 +403,6 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
     if raw:
         tier_seconds["disk"] = d["read_bytes_per_token"] / (raw["gbps"] * GB)
     slowest = max(tier_seconds, key=tier_seconds.get)
-    residency = getattr(model.engine.provider, "residency", None)
-    graphs = model.engine.graphs
     return {
         "device_name": torch.cuda.get_device_name(device),
         "device_bandwidth_gbps": dev_gbps,
@@ -427,11 +413,9 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
         "h2d_gbps": h2d_bytes / s_per_tok / GB,
         "limit_tok_s": 1 / tier_seconds[slowest] if tier_seconds[slowest] > 0 else None,
         "limit_tier": slowest,
-        "residency": residency() if residency is not None else None,
+        "residency": model.residency_now(),
         # One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass).
-        "decode_graph": ({"recorded": graphs.recorded, "replayed": graphs.replayed, "failed": graphs.failed,
-                          "record_seconds": graphs.record_seconds}
-                         if graphs is not None else None),
+        "decode_graph": model.graph_stats(),
     }
 
 
@@ -450,7 +434,7 @@ def _time_cuda(fn, repeat: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_device_copy(device, nbytes: int = 1 << 30) -> float:
+def measure_device_copy(device, nbytes: int = GiB) -> float:
     """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
     import torch
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
@@ -470,12 +454,6 @@ def measure_pinned_copy(device, nbytes: int = 256 << 20) -> float:
     return nbytes / _time_cuda(lambda: dst.copy_(src, non_blocking=True)) / GB
 
 
-def _expert_bytes(source) -> int:
-    cfg = source.config
-    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
-    return sum(t.nbytes for t in source.expert_infos(moe[0], 0).values()) if moe else 0
-
-
 def prefill_piece(batch: int, prompt_tokens: int) -> int:
     """Prompt tokens of each sequence a batched prefill pass reads: the pass carries at most
     max(prompt_tokens, PASS_ROWS) rows (PASS_ROWS: the rows a server pass may always take), what batch
@@ -486,14 +464,14 @@ def prefill_piece(batch: int, prompt_tokens: int) -> int:
     return max(1, max(prompt_tokens, PASS_ROWS) // batch)
 
 
-def _decode(rec: PassRecorder, prompts: list[list[int]], tokens: int, piece: int | None = None) -> dict:
+def _decode(model, prompts: list[list[int]], tokens: int, piece: int | None = None) -> dict:
     """Greedy decoding of `tokens` tokens per prompt, without speculation and without stopping at
     EOS; the prompts run together, `piece` tokens of each per prefill pass (all at once when None),
     then one token of each per pass."""
-    from .runtime.generate import Decoding
-    runs = [Decoding(rec, p, tokens, speculate=False, eos_token_ids=[]) for p in prompts]
+    params = SamplingParams(max_new_tokens=tokens, speculate=False)
+    runs = [Decoding(model, p, params, eos_token_ids=[]) for p in prompts]
     while not runs[0].done:  # all of them end together
-        for d, logits in zip(runs, rec.forward_batch([d.next_pass(max_prompt=piece) for d in runs])):
+        for d, logits in zip(runs, model.forward_batch([d.next_pass(max_prompt=piece) for d in runs])):
             d.take(logits)
     return runs[0].result().stats
 
@@ -535,10 +513,10 @@ def format_table(r: dict) -> str:
     rows = [
         ("decode", f"{r['decode_tok_s']:.2f} tok/s ({r['decode_tokens']} tokens, batch {r['batch']})"),
         ("prefill", f"{r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens), ttft {r['ttft_s'] * 1e3:.0f} ms"),
-        ("bytes/token", f"{r['bytes_per_token'] / 1e6:.2f} MB ("
-                        + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_by_source_per_token"].items())
-                        + f"); spine {sp['spine_bytes_per_token'] / 1e6:.2f} MB, "
-                        f"experts {sp['expert_bytes_per_token'] / 1e6:.2f} MB ({sp['experts_per_token']:.0f})"),
+        ("bytes/token", f"{r['bytes_per_token'] / MB:.2f} MB ("
+                        + ", ".join(f"{k} {v / MB:.2f}" for k, v in r["bytes_by_source_per_token"].items())
+                        + f"); spine {sp['spine_bytes_per_token'] / MB:.2f} MB, "
+                        f"experts {sp['expert_bytes_per_token'] / MB:.2f} MB ({sp['experts_per_token']:.0f})"),
         ("time/token", f"compute {sp['compute_s_per_token'] * 1e3:.1f} ms, spine wait "
                        f"{sp['spine_wait_s_per_token'] * 1e3:.1f} ms, "
                        f"expert wait {sp['expert_wait_s_per_token'] * 1e3:.1f} ms, "
@@ -553,9 +531,9 @@ def format_table(r: dict) -> str:
     if "device_bandwidth_gbps" in r:
         res = r["residency"] or {}
         rows += [
-            ("device", f"{r['device_bytes_per_token'] / 1e6:.1f} MB/token from device memory, hbm efficiency "
+            ("device", f"{r['device_bytes_per_token'] / MB:.1f} MB/token from device memory, hbm efficiency "
                        f"{r['hbm_efficiency']:.2f} of {r['device_bandwidth_gbps']:.0f} GB/s"),
-            ("host->device", f"{r['h2d_bytes_per_token'] / 1e6:.1f} MB/token, {r['h2d_gbps']:.2f} GB/s "
+            ("host->device", f"{r['h2d_bytes_per_token'] / MB:.1f} MB/token, {r['h2d_gbps']:.2f} GB/s "
                              f"(pinned copies {r['pinned_h2d_gbps']:.1f} GB/s)"),
             ("residency", f"spines {res.get('spine_layers')}/{res.get('layers')} layers, experts "
                           f"{res.get('experts_per_layer')}/{res.get('experts_in_layer')} per MoE layer "
@@ -577,15 +555,15 @@ def format_table(r: dict) -> str:
     if r["ram_cache"]:
         c = r["ram_cache"]
         rows.append(("ram cache", f"hits: spines {r['spine_cache_hit_rate'] * 100:.0f}%, experts "
-                                  f"{(r['expert_cache_hit_rate'] or 0) * 100:.0f}%; holds {c['held_bytes'] / 2**30:.2f} "
-                                  f"GiB (spines {c['spine_layers_held']}/{c['streamed_layers']} layers, "
-                                  f"{c['experts_held']} experts), budget {r['ram_budget_bytes'] / 2**30:.2f} GiB"))
+                                  f"{(r['expert_cache_hit_rate'] or 0) * 100:.0f}%; holds {c['held_bytes'] / GB:.2f} "
+                                  f"GB (spines {c['spine_layers_held']}/{c['streamed_layers']} layers, "
+                                  f"{c['experts_held']} experts), budget {r['ram_budget_bytes'] / GB:.2f} GB"))
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
             f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "
             f"experts {r['experts']} ({'as published' if r['experts_exact'] else 'lossy'}), "
             f"products {r['product_dtype']}{' (reference)' if r['product_dtype'] == 'float32' else ''}\n"
-            f"{m['cpu_count']} CPUs, {m['ram_bytes'] / 2**30:.0f} GiB RAM, device {m['device']}")
+            f"{m['cpu_count']} CPUs, {m['ram_bytes'] / GiB:.0f} GiB RAM, device {m['device']}")
     width = max(len(k) for k, _ in rows)
     return head + "\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

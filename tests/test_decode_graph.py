@@ -89,6 +89,78 @@ def test_recorded_mode_with_speculation_snapshot_and_rollback(tiny_k3_path):
     assert s.max_abs_diff(ref) < 1e-4
 
 
+def _batched(model, plan, prompts, tokens):
+    """Sequences decoding together as `plan` says: per pass, the indices of the sequences in it (in
+    that order). Returns each sequence's logits, in its passes' order, and its state."""
+    from deltafin.runtime.engine import Seq
+    states = [model.new_state() for _ in prompts]
+    for p, st in zip(prompts, states):
+        model.forward(p, st)
+    got = [[] for _ in prompts]
+    fed = [0] * len(prompts)
+    for members in plan:
+        out = model.forward_batch([Seq([tokens[j][fed[j]]], states[j]) for j in members])
+        for j, logits in zip(members, out):
+            got[j].append(logits)
+            fed[j] += 1
+    return [torch.cat(g) for g in got], states
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_batched_recorded_mode_matches_each_sequence_alone(request, fixture, monkeypatch):
+    """Passes of several sequences in slots: newcomers, leavers, another order (sequences move
+    between slots) and buffers that grow, against each sequence decoded alone by plain passes."""
+    monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 8)
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cpu", stream="off")
+    m = deltafin.load(path, device="cpu", stream="off")
+    graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    prompts = [PROMPT, PROMPT[:2], PROMPT[:4], [9]]
+    plan = [[0, 1], [0, 1], [0, 1, 2], [2, 0, 1], [2, 0, 1, 3], [3, 1], [1, 3, 0, 2]] + [[0, 1, 2, 3]] * 6
+    tokens = [_tokens(len(plan), 10 + j) for j in range(len(prompts))]
+    got, states = _batched(m, plan, prompts, tokens)
+    for j, prompt in enumerate(prompts):
+        st = plain.new_state()
+        plain.forward(prompt, st)
+        n = sum(j in members for members in plan)
+        want = _decode(plain, st, tokens[j][:n])
+        assert (got[j] - want).abs().max().item() < 1e-4
+        assert states[j].max_abs_diff(st) < 1e-4
+    assert graphs.capacity == 32 and len(graphs.slots) == 4  # 6 + 12 tokens: 8 -> 16 -> 32
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_check_passes_in_slots_roll_back_as_plain_passes_do(request, fixture):
+    """Draft-check passes (n rows each, keep_states) of one and of two sequences in slots, each
+    rolled back to some of its rows, then decode passes: the same logits and states as plain passes."""
+    from deltafin.runtime.engine import Seq
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cpu", stream="off")
+    m = deltafin.load(path, device="cpu", stream="off")
+    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    rows = _tokens(40, 5)
+
+    def script(model):
+        a, b = model.new_state(), model.new_state()
+        model.forward(PROMPT, a)
+        model.forward(PROMPT[:3], b)
+        out, at = [], 0
+        for members, n, keep in (([a], 4, 2), ([a, b], 3, 1), ([b, a], 3, 3), ([a, b], 1, None), ([a], 5, 0),
+                                 ([a, b], 1, None)):
+            seqs = [Seq(rows[at + j * n:at + (j + 1) * n], st, keep is not None) for j, st in enumerate(members)]
+            at += n * len(members)
+            out += model.forward_batch(seqs)
+            if keep is not None:
+                for st in members:
+                    st.rollback(st.num_tokens - n + keep)
+        return torch.cat(out), (a, b)
+
+    want, ref = script(plain)
+    got, states = script(m)
+    assert (got - want).abs().max().item() < 1e-4
+    assert all(s.max_abs_diff(r) < 1e-4 for s, r in zip(states, ref))
+
+
 def test_a_released_state_keeps_its_values(tiny_kl_path):
     """A sequence that leaves the buffers gets its own copies: the next one cannot change it."""
     m = deltafin.load(tiny_kl_path, device="cpu", stream="off")
@@ -130,6 +202,55 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
         assert (got - want).abs().max().item() < tol * want.abs().max().item()
     # a replay accounts the bytes the recorded pass read
     assert m.engine.last_pass.bytes_on_device == plain.engine.last_pass.bytes_on_device > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_batched_graph_replay_matches_each_sequence_alone(request, fixture):
+    """fp32 on the device: batched replays (one graph per batch size) give every sequence the
+    logits of its own plain passes, and its greedy tokens."""
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cuda", stream="off", dtype="float32", cuda_graphs=False)
+    m = deltafin.load(path, device="cuda", stream="off", dtype="float32")
+    prompts = [PROMPT, PROMPT[:2], PROMPT[:4], [9], PROMPT[1:], [3, 4]]
+    plan = [[0, 1], [0, 1], [0, 1, 2], [2, 0, 1]] + [[0, 1, 2, 3, 4, 5]] * 8 + [[5, 4, 3, 2, 1, 0]] * 4
+    tokens = [_tokens(len(plan), 20 + j) for j in range(len(prompts))]
+    got, _ = _batched(m, plan, prompts, tokens)
+    graphs = m.engine.graphs
+    assert graphs.failed is None and graphs.replayed >= 10 and (6, 1, False) in graphs.graphs
+    for j, prompt in enumerate(prompts):
+        st = plain.new_state()
+        plain.forward(prompt, st)
+        n = sum(j in members for members in plan)
+        want = _decode(plain, st, tokens[j][:n])
+        assert (got[j] - want).abs().max().item() < 1e-4 * want.abs().max().item()
+        assert torch.equal(got[j].argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_speculation_replays_check_passes_with_the_same_tokens(request, fixture):
+    """Greedy speculation on the device: check passes replay recorded graphs, rollbacks write into
+    the slots, and the tokens equal plain greedy decoding's."""
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.sampling import SamplingParams
+    path = request.getfixturevalue(fixture)
+    m = deltafin.load(path, device="cuda", stream="off", dtype="float32")
+    params = SamplingParams(max_new_tokens=40, speculate=False)
+    want = generate(m, PROMPT, params).tokens
+    full = PROMPT + want
+
+    def drafter(context, n):
+        """The true continuation with its second token wrong: drafts are accepted, cut and rolled back."""
+        draft = full[len(context):len(context) + n]
+        return draft[:1] + [(t + 1) % 500 for t in draft[1:2]] + draft[2:]
+
+    for _ in range(2):  # the second run replays the check-pass graphs the first recorded
+        g = generate(m, PROMPT, params.replace(speculate=True), drafter=drafter)
+        assert g.tokens == want
+    graphs = m.engine.graphs
+    assert graphs.failed is None and any(keep for (_, n, keep) in graphs.graphs)
+    assert g.stats["accepted_draft_tokens"] > 0 and g.stats["passes"] < len(want) - 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -161,19 +161,21 @@ class KDAttention(Bindable):
             # steps its own S in place (nothing else holds it: snapshots and saved states are
             # copies); otherwise the stacked copy is stepped and S0 stays for a rollback.
             S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
-            o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, in_place=True)
+            trace = S.new_empty((n, *S.shape)) if keep_states else None  # S after each row, for a rollback
+            o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, in_place=True, trace=trace)
             o = o.transpose(0, 1)
         else:  # one sequence (see _groups)
             o, S = kda_chunked(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk)
             o, S = o.unsqueeze(0), S.unsqueeze(0)
         for b, st in enumerate(states):
+            if keep_states:
+                # In place (a recorded graph's slot) the start state is overwritten next: keep a copy.
+                start = S0[b].clone() if st.in_place else S0[b]
+                st.pending = dict(S0=start, S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
             if st.in_place:
                 st.S.copy_(S[b])
             else:
                 st.S = S[b].clone() if B > 1 else S[b]
-            if keep_states:
-                st.pending = dict(S0=S0[b], q=q[b], k=k[b], v=v[b], g=g[b], beta=beta[b], conv0=conv0[b],
-                                  xin=xin[b])
         return o
 
 

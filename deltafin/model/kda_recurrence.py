@@ -13,11 +13,12 @@ import torch
 from ..kernels import cpu_native
 
 
-def kda_recurrent(q, k, v, g, beta, S, in_place: bool = False):
+def kda_recurrent(q, k, v, g, beta, S, in_place: bool = False, trace: torch.Tensor | None = None):
     """q, k, g: [T, ..., H, Dk]; v: [T, ..., H, Dv]; beta: [T, ..., H]; S: [..., H, Dk, Dv].
     Returns o [T, ..., H, Dv] and the new S. The dims between T and H are independent sequences
     (a batch of them steps together). With in_place the new S is written over the given one (the
-    caller gives it up), else the given S is left as it was.
+    caller gives it up), else the given S is left as it was. ``trace`` [T, ..., H, Dk, Dv], when
+    given, receives S after each step (what a rollback to any row copies back).
 
     Each step updates S in place: a decode step of kl_medium's S (32 x 128 x 128 fp32, 2 MB per
     layer) allocated it twice per layer and token (S * decay, S + k u^T: 570 and 510 us on one core,
@@ -31,6 +32,8 @@ def kda_recurrent(q, k, v, g, beta, S, in_place: bool = False):
         u = beta[t].unsqueeze(-1) * (v[t] - kv)
         S.addcmul_(k[t].unsqueeze(-1), u.unsqueeze(-2))
         outs.append(torch.einsum("...hd,...hdv->...hv", q[t], S))
+        if trace is not None:
+            trace[t].copy_(S)
     return torch.stack(outs), S
 
 
@@ -67,7 +70,7 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
 
 def kda_rollback(st, keep: int) -> None:
     """Back to the state after the first ``keep`` rows of the last keep_states pass of a KDA layer
-    state (its pending record); the step is the one the pass used, so the same bits."""
+    state (its pending record): the state that pass reached after those rows, so the same bits."""
     p = st.pending
     if p is None:
         return
@@ -75,14 +78,16 @@ def kda_rollback(st, keep: int) -> None:
         native_rollback(st, keep)
         st.pending = None
         return
-    st.S = p["S0"].clone()
-    if keep:
-        _, st.S = kda_recurrent(p["q"][:keep], p["k"][:keep], p["v"][:keep], p["g"][:keep], p["beta"][:keep], st.S)
-    # conv tail: the last K-1 pre-conv inputs among (old tail, first `keep` new inputs)
-    Km1 = p["conv0"].shape[1]
-    if Km1:
-        seq = torch.cat([p["conv0"], p["xin"][:, :keep]], dim=1)
-        st.conv = seq[:, seq.shape[1] - Km1:].clone()
+    # Copied into the state's own tensors (the pass gave it fresh ones, or a recorded graph's slot,
+    # which must keep its addresses); they were made by an inference-mode pass, so updated in one.
+    # The pass kept S after each of its rows: a rollback is a copy, not a replay of the steps.
+    with torch.inference_mode():
+        st.S.copy_(p["S_rows"][keep - 1] if keep else p["S0"])
+        # conv tail: the last K-1 pre-conv inputs among (old tail, first `keep` new inputs)
+        Km1 = p["conv0"].shape[1]
+        if Km1:
+            seq = torch.cat([p["conv0"], p["xin"][:, :keep]], dim=1)
+            st.conv.copy_(seq[:, seq.shape[1] - Km1:])
     st.pending = None
 
 

@@ -4,9 +4,10 @@ KDA layers keep their three conv tails and the recurrent state S per head; MLA l
 normalized latent c_kv and the shared rope-part key per token (the absorbed-MLA cache).
 
 Speculative decoding verifies several tokens in one pass and may keep only some of them. A pass
-run with ``keep_states=True`` records, per KDA layer, the state before the pass and each new
-position's (k, v, g, beta) and conv inputs; ``rollback(n)`` replays the accepted steps from those
-(cheap: a few rank-1 updates) instead of storing a full S per position. MLA rolls back by length.
+run with ``keep_states=True`` records, per KDA layer, the state before the pass and its conv inputs,
+and either S after each new row (the torch recurrence: ``rollback(n)`` copies one back) or the rows'
+inputs (the native CPU recurrence: ``rollback(n)`` steps the accepted rows again in one call). MLA
+rolls back by length.
 
 A state is a self-contained value: ``snapshot`` copies it, ``restore`` puts a copy back, and
 ``save`` / ``load`` write it to and read it from a safetensors file whose JSON header says what

@@ -1,28 +1,42 @@
-"""One-token decode passes recorded once as a CUDA graph and replayed.
+"""Decode and draft-check passes recorded once as CUDA graphs and replayed.
 
-When every weight is resident on the device and every MoE layer's experts are stacked (the grouped
-kernels read the routing on the device), a one-token decode pass is a fixed sequence of kernels
-whose only inputs from the host are the token's embedding row and its position. Replaying that
+A pass qualifies when every sequence in it feeds the same number n of rows and wants all their
+logits: one token each (decode), or one token and n - 1 drafts each (speculation's check, which
+keeps what a rollback needs). When every weight is resident on the device and every MoE layer's
+experts are stacked (the grouped kernels read the routing on the device), such a pass of B
+sequences is a fixed sequence of kernels whose only inputs from the host are the rows' embeddings
+and their positions. Replaying that
 sequence as a CUDA graph costs one launch, where the plain pass launches about a hundred kernels
-per layer, each with its Python around it: on a fast GPU those launches, not memory, bound decoding.
+per layer, each with its Python around it: on a fast GPU those launches, not memory, bound decoding,
+and a batch of B sequences costs B times the launches of one.
 
 What recording needs, and how it gets it:
-- Fixed addresses. The recorder owns one set of state buffers (each KDA layer's conv tail and S,
-  each MLA layer's latent cache of ``capacity`` rows). The sequence being decoded lives in them:
-  its layer states point at the buffers, so decoding token after token copies nothing. When another
-  sequence's turn comes, the previous one first gets copies of its tensors back, then the new
-  one's are copied in. A state whose tensors were replaced meanwhile (a plain pass, a rollback,
-  a restore) is copied in again the same way.
-- No host reads. The MLA row to write and the causal mask come from a device position tensor
-  (``MLAState.at``) instead of the host's length; KDA states are updated in place
-  (``KDAState.in_place``); the embedding row is copied into a fixed input buffer.
-- Capacity. A sequence longer than the buffers doubles them (outside any graph), and a new graph
-  is recorded for the new capacity.
+- Fixed addresses: state slots. The recorder owns ``slots``, each one sequence's set of state
+  buffers (every KDA layer's conv tail and S, every MLA layer's latent cache of ``capacity`` rows).
+  The pass's i-th sequence lives in slot i: its layer states point at that slot's buffers, so
+  decoding token after token copies nothing. A sequence that is not where the pass needs it (a
+  newcomer, another order, a state whose tensors a plain pass, a rollback or a restore replaced)
+  is copied in, after the slot's previous owner got copies of its tensors back.
+- No host reads. Each sequence's MLA rows to write and its causal mask come from device positions
+  (``MLAState.at``, n elements of the pass's position tensor) instead of the host's length; KDA
+  states are updated in place (``KDAState.in_place``); the embedding rows are copied into a fixed
+  input buffer.
+- A check pass's rollback records. A keep_states pass leaves per KDA layer what a rollback replays
+  (``KDAState.pending``, tensors of the graph's own memory, refilled by every replay); the recorder
+  keeps the records the recording made and hands them to the states again after each replay. The
+  rollback writes into the slot's tensors, so the next pass finds the state in place.
+- One graph per shape: (B, n, keep_states). A pass replays the graph recorded for its shape, over
+  slots 0..B-1; a new shape records a new graph (no padding: a padded row would need a slot that no
+  sequence owns, and the shapes a server or a speculating decode sees settle quickly). Graphs share
+  one memory pool.
+- Capacity. A sequence longer than the buffers doubles every slot's MLA caches (outside any graph),
+  which drops the recorded graphs; they are recorded again at the new capacity as passes need them.
 
-The first pass at a capacity runs eagerly through the same code (which also warms up cuBLAS and
-the Triton autotuners: neither may run inside a recording) and the graph is recorded after it, for
-the next pass. Prefill, several sequences, speculation's keep_states passes and streamed weights
-run the plain pass. A recording that fails is reported once and the plain pass is used from then on.
+The first pass of a batch size at a capacity runs eagerly through the same code (which also warms up
+cuBLAS and the Triton autotuners: neither may run inside a recording) and the graph is recorded
+after it, for the next pass. Prompt pieces, passes whose sequences feed different numbers of rows,
+and streamed weights run the plain pass. A recording that fails is reported once
+and the plain pass is used from then on.
 """
 from __future__ import annotations
 
@@ -32,6 +46,7 @@ import weakref
 
 import torch
 
+from ..kernels.grouped import GROUPED_MAX_PAIRS
 from ..model.state import KDAState, MLAState
 from .pass_stats import PassStats
 
@@ -45,24 +60,27 @@ class DecodeGraphs:
         """record=False runs the recorded-mode pass eagerly every time (the CPU tests of this code)."""
         self.engine = engine
         self.record = record
+        cfg = engine.cfg
+        # Up to the rows whose routed experts the grouped kernels take (past that the per-expert
+        # path reads the routing back to the host, which a graph cannot).
+        self.max_rows = max(1, GROUPED_MAX_PAIRS // max(1, cfg.experts_per_token))
         self.capacity = 0
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._owner = None  # weak reference to the DecodeState that lives in the buffers
-        self.graph = None
-        self.out: torch.Tensor | None = None
-        self.counts: dict[str, int] = {}
+        self.slots: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # slot -> per layer (a, b)
+        self._owners: list = []  # slot -> weak reference to the DecodeState living in it, or None
+        self.graphs: dict[tuple, tuple] = {}  # (B, n, keep) -> (graph, output, counts, rollback records)
+        self._pool = None
         self.failed: str | None = None
-        self.recorded = 0  # graphs recorded so far (one per capacity reached)
+        self.recorded = 0  # graphs recorded so far (one per batch size and capacity reached)
         self.replayed = 0
         self.record_seconds = 0.0  # spent recording (not running) graphs
         dev = engine.device
-        self.x = torch.zeros(1, engine.cfg.hidden_size, dtype=engine.dtype, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        # The pass's input row and position are written on the host into page-locked buffers, so
+        self.x = torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, device=dev)
+        self.pos = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
+        # The pass's input rows and positions are written on the host into page-locked buffers, so
         # their copies to the device are queued without waiting (a pageable copy waits, each time).
         pin = dev.type == "cuda"
-        self.x_host = torch.zeros(1, engine.cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
-        self.pos_host = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+        self.x_host = torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
+        self.pos_host = torch.zeros(self.max_rows, dtype=torch.long, pin_memory=pin)
 
     @staticmethod
     def possible(engine) -> bool:
@@ -71,98 +89,141 @@ class DecodeGraphs:
                 and getattr(engine.provider, "graph_ready", False))
 
     def applies(self, seqs) -> bool:
-        s = seqs[0]
-        return (self.failed is None and len(seqs) == 1 and len(s.ids) == 1 and not s.keep_states
-                and s.logits != "none")
+        n, keep = len(seqs[0].ids), seqs[0].keep_states
+        if self.failed is not None or len(seqs) * n > self.max_rows:
+            return False
+        if n > 1 and not keep:  # several rows of a sequence that keeps no rollback: a prompt piece
+            return False
+        # one row: its logits ("all" or "last" are the same row); more: a check pass wants them all
+        wanted = ("all", "last") if n == 1 else ("all",)
+        return all(len(s.ids) == n and s.keep_states == keep and s.logits in wanted for s in seqs)
 
-    def run(self, seq, ids_t: torch.Tensor, stats) -> torch.Tensor:
-        """The pass of one sequence's one new token, queued; float32 logits [1, vocab] on the device."""
+    @property
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every slot's state buffers, (a, b) per layer and slot."""
+        return [pair for slot in self.slots for pair in slot]
+
+    def run(self, seqs, ids_t: torch.Tensor, stats: PassStats) -> torch.Tensor:
+        """The pass of B sequences' n new rows each, queued; float32 logits [B * n, vocab] on the device."""
         t0 = time.perf_counter()
-        state = seq.state
-        n = state.num_tokens
-        self._fit(n + 1)
-        self._adopt(state)
-        self.pos_host[0] = n
-        self.x_host.copy_(self.engine.provider.globals()["embed"][ids_t])  # widened to fp32 here
-        self.pos.copy_(self.pos_host, non_blocking=True)
-        self.x.copy_(self.x_host, non_blocking=True)
-        if self.graph is None:
-            logits = self._recorded_mode(seq, stats, capture=False)
+        B, n, keep = len(seqs), len(seqs[0].ids), seqs[0].keep_states
+        rows = B * n
+        self._fit(max(s.state.num_tokens for s in seqs) + n, B)
+        for b, s in enumerate(seqs):
+            self._adopt(s.state, b)
+        self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(n)])
+        self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
+        self.pos[:rows].copy_(self.pos_host[:rows], non_blocking=True)
+        self.x[:rows].copy_(self.x_host[:rows], non_blocking=True)
+        shape = (B, n, keep)
+        recorded = self.graphs.get(shape)
+        if recorded is None:
+            logits = self._recorded_mode(seqs, stats, capture=False)
             if self.record:
                 t1 = time.perf_counter()
-                self._capture(seq)
+                self._capture(seqs)
                 self.record_seconds += time.perf_counter() - t1
         else:
-            self.graph.replay()
+            graph, out, counts, records = recorded
+            graph.replay()
             self.replayed += 1
-            logits = self.out.clone()  # the recorded output buffer is the next replay's
-            for k, v in self.counts.items():
+            logits = out.clone()  # the recorded output buffer is the next replay's
+            for k, v in counts.items():
                 setattr(stats, k, getattr(stats, k) + v)
-        for st in state.layers:
-            if isinstance(st, MLAState):
-                st.length += 1
+            _give_pending(seqs, records)  # what a rollback replays, refilled by this replay
+        for s in seqs:
+            for st in s.state.layers:
+                if isinstance(st, MLAState):
+                    st.length += n
         stats.compute_seconds = time.perf_counter() - t0  # the whole pass (device_pass counted a part)
         return logits
 
     # -- recording -----------------------------------------------------------------------------
-    def _recorded_mode(self, seq, stats, capture: bool):
-        for st in seq.state.layers:
-            if isinstance(st, KDAState):
-                st.in_place = True
-            else:
-                st.at = self.pos
+    def _recorded_mode(self, seqs, stats: PassStats, capture: bool):
+        n = len(seqs[0].ids)
+        rows = len(seqs) * n
+        for b, s in enumerate(seqs):
+            for st in s.state.layers:
+                if isinstance(st, KDAState):
+                    st.in_place = True
+                else:
+                    st.at = self.pos[b * n:(b + 1) * n]
         try:
             if not capture:
-                return self.engine.device_pass(self.x, [seq], stats)
+                return self.engine.device_pass(self.x[:rows], seqs, stats)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = self.engine.device_pass(self.x, [seq], stats)
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self.engine.device_pass(self.x[:rows], seqs, stats)
             return graph, out
         finally:
-            for st in seq.state.layers:
-                if isinstance(st, KDAState):
-                    st.in_place = False
-                else:
-                    st.at = None
+            for s in seqs:
+                for st in s.state.layers:
+                    if isinstance(st, KDAState):
+                        st.in_place = False
+                    else:
+                        st.at = None
 
-    def _capture(self, seq) -> None:
+    def _capture(self, seqs) -> None:
         stats = PassStats()
+        # Recording runs the pass's Python again: the rollback records it leaves are the graph's
+        # (filled by replays), while the states keep those of the pass that just ran.
+        ran = _pending(seqs)
         try:
-            self.graph, self.out = self._recorded_mode(seq, stats, capture=True)
+            graph, out = self._recorded_mode(seqs, stats, capture=True)
         except Exception as e:  # a kernel or library that cannot be recorded: keep the plain pass
+            _give_pending(seqs, ran)
             self.failed = f"{type(e).__name__}: {e}"
             print(f"deltafin: recording the decode step as a CUDA graph failed ({self.failed}); "
                   "decoding without it", file=sys.stderr)
-            self.graph = self.out = None
+            self.graphs, self._pool = {}, None
             return
-        self.counts = {k: getattr(stats, k) for k in REPLAYED_COUNTS}
+        records = _pending(seqs)
+        _give_pending(seqs, ran)
+        shape = (len(seqs), len(seqs[0].ids), seqs[0].keep_states)
+        self.graphs[shape] = (graph, out, {k: getattr(stats, k) for k in REPLAYED_COUNTS}, records)
         self.recorded += 1
 
-    # -- state buffers ---------------------------------------------------------------------------
-    def _fit(self, need: int) -> None:
-        """Buffers whose MLA caches hold `need` rows (new, larger ones drop the recorded graph)."""
-        if need <= self.capacity:
-            return
-        owner = self._owner() if self._owner else None
-        if owner is not None:
-            self._release(owner)
-        cap = max(MIN_CAPACITY, 1 << (need - 1).bit_length())
-        self.graph = self.out = None
-        self.buffers = []
+    # -- state slots -----------------------------------------------------------------------------
+    def _fit(self, need: int, batch: int) -> None:
+        """Slots for `batch` sequences whose MLA caches hold `need` rows (a larger capacity replaces
+        every slot's buffers and drops the recorded graphs)."""
+        if need > self.capacity:
+            for slot in range(len(self.slots)):
+                self._release(slot)
+            self.capacity = max(MIN_CAPACITY, 1 << (need - 1).bit_length())
+            count = len(self.slots)
+            # A pool whose graphs are all gone is freed: the next recording starts a new one.
+            self.slots, self._owners, self.graphs, self._pool = [], [], {}, None
+        else:
+            count = 0
+        while len(self.slots) < max(batch, count):
+            self.slots.append(self._new_slot())
+            self._owners.append(None)
+
+    def _new_slot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
         for st in self.engine.new_state().layers:
             if isinstance(st, KDAState):
-                self.buffers.append((st.conv, st.S))
+                out.append((st.conv, st.S))
             else:
-                self.buffers.append((st.ckv.new_zeros((cap, st.ckv.shape[1])),
-                                     st.krot.new_zeros((cap, st.krot.shape[1]))))
-        self.capacity = cap
+                out.append((st.ckv.new_zeros((self.capacity, st.ckv.shape[1])),
+                            st.krot.new_zeros((self.capacity, st.krot.shape[1]))))
+        return out
 
-    def _adopt(self, state) -> None:
-        """Make `state` live in the buffers (copying in what is not there already)."""
-        owner = self._owner() if self._owner else None
-        if owner is not None and owner is not state:
-            self._release(owner)
-        for st, (a, b) in zip(state.layers, self.buffers):
+    def _owner(self, slot: int):
+        ref = self._owners[slot]
+        return ref() if ref is not None else None
+
+    def _adopt(self, state, slot: int) -> None:
+        """Make `state` live in `slot` (copying in what is not there already)."""
+        if self._owner(slot) is not state:
+            self._release(slot)
+            for other in range(len(self.slots)):
+                if other != slot and self._owner(other) is state:
+                    self._owners[other] = None  # copied out of there below
+        for st, (a, b) in zip(state.layers, self.slots[slot]):
             if isinstance(st, KDAState):
                 if st.conv is not a:
                     a.copy_(st.conv)
@@ -177,11 +238,15 @@ class DecodeGraphs:
                 a[: st.length].copy_(st.ckv[: st.length])
                 b[: st.length].copy_(st.krot[: st.length])
                 st.ckv, st.krot = a, b
-        self._owner = weakref.ref(state)
+        self._owners[slot] = weakref.ref(state)
 
-    def _release(self, state) -> None:
-        """Give `state` its own copies of whatever of it lives in the buffers."""
-        mine = {id(t) for pair in self.buffers for t in pair}
+    def _release(self, slot: int) -> None:
+        """Give the state living in `slot` its own copies of whatever of it lives in the slot's buffers."""
+        state = self._owner(slot)
+        self._owners[slot] = None
+        if state is None:
+            return
+        mine = {id(t) for pair in self.slots[slot] for t in pair}
         for st in state.layers:
             if isinstance(st, KDAState):
                 if id(st.conv) in mine:
@@ -192,4 +257,15 @@ class DecodeGraphs:
                     st.pending = {k: v.clone() if id(v) in mine else v for k, v in st.pending.items()}
             elif id(st.ckv) in mine:
                 st.ckv, st.krot = st.ckv[: st.length].clone(), st.krot[: st.length].clone()
-        self._owner = None
+
+
+def _pending(seqs) -> list[list]:
+    """Each sequence's rollback records, per layer (None for MLA layers and passes that keep none)."""
+    return [[st.pending if isinstance(st, KDAState) else None for st in s.state.layers] for s in seqs]
+
+
+def _give_pending(seqs, records: list[list]) -> None:
+    for s, layers in zip(seqs, records):
+        for st, pending in zip(s.state.layers, layers):
+            if isinstance(st, KDAState):
+                st.pending = pending

@@ -96,7 +96,7 @@ class Engine:
             s.state.begin_pass(s.keep_states)
         routes = [o.on_route for o in self.observers if o.on_route is not None]
         if self.graphs is not None and not routes and self.graphs.applies(seqs):
-            logits = self.graphs.run(seqs[0], ids_t, stats)
+            logits = self.graphs.run(seqs, ids_t, stats)
         else:
             # A decode-sized pass on the CPU runs its products in the native kernels, on every
             # compute thread, and torch's small ops on one (see cpu_native.decode_threads).

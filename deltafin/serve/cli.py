@@ -13,7 +13,6 @@ import logging
 
 from .. import settings as settings_mod
 from ..settings import Settings
-from .app import create_app
 from .http import bind, header_timeout_protocol
 
 
@@ -31,8 +30,11 @@ def serve(model, host: str | None = None, port: int | None = None, sock=None) ->
     port = settings.port if port is None else int(port)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The web stack (fastapi, pydantic, uvicorn) loads only for serving: every other command starts
+    # without it.
     import uvicorn
 
+    from .app import create_app
     app = create_app(model)
     sock = bind(host, port) if sock is None else sock
     bound = sock.getsockname()[1]
