@@ -14,6 +14,7 @@ from .io.sources import open_source
 from .model.state import DecodeState
 from .runtime.engine import Engine
 from .runtime.generate import generate
+from .runtime.grammar import Constraint
 from .runtime.pass_stats import PassObserver, PassStats
 from .runtime.sampling import SamplingParams
 from .settings import Settings
@@ -138,9 +139,10 @@ class Model:
     def encode(self, text: str) -> list[int]:
         return self.require_tokenizer().encode(text, add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat: ``messages`` (and OpenAI function ``tools``) through the chat template."""
         tok = self.require_tokenizer()
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, tools=tools or None)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)
@@ -148,16 +150,28 @@ class Model:
     def decode(self, ids) -> str:
         return self.require_tokenizer().decode(list(ids), skip_special_tokens=True)
 
-    def generate(self, token_ids, params: SamplingParams | None = None, *, on_token=None, **sampling) -> list[int]:
+    def generate(self, token_ids, params: SamplingParams | None = None, *, on_token=None, response_format=None,
+                 tools=None, tool_choice=None, parallel_tool_calls=True, **sampling) -> list[int]:
         """The new token ids after ``token_ids``: as ``params`` says, or as the keyword arguments name a
         ``SamplingParams`` (``max_new_tokens=32, temperature=0.7, seed=1``; default greedy, which
-        speculates with the same output). Statistics land in last_generation_stats."""
+        speculates with the same output). ``response_format``, ``tools``, ``tool_choice`` and
+        ``parallel_tool_calls`` take OpenAI's forms and constrain the output (runtime.grammar: JSON, or
+        Kimi tool calls whose arguments satisfy their tool's schema). Statistics land in
+        last_generation_stats, with the finish reason ("tool_calls" after a tool-call section) and,
+        when ``logprobs`` was asked for, the tokens' logprobs."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give the sampling parameters as params or as keywords, not both ({sorted(sampling)})")
+        constraint = Constraint.from_request(response_format, tools, tool_choice, parallel_tool_calls)
+        if constraint is not None:
+            if params.constraint is not None:
+                raise TypeError("give the constraint as params.constraint or as response_format / tools, not both")
+            params = params.replace(constraint=constraint)
         g = generate(self, list(token_ids), params, on_token=on_token)
         self.last_generation_stats = dict(g.stats, finish_reason=g.finish_reason)
+        if g.logprobs is not None:
+            self.last_generation_stats["logprobs"] = g.logprobs
         return g.tokens
 
     # -- what front ends may watch and report -----------------------------------------------

@@ -1,4 +1,5 @@
-"""The generation loop: greedy with lossless n-gram speculation, or seeded sampling.
+"""The generation loop: greedy with lossless n-gram speculation, or seeded sampling, either of them
+optionally under a constraint (runtime.grammar: JSON, tool calls) applied as a mask per token.
 
 One function, ``generate``, serves the CLI, the HTTP server and the Python API. It owns the
 contract every front end relies on: at most ``max_new_tokens`` tokens, nothing after an EOS
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .engine import Seq
+from .grammar import Matcher, special_ids
 from .sampling import SamplingParams
 from ..tokenizer import stream_decoder
 
@@ -43,13 +45,18 @@ MIN_NGRAM = 2
 class Generation:
     tokens: list[int]  # emitted tokens (no EOS, nothing from inside a stop string)
     text: str | None  # emitted text; None when the model has no tokenizer
-    finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
+    # "stop" (EOS, stop string, or the constrained output complete) | "tool_calls" (a constrained
+    # tool-call section complete) | "length" | "cancelled"
+    finish_reason: str
     stats: dict[str, Any]
     # Every token the model produced, in order: ``tokens`` plus a final EOS, the tokens dropped by
     # a stop string, or tokens produced but still held back when the caller cancelled. The decode
     # state holds the prompt followed by all of these except the last one (which was never fed).
     generated: list[int] = field(default_factory=list)
     state: "DecodeState | None" = None
+    # With SamplingParams.logprobs: one (token_id, logprob, [(alt_id, alt_logprob), ...]) per entry
+    # of ``tokens``, the alternatives the k most likely tokens, most likely first.
+    logprobs: list | None = None
 
 
 def generate(model, prompt_ids: Sequence[int], params: SamplingParams | None = None, **options) -> Generation:
@@ -96,6 +103,21 @@ class Decoding:
     (its part before the stop string is in ``text``) and tokens starting inside it are dropped.
     Reaching ``max_new_tokens`` gives "length".
 
+    Constraint (``params.constraint``, runtime.grammar): every token is picked among those the
+    constraint allows after the tokens before it (the others' logits are -inf), greedy or sampled.
+    Speculation composes: a draft is cut at its first token the constraint forbids, and the
+    verifier's pick at every position is the masked argmax, so the output is the same as without
+    drafts; where the grammar forces the next tokens (a function name, a JSON key) they are the
+    draft. End tokens are allowed only where the constrained output may end. When it is complete
+    generation ends: "tool_calls" after a tool-call section, "stop" otherwise.
+
+    ``logprobs`` (``params.logprobs`` = k): ``Generation.logprobs``, and ``on_logprob(entry)`` called
+    with each returned token's entry right before its ``on_token`` call (for streaming).
+
+    ``special_text``: the text keeps the tool-call section's special tokens and <think> / </think>
+    (for the tool-call parser); on whenever the constraint may produce them. Other special tokens
+    never appear in the text.
+
     ``on_token(token_id, text)`` is called once per returned token, in order, with that token's
     text. A token whose text might still be the start of a stop string is held back until that is
     settled, so a call can come a few tokens late; a token cut by a stop string gets its text
@@ -112,7 +134,8 @@ class Decoding:
                  on_token: OnToken | None = None, state: "DecodeState | None" = None,
                  eos_token_ids: Sequence[int] | None = None, drafter: Drafter | None = None,
                  held_ids: Sequence[int] | None = None,
-                 on_prefill: Callable[[DecodeState], None] | None = None, prefill_chunk: int = 0):
+                 on_prefill: Callable[[DecodeState], None] | None = None, prefill_chunk: int = 0,
+                 special_text: bool = False, on_logprob: Callable[[tuple], None] | None = None):
         config, settings = model.config, model.settings
         prompt = _check_ids(prompt_ids, config.vocab_size, "prompt")
         if not prompt:
@@ -123,6 +146,10 @@ class Decoding:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if p.stop and model.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        if p.constraint is not None and model.tokenizer is None:
+            raise ValueError("a constrained output needs a tokenizer, and this model has none")
+        if on_logprob is not None and p.logprobs is None:
+            raise ValueError("on_logprob needs logprobs in the sampling parameters")
         state = model.new_state() if state is None else state
         held = state.num_tokens
         history = _check_ids(held_ids or (), config.vocab_size, "held")
@@ -151,7 +178,14 @@ class Decoding:
         if self.spec and drafter is None:
             self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
         self.draft_len = settings.draft_len
-        self.out = _Output(model.tokenizer, history + prompt, list(p.stop), on_token)
+        self.matcher: Matcher | None = None
+        if p.constraint is not None:
+            self.matcher = Matcher(p.constraint, model.tokenizer, self.vocab, self.eos, history + prompt)
+        keep = special_text or (p.constraint is not None and p.constraint.special_text)
+        self.on_token, self.on_logprob = on_token, on_logprob
+        self.out = _Output(model.tokenizer, history + prompt, list(p.stop),
+                           self._returned if on_logprob is not None else on_token, keep)
+        self.logprobs: list | None = None if p.logprobs is None else []
         self.on_prefill = on_prefill
         self.stats = {"passes": 0, "tokens": 0, "generated_tokens": 0, "accepted_draft_tokens": 0,
                       "drafted_tokens": 0, "tokens_per_pass": 0.0, "prefill_tokens": len(prompt),
@@ -196,7 +230,13 @@ class Decoding:
             if max_draft is not None:
                 room = min(room, max_draft)
             if room > 0:
-                draft = _check_ids(list(self.drafter(self.context, room))[:room], self.vocab, "draft")
+                # Tokens the grammar forces are the likeliest draft there is (the model may still
+                # write them in other pieces: they are verified like any draft).
+                forced = self.matcher.forced() if self.matcher is not None else []
+                draft = forced[:room] or list(self.drafter(self.context, room))[:room]
+                draft = _check_ids(draft, self.vocab, "draft")
+                if self.matcher is not None:
+                    draft = draft[:self.matcher.legal_prefix(draft)]
         self._pass = (self.state.num_tokens, draft)
         return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all", on_device=True)
 
@@ -212,23 +252,20 @@ class Decoding:
                 self.on_prefill(self.state)
             if self.prefilling:
                 return
-            token = self._pick(logits)[0]
+            preds, _, logprobs = self._pick(logits, [])
             self._times.append(time.perf_counter())
-            self.context.append(token)
-            self._end(self._consume(token))
+            self.context.append(preds[0])
+            self._end(self._consume(preds[0], logprobs[0] if logprobs else None))
             return
         self.stats["passes"] += 1
         self.stats["drafted_tokens"] += len(draft)
-        preds = self._pick(logits)
-        ok = 0
-        while ok < len(draft) and draft[ok] == preds[ok]:
-            ok += 1
+        preds, ok, logprobs = self._pick(logits, draft)
         used = 0  # tokens of this burst (preds[:ok + 1]) that generation actually took
         reason = None
-        for t in preds[:ok + 1]:
+        for i, t in enumerate(preds[:ok + 1]):
             used += 1
             self.context.append(t)
-            reason = self._consume(t)
+            reason = self._consume(t, logprobs[i] if logprobs else None)
             if reason is not None:
                 break
         self.stats["accepted_draft_tokens"] += used - 1
@@ -257,25 +294,66 @@ class Decoding:
                 stats["tokens_per_pass"] = decoded / stats["passes"]
             if t[2] > t[1]:
                 stats["decode_tok_s"] = decoded / (t[2] - t[1])
-        return Generation(self.out.tokens, self.out.text(), self.finish, stats, self.generated, self.state)
+        logprobs = None if self.logprobs is None else self.logprobs[:len(self.out.tokens)]
+        return Generation(self.out.tokens, self.out.text(), self.finish, stats, self.generated, self.state,
+                          logprobs)
 
-    def _pick(self, logits: torch.Tensor) -> list[int]:
-        """The produced token(s): logits may be on the compute device (``next_pass`` asks for that),
-        where the argmax runs too, so only the chosen ids come back to the host."""
-        if self.rng is not None:
-            p = self.params
-            return [_sample(logits[-1], p.temperature, p.top_k, p.top_p, self.rng)]
-        return logits.argmax(dim=-1).tolist()
+    def _pick(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int, list | None]:
+        """The tokens a pass produced: (picks, accepted, logprobs). ``picks[i]`` is the token after
+        the i-th fed token, ``accepted`` how many draft tokens equal the picks before them (so
+        picks[:accepted + 1] follow, the last being the verifier's own), ``logprobs`` their
+        entries (None when not asked for). Logits may be on the compute device (``next_pass`` asks
+        for that), where the argmax runs too, so only the chosen ids come back to the host."""
+        p = self.params
+        if self.matcher is None:
+            if self.rng is not None:
+                picks = [_sample(logits[-1], p.temperature, p.top_k, p.top_p, self.rng)]
+            else:
+                picks = logits.argmax(dim=-1).tolist()
+            ok = 0
+            while ok < len(draft) and draft[ok] == picks[ok]:
+                ok += 1
+            rows = logits[-1:] if self.rng is not None else logits[:ok + 1]
+            return picks, ok, None if self.logprobs is None else _logprobs(rows, picks[:ok + 1], p.logprobs)
+        # Constrained: row i's mask is the constraint's after the picks before it, so the rows are
+        # taken in order, the matcher advanced over accepted drafts and then put back (``_consume``
+        # advances it over what generation takes).
+        picks, entries, ok = [], [], 0
+        for i in range(len(draft) + 1):
+            row = logits[i:i + 1] if self.rng is None else logits[-1:]
+            row = row.masked_fill(~self.matcher.allowed().to(row.device), float("-inf"))
+            t = int(row.argmax()) if self.rng is None else _sample(row[0], p.temperature, p.top_k, p.top_p, self.rng)
+            picks.append(t)
+            if self.logprobs is not None:
+                entries += _logprobs(row, [t], p.logprobs)
+            if i < len(draft) and draft[i] == t and t not in self.eos:
+                self.matcher.advance(t)
+                ok += 1
+            else:
+                break
+        self.matcher.rollback(ok)
+        return picks, ok, entries if self.logprobs is not None else None
 
-    def _consume(self, token: int) -> str | None:
+    def _consume(self, token: int, logprob) -> str | None:
         """Record one produced token; return a finish reason when generation must end here."""
         self.generated.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         if token in self.eos:
             return "stop"
+        if self.matcher is not None:
+            self.matcher.advance(token)
         reason = self.out.add(token)
+        if reason is None and self.matcher is not None and self.matcher.done:
+            reason = self.matcher.finish_reason
         if reason is None and len(self.generated) >= self.max_new:
             reason = "length"
         return reason
+
+    def _returned(self, token: int, text: str) -> bool | None:
+        """on_token with on_logprob first: the returned tokens are the first produced ones, in order."""
+        self.on_logprob(self.logprobs[len(self.out.tokens) - 1])
+        return self.on_token(token, text) if self.on_token is not None else None
 
     def _end(self, reason: str | None) -> None:
         if reason is None:
@@ -333,6 +411,20 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> list[int]:
     return out
 
 
+def _logprobs(rows: torch.Tensor, picks: list[int], k: int) -> list:
+    """(pick, logprob, top k [(id, logprob)]) per row: the log-softmax of the float32 logits the
+    token was picked from, after the constraint's mask (a forbidden token has no probability) and
+    before temperature, top-k and top-p, which change how a token is drawn, not the model's
+    distribution (OpenAI's logprobs do not move with the temperature either)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(picks, device=lp.device)[:, None])[:, 0].tolist()
+    top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    out = []
+    for t, c, ids, vals in zip(picks, chosen, top_ids.tolist(), top_lp.tolist()):
+        out.append((t, c, [(i, v) for i, v in zip(ids, vals) if v != float("-inf")]))
+    return out
+
+
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rng: torch.Generator) -> int:
     # On the CPU in fp32 so that one seed gives one output on every device. Shifting the largest
     # logit to 0 before dividing keeps a tiny temperature finite (below fp32's smallest normal it
@@ -355,8 +447,11 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
 class _Output:
     """Turns produced tokens into returned tokens and text: stop strings, hold-back, on_token."""
 
-    def __init__(self, tokenizer, prompt: list[int], stops: list[str], on_token: OnToken | None):
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str], on_token: OnToken | None,
+                 special_text: bool = False):
         self.decoder = stream_decoder(tokenizer, prompt) if tokenizer is not None else None
+        # special tokens whose text is kept: {id: text}
+        self.kept = {i: t for t, i in special_ids(tokenizer).items()} if special_text and tokenizer is not None else {}
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
         self.on_token = on_token
@@ -375,7 +470,10 @@ class _Output:
         self.pending.append((token, len(self.full)))
         if self.decoder is None:
             return self._release(0, final=True)
-        self.full += self.decoder.add(token)
+        if token in self.kept:  # what the decoder still holds (a cut character) comes first
+            self.full += self.decoder.flush() + self.kept[token]
+        else:
+            self.full += self.decoder.add(token)
         at = self._find_stop()
         if at is not None:
             return self._stop(at)

@@ -9,7 +9,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .grammar import Constraint
+
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class SamplingParams:
     seed: int | None = None  # the same seed gives the same output; None: fresh entropy per generation
     stop: tuple[str, ...] = ()  # text that ends the generation (not shown)
     speculate: bool | None = None  # greedy only: verified n-gram drafts (same output); None: the setting
+    constraint: Constraint | None = None  # what the output must be (JSON, tool calls: runtime.grammar)
+    logprobs: int | None = None  # k: each emitted token's logprob and the k most likely alternatives
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -39,6 +44,11 @@ class SamplingParams:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
