@@ -50,9 +50,10 @@ class Settings:
                             "layer the experts routed most often; the rest streams. auto = the device's free "
                             "memory minus headroom for states and activations (printed at start). With --stream "
                             "off the whole model must fit in it")
-    cuda_graphs: bool = _knob(True, "with the whole model resident on a CUDA device, replay each one-token decode "
-                              "pass as a recorded CUDA graph (one launch per token instead of about a hundred "
-                              "kernel launches per layer); off = launch every kernel of every pass")
+    cuda_graphs: bool = _knob(True, "with the whole model resident on a CUDA device, replay decode passes (one token "
+                              "of each sequence, or one and its drafts) as recorded CUDA graphs (one launch per "
+                              "pass instead of about a hundred kernel launches per layer and sequence); off = "
+                              "launch every kernel of every pass")
     pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming, whatever the "
                             "RAM budget")
     ram_budget: str = _knob("auto", "host memory in GB (10^9 bytes) a streamed model may hold: its streaming "
