@@ -194,6 +194,12 @@ class Model:
         held = getattr(self.engine.provider, "resident_bytes", None)
         return held()["total"] if held is not None else None
 
+    @property
+    def replays_passes(self) -> bool:
+        """Whether decode passes replay recorded CUDA graphs (one per pass shape: a scheduler keeps the
+        shapes few)."""
+        return self.engine.graphs is not None
+
     def graph_stats(self) -> dict | None:
         """One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass)."""
         g = self.engine.graphs

@@ -14,6 +14,8 @@ import threading
 import pytest
 import torch
 
+import deltafin
+
 from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.engine import Seq
 from deltafin.runtime.generate import generate
@@ -183,6 +185,34 @@ def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
     assert t.rows - t.prompt_rows == sum(g.stats["passes"] + g.stats["drafted_tokens"] for g in got)
     assert t.decoding + len(got) <= t.sequences <= max_batch * t.passes
     assert t.summary()["sequences_per_pass"] == pytest.approx(t.sequences / t.passes)
+
+
+class _Shapes:
+    """The model, noting each pass's rows per sequence and whether any sequence was reading its prompt."""
+
+    def __init__(self, model):
+        self.model, self.passes = model, []
+
+    def forward_batch(self, seqs):
+        self.passes.append(([len(s.ids) for s in seqs], any(s.logits != "all" for s in seqs)))
+        return self.model.forward_batch(seqs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_path, alone):
+    """With recorded passes (on the CPU their code runs eagerly), a pass of several decoding sequences
+    carries one row of each, so one graph per batch size replays them; the outputs stay each alone's."""
+    from deltafin.runtime.decode_graph import DecodeGraphs
+    m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    assert m.replays_passes
+    shapes = _Shapes(m)
+    got = _run_all(Scheduler(shapes, 8, PREFILL_CHUNK), m, alone)
+    assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
+    decode_passes = [rows for rows, prompt in shapes.passes if not prompt and len(rows) > 1]
+    assert decode_passes and all(set(rows) == {1} for rows in decode_passes)
 
 
 class _FlatCosts(PassCosts):

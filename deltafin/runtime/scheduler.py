@@ -18,7 +18,10 @@ and a crowd of newcomers is let in within a few passes (at least one prompt toke
 earliest newcomer first). The decoding sequences' drafts share the rows first (one kept for a
 newcomer), so speculation keeps going beside a newcomer; a sequence whose drafts have mostly been
 accepted drafts as much as it would alone (``draft_limits``), as far as MAX_PASS_ROWS allows. With
-nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. Each request keeps its own
+nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. On a device that replays
+recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), a pass of several
+decoding sequences and no prompt piece carries one token of each: a graph replays it, where one
+sequence's drafts would give the pass another shape per draft length. Each request keeps its own
 drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
 one it gets served alone (up to the rounding of products over a different number of rows, which
 leaves greedy tokens and seeded samples unchanged in the tests).
@@ -346,6 +349,8 @@ class Scheduler:
         prefilling = [r for r in self._active if r.decoding.prefilling]
         if not decoding:
             return [(r, r.decoding.next_pass()) for r in prefilling]
+        if not prefilling and len(decoding) > 1 and getattr(self.model, "replays_passes", False):
+            return [(r, r.decoding.next_pass(max_draft=0)) for r in decoding]
         # The decoding sequences first, each with a draft of what their rows leave (one row kept
         # for a newcomer); then newcomers, earliest first, share the prompt rows the cost budget
         # allows beside those rows (at least one row for the earliest).
