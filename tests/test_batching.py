@@ -188,13 +188,13 @@ def test_scheduler_output_equals_each_request_alone(model, alone, max_batch):
 
 
 class _Shapes:
-    """The model, noting each pass's rows per sequence and whether any sequence was reading its prompt."""
+    """The model, noting each pass's rows and wanted logits per sequence ("all": a decoding sequence)."""
 
     def __init__(self, model):
         self.model, self.passes = model, []
 
     def forward_batch(self, seqs):
-        self.passes.append(([len(s.ids) for s in seqs], any(s.logits != "all" for s in seqs)))
+        self.passes.append(([len(s.ids) for s in seqs], [s.logits for s in seqs]))
         return self.model.forward_batch(seqs)
 
     def __getattr__(self, name):
@@ -202,8 +202,9 @@ class _Shapes:
 
 
 def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_path, alone):
-    """With recorded passes (on the CPU their code runs eagerly), a pass of several decoding sequences
-    carries one row of each, so one graph per batch size replays them; the outputs stay each alone's."""
+    """With recorded passes (on the CPU their code runs eagerly), prompt pieces go in passes of their own
+    and a pass of several decoding sequences carries one row of each, so one graph per batch size
+    replays them; the outputs stay each alone's."""
     from deltafin.runtime.decode_graph import DecodeGraphs
     m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
     m.engine.graphs = DecodeGraphs(m.engine, record=False)
@@ -211,8 +212,9 @@ def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_pa
     shapes = _Shapes(m)
     got = _run_all(Scheduler(shapes, 8, PREFILL_CHUNK), m, alone)
     assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
-    decode_passes = [rows for rows, prompt in shapes.passes if not prompt and len(rows) > 1]
-    assert decode_passes and all(set(rows) == {1} for rows in decode_passes)
+    decode = [rows for rows, kinds in shapes.passes if set(kinds) == {"all"}]
+    assert any(len(rows) > 1 for rows in decode) and all(set(rows) == {1} for rows in decode if len(rows) > 1)
+    assert all("all" not in kinds for _, kinds in shapes.passes if set(kinds) != {"all"})  # none mixed
 
 
 class _FlatCosts(PassCosts):

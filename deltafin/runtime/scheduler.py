@@ -19,9 +19,11 @@ earliest newcomer first). The decoding sequences' drafts share the rows first (o
 newcomer), so speculation keeps going beside a newcomer; a sequence whose drafts have mostly been
 accepted drafts as much as it would alone (``draft_limits``), as far as MAX_PASS_ROWS allows. With
 nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. On a device that replays
-recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), a pass of several
-decoding sequences and no prompt piece carries one token of each: a graph replays it, where one
-sequence's drafts would give the pass another shape per draft length. Each request keeps its own
+recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), where a decode pass
+costs a small fraction of any pass run eagerly, newcomers' prompts go in passes of their own (pieces
+of ``prefill_chunk`` tokens) taking turns with the decode passes, and a pass of several decoding
+sequences carries one token of each: a graph replays it, where a prompt piece or one sequence's
+drafts would make the whole pass eager. Each request keeps its own
 drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
 one it gets served alone (up to the rounding of products over a different number of rows, which
 leaves greedy tokens and seeded samples unchanged in the tests).
@@ -220,6 +222,7 @@ class Scheduler:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {max_batch} and {prefill_chunk}")
         self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
+        self._prompt_turn = False  # with recorded passes: whether the next pass reads prompt pieces
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: list[_Request] = []  # touched by the engine thread only
@@ -349,8 +352,15 @@ class Scheduler:
         prefilling = [r for r in self._active if r.decoding.prefilling]
         if not decoding:
             return [(r, r.decoding.next_pass()) for r in prefilling]
-        if not prefilling and len(decoding) > 1 and getattr(self.model, "replays_passes", False):
-            return [(r, r.decoding.next_pass(max_draft=0)) for r in decoding]
+        if getattr(self.model, "replays_passes", False):
+            # A recorded pass carries decode rows only, of one shape: prompt pieces go in passes of
+            # their own (eager), taking turns with the decode passes; several decoding sequences
+            # feed one token each.
+            if not prefilling or self._prompt_turn is False:
+                self._prompt_turn = True
+                return [(r, r.decoding.next_pass(max_draft=0 if len(decoding) > 1 else None)) for r in decoding]
+            self._prompt_turn = False
+            return [(r, r.decoding.next_pass()) for r in prefilling]
         # The decoding sequences first, each with a draft of what their rows leave (one row kept
         # for a newcomer); then newcomers, earliest first, share the prompt rows the cost budget
         # allows beside those rows (at least one row for the earliest).
