@@ -3,7 +3,12 @@
 ``Conversation`` keeps the decode state of the conversation so far. Each turn renders the whole
 conversation with the checkpoint's chat template and prefills only the tokens the state does not
 hold yet. The REPL around it streams answers, turns Ctrl-C into "stop this answer" (the state then
-holds exactly the tokens that were fed), and offers /reset, /stats, /save, /load, /help, /quit.
+holds exactly the tokens that were fed), and offers /tools, /reset, /stats, /save, /load, /help, /quit.
+
+With tools loaded (``/tools FILE``: OpenAI function tools, as JSON), each answer may call them: the
+calls are constrained to the tools' schemas, shown as they are made, and the REPL asks for each
+call's result; the results go back as tool messages and the model answers again. A thinking block
+at the start of an answer is shown on the error stream and kept apart from the answer's text.
 """
 from __future__ import annotations
 
@@ -12,12 +17,17 @@ import signal
 import sys
 from pathlib import Path
 
+from .errors import DeltafinError
 from .model.state import DecodeState, StateFileError
 from .runtime import sampling
 from .runtime.generate import Generation, generate
+from .runtime.grammar import Constraint, GrammarError
 from .runtime.sampling import SamplingParams
+from .runtime.tool_calls import Parsed, ToolCallStream, parse
 
 HELP = """commands:
+  /tools FILE  offer the tools in FILE (a JSON list of OpenAI function tools) to the model;
+               /tools lists them, /tools off takes them away
   /reset       forget the conversation (keeps the system prompt)
   /stats       tokens held, what the last turn reused and prefilled, speeds
   /save FILE   write the conversation and its decode state to FILE
@@ -56,10 +66,16 @@ class Conversation:
     nothing. KDA states cannot be cut back, so these kept copies are the only ways back.
     """
 
-    def __init__(self, model, system: str | None = None, base: tuple[list[int], DecodeState] | None = None):
+    def __init__(self, model, system: str | None = None, base: tuple[list[int], DecodeState] | None = None,
+                 tools: list[dict] | None = None, tool_choice="auto"):
         self.model = model
         self.system = system
         self.base = base
+        self.tools = tools  # OpenAI function tools offered to the model, or None
+        # For the answer to each user message: "auto", "required" or {"name": NAME}. An answer to tool
+        # results is always "auto" (it may call again or answer), as agent frameworks do, so that a
+        # required call cannot loop for ever.
+        self.tool_choice = tool_choice
         self.reset()
 
     def reset(self) -> None:
@@ -70,6 +86,7 @@ class Conversation:
             self.held, self.state = [], self.model.new_state()
         self.anchor: tuple[list[int], DecodeState] | None = None
         self.last: dict = {}
+        self.answer: Parsed | None = None  # the last answer, read for reasoning and tool calls
 
     def _start(self, ids: list[int]) -> tuple[int, DecodeState, str | None]:
         """(tokens reused, the state to continue, a note when the live state could not be used)."""
@@ -85,11 +102,29 @@ class Conversation:
                 f"of {len(self.held)} tokens) and no kept state is a prefix; prefilling all {len(ids)} tokens")
         return 0, self.model.new_state(), note if self.held else None
 
+    @property
+    def calls_made(self) -> int:
+        """Tool calls in the conversation so far (the next call's index K in functions.NAME:K)."""
+        return sum(len(m.get("tool_calls") or ()) for m in self.messages)
+
     def ask(self, text: str, params: SamplingParams | None = None, on_note=None, **kw) -> Generation:
         """One turn: the user's ``text`` in, the answer out (``params`` and ``kw`` go to ``generate``)."""
+        return self._turn(self.messages + [{"role": "user", "content": text}], params, on_note, self.tool_choice,
+                          **kw)
+
+    def send_results(self, results: list[tuple[str, str]], params: SamplingParams | None = None, on_note=None,
+                     **kw) -> Generation:
+        """The results of the last answer's tool calls, as (call id, text), go back; the model answers."""
+        messages = self.messages + [{"role": "tool", "tool_call_id": cid, "content": text} for cid, text in results]
+        return self._turn(messages, params, on_note, "auto", **kw)
+
+    def _turn(self, messages: list[dict], params: SamplingParams | None, on_note, tool_choice, **kw) -> Generation:
         params = SamplingParams() if params is None else params
-        messages = self.messages + [{"role": "user", "content": text}]
-        ids = self.model.encode_chat(messages)
+        first = self.calls_made
+        if self.tools and params.constraint is None:
+            # Calls' arguments follow the tools' schemas (under "auto" the answer may be text instead).
+            params = params.replace(constraint=Constraint.tool_calls(self.tools, tool_choice, first_index=first))
+        ids = self.model.encode_chat(messages, tools=self.tools)
         n, state, note = self._start(ids)
         if note and on_note:
             on_note(note)
@@ -102,20 +137,27 @@ class Conversation:
             raise ValueError(f"the conversation is {len(ids)} tokens; with {budget} new tokens it exceeds the "
                              f"model's context of {limit} (/reset starts over)")
         try:
-            g = generate(self.model, ids[n:], params, state=state, held_ids=ids[:n], on_prefill=keep, **kw)
+            g = generate(self.model, ids[n:], params, state=state, held_ids=ids[:n], on_prefill=keep,
+                         special_text=True, **kw)
         except BaseException:
             # The state may be half-updated: forget it rather than continue from something unknown.
             self.held, self.state = [], self.model.new_state()
             raise
         self.state, self.held = g.state, ids + g.generated[:-1]
-        self.messages = messages + [{"role": "assistant", "content": g.text or ""}]
+        self.answer = parse(g.text or "", first, calls=bool(self.tools))
+        reply = {"role": "assistant", "content": self.answer.content}
+        if self.answer.reasoning is not None:
+            reply["reasoning_content"] = self.answer.reasoning
+        if self.answer.calls:
+            reply["tool_calls"] = [c.openai() for c in self.answer.calls]
+        self.messages = messages + [reply]
         self.last = {"reused_tokens": n, "prefilled_tokens": len(ids) - n, **g.stats,
                      "finish_reason": g.finish_reason}
         return g
 
     def save(self, path) -> None:
         from .runtime.saved_state import save_state
-        save_state(self.model, path, self.held, self.state, extra={"messages": self.messages})
+        save_state(self.model, path, self.held, self.state, extra={"messages": self.messages, "tools": self.tools})
 
     def load(self, path) -> None:
         from .runtime.saved_state import load_state
@@ -125,7 +167,14 @@ class Conversation:
                 or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                            for m in messages)):
             raise StateFileError(f"{path}: a decode state, but not a saved conversation (no messages)")
+        tools = meta.get("tools")
+        if tools is not None:
+            try:
+                tools = check_tools(tools)
+            except ValueError as e:
+                raise StateFileError(f"{path}: the saved tools are not usable: {e}") from None
         self.messages, self.held, self.state, self.anchor, self.last = messages, ids, state, None, {}
+        self.tools, self.answer = tools, None
 
     def stats_line(self) -> str:
         mb = self.state.nbytes() / 2 ** 20
@@ -137,6 +186,27 @@ class Conversation:
         return (f"{head}; last turn: reused {s['reused_tokens']} tokens, prefilled {s['prefilled_tokens']} "
                 f"(first token after {s['prefill_seconds']:.2f} s), {s['tokens']} tokens at "
                 f"{s['decode_tok_s']:.2f} tok/s ({s['tokens_per_pass']:.2f} tokens/pass), finish: {s['finish_reason']}")
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI function tools, checked as a request's are; a bare function ({"name", "parameters", ...})
+    is taken as {"type": "function", "function": it}. ValueError says what is wrong."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("expected a non-empty JSON list of tools")
+    tools = [t if isinstance(t, dict) and "function" in t else {"type": "function", "function": t} for t in tools]
+    try:
+        Constraint.tool_calls(tools)
+    except GrammarError as e:
+        raise ValueError(str(e)) from None
+    return tools
+
+
+def load_tools(path) -> list[dict]:
+    from .files import read_json
+    try:
+        return check_tools(read_json(path, "a tools file"))
+    except (DeltafinError, OSError) as e:
+        raise ValueError(str(e)) from None
 
 
 class _StopOnInterrupt:
@@ -187,23 +257,74 @@ def repl(conv: Conversation, args, inp=None, out=None, err=None) -> int:
             if command(conv, line, out, err):
                 return 0
             continue
-        stop = _StopOnInterrupt()
+        g = _answer(conv, args, out, err, text=line)
+        while g is not None and g.finish_reason != "cancelled" and conv.answer.calls:
+            results = []
+            try:
+                for call in conv.answer.calls:
+                    result = _read_line(f"result of {call.id}> ", interactive, inp)
+                    if result is None:  # the input ended
+                        return 0
+                    results.append((call.id, result))
+            except KeyboardInterrupt:
+                print("\n[tool results not sent]", file=err, flush=True)
+                break
+            g = _answer(conv, args, out, err, results=results)
 
-        def on_token(token: int, piece: str):
-            out.write(piece)
-            out.flush()
-            return not stop.hit
 
-        try:
-            with stop:
-                g = conv.ask(line, sampling.from_args(args, args.max_new_tokens),
-                             on_note=lambda m: print(f"[{m}]", file=err, flush=True), on_token=on_token)
-        except ValueError as e:  # the template refusing the messages, the context overflowing
-            print(f"[{e}]", file=err, flush=True)
-            continue
-        print(file=out, flush=True)
-        if g.finish_reason == "cancelled":
-            print("[answer stopped]", file=err, flush=True)
+def _answer(conv: Conversation, args, out, err, text: str | None = None,
+            results: list[tuple[str, str]] | None = None) -> Generation | None:
+    """One turn (the user's ``text``, or the results of the last answer's tool calls), streaming the
+    answer: its text to ``out``, its thinking to ``err``, each tool call as it is made. None when the
+    turn was refused (the context overflowing, the template)."""
+    stop = _StopOnInterrupt()
+    reader = ToolCallStream(conv.calls_made, calls=bool(conv.tools))
+
+    def show(deltas) -> None:
+        for d in deltas:
+            if "content" in d:
+                out.write(d["content"])
+            elif "reasoning_content" in d:
+                err.write(d["reasoning_content"])
+                err.flush()
+            else:
+                call = d["tool_calls"][0]
+                out.write(f"\n[tool call {call['id']}: {call['function']['name']} {call['function']['arguments']}]")
+        out.flush()
+
+    def on_token(token: int, piece: str):
+        show(reader.feed(piece))
+        return not stop.hit
+
+    def note(message: str) -> None:
+        print(f"[{message}]", file=err, flush=True)
+
+    try:
+        with stop:
+            params = sampling.from_args(args, args.max_new_tokens)
+            if results is None:
+                g = conv.ask(text, params, on_note=note, on_token=on_token)
+            else:
+                g = conv.send_results(results, params, on_note=note, on_token=on_token)
+    except ValueError as e:  # the template refusing the messages, the context overflowing
+        print(f"[{e}]", file=err, flush=True)
+        return None
+    show(reader.finish())
+    print(file=out, flush=True)
+    if g.finish_reason == "cancelled":
+        print("[answer stopped]", file=err, flush=True)
+    return g
+
+
+def _read_line(prompt: str, interactive: bool, inp) -> str | None:
+    """One line of input (None at its end)."""
+    try:
+        line = input(prompt) if interactive else inp.readline()
+    except EOFError:
+        return None
+    if not interactive and not line:
+        return None
+    return line.rstrip("\n")
 
 
 def command(conv: Conversation, line: str, out, err) -> bool:
@@ -214,6 +335,20 @@ def command(conv: Conversation, line: str, out, err) -> bool:
         return True
     if name == "/help":
         print(HELP, file=out)
+    elif name == "/tools":
+        if arg == "off":
+            conv.tools = None
+            print("[tools taken away]", file=err)
+        elif arg:
+            try:
+                conv.tools = load_tools(Path(arg).expanduser())
+            except ValueError as e:
+                print(f"[/tools failed: {e}]", file=err)
+                return False
+            print(f"[{len(conv.tools)} tools: {', '.join(t['function']['name'] for t in conv.tools)}]", file=err)
+        else:
+            names = ", ".join(t["function"]["name"] for t in conv.tools or ())
+            print(f"[tools: {names}]" if names else "[no tools; /tools FILE offers some]", file=err)
     elif name == "/reset":
         conv.reset()
         print("[conversation reset]", file=err)

@@ -342,14 +342,19 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (CHAT, {"messages": MSG, "stop": [1]}, "stop", "invalid_type"),
     (CHAT, {"messages": MSG, "model": 3}, "model", "invalid_type"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
-    (CHAT, {"messages": MSG, "n": 2}, "n", "unsupported_parameter"),
-    (CHAT, {"messages": MSG, "logprobs": True}, "logprobs", "unsupported_parameter"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "unsupported_parameter"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    (CHAT, {"messages": MSG, "n": 0}, "n", "invalid_value"),
+    (CHAT, {"messages": MSG, "n": 17}, "n", "invalid_value"),
+    (CHAT, {"messages": MSG, "logprobs": "yes"}, "logprobs", "invalid_type"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name",
+     "invalid_value"),
+    (CHAT, {"messages": MSG, "tools": {"type": "function"}}, "tools", "invalid_type"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, "tool_choice", "invalid_value"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
     (CHAT, {"messages": MSG, "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
-    (CHAT, {"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}, "messages[0]",
-     "unsupported_parameter"),
+    (CHAT, {"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id", "missing_required_parameter"),
+    (CHAT, {"messages": [{"role": "function", "content": "1", "name": "f"}]}, "messages[0]", "unsupported_parameter"),
     (COMPLETIONS, {}, "prompt", "missing_required_parameter"),
     (COMPLETIONS, {"prompt": 5}, "prompt", "invalid_type"),
     (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt", "unsupported_parameter"),
@@ -357,7 +362,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
 ])
 def test_bad_requests_answer_400(server, path, body, param, code):
     status, got, _ = server.request("POST", path, body)
@@ -368,8 +373,8 @@ def test_bad_requests_answer_400(server, path, body, param, code):
 
 def test_unsupported_parameter_reaches_the_openai_client(server, model):
     with pytest.raises(openai.BadRequestError) as info:
-        server.client().chat.completions.create(model=model.name, messages=MSG, n=2)
-    assert "n=1" in info.value.message and info.value.body["param"] == "n"
+        server.client().chat.completions.create(model=model.name, messages=MSG, logit_bias={"1": 5})
+    assert "logit_bias is not supported" in info.value.message and info.value.body["param"] == "logit_bias"
 
 
 def test_prompt_longer_than_the_context_is_a_400(server, model):

@@ -40,10 +40,31 @@ BOS_TOKEN, EOS_TOKEN, IM_END, MEDIA_PAD = "[BOS]", "[EOS]", "<|im_end|>", "<|med
 # any other role as a system-style turn under its own name). `content` may also be a list of
 # OpenAI-style parts ({"type": "text", "text": ...}); only the text parts are kept. With
 # add_generation_prompt the result ends with the opening of an assistant turn.
+#
+# The agent parts, laid out as Kimi K2 lays them out (plain conversations render as before):
+# - `tools` (OpenAI function tools) first, as one system-style turn named tool_declare holding their JSON;
+# - an assistant message's `tool_calls` after its text, in the tool-call section the model writes:
+#   <|tool_calls_section_begin|><|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>...
+#   <|tool_calls_section_end|>, ID the call's id (functions.NAME:IDX when it has none, IDX counting the
+#   conversation's calls from 0), ARGS the arguments as given (a mapping as JSON);
+# - a tool message as a system-style turn named tool whose text starts "## Return of ID\n";
+# - an assistant message's `reasoning_content` as <think>...</think> before its text, for the messages
+#   after the last answer that called no tool (the reasoning of finished turns is not shown again).
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(answered=-1, calls=0) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' and not message.get('tool_calls') -%}"
+    "{%- set ns.answered = loop.index0 -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for message in messages -%}"
     "{%- if message['content'] is string -%}"
     "{%- set text = message['content'] -%}"
+    "{%- elif message['content'] is none -%}"
+    "{%- set text = '' -%}"
     "{%- else -%}"
     "{%- set text = namespace(value='') -%}"
     "{%- for part in message['content'] -%}"
@@ -55,7 +76,28 @@ CHAT_TEMPLATE = (
     "{%- if role == 'user' -%}{{- '<|im_user|>' -}}"
     "{%- elif role == 'assistant' -%}{{- '<|im_assistant|>' -}}"
     "{%- else -%}{{- '<|im_system|>' -}}{%- endif -%}"
-    "{{- role + '<|im_middle|>' + text + '<|im_end|>' -}}"
+    "{{- role + '<|im_middle|>' -}}"
+    "{%- if role == 'assistant' and message.get('reasoning_content') and loop.index0 > ns.answered -%}"
+    "{{- '<think>' + message['reasoning_content'] + '</think>' -}}"
+    "{%- endif -%}"
+    "{%- if role == 'tool' and message.get('tool_call_id') -%}"
+    "{{- '## Return of ' + message['tool_call_id'] + '\\n' -}}"
+    "{%- endif -%}"
+    "{{- text -}}"
+    "{%- if role == 'assistant' and message.get('tool_calls') -%}"
+    "{{- '<|tool_calls_section_begin|>' -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] -%}"
+    "{%- set id = call.get('id') or 'functions.' + fn['name'] + ':' + (ns.calls | string) -%}"
+    "{%- set ns.calls = ns.calls + 1 -%}"
+    "{%- set args = fn.get('arguments') -%}"
+    "{{- '<|tool_call_begin|>' + id + '<|tool_call_argument_begin|>' -}}"
+    "{{- args if args is string else (args | tojson) -}}"
+    "{{- '<|tool_call_end|>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|tool_calls_section_end|>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}{%- endif -%}"
 )

@@ -3,10 +3,11 @@
 Routes: POST /v1/chat/completions, POST /v1/completions (both with or without ``stream``),
 GET /v1/models, GET /v1/models/{id}, GET|HEAD /health, GET /metrics. This module owns reading
 request bodies (a size limit, and a time limit on the whole body), the API key check, counting
-answered requests, OpenAI-style error bodies for every failure, and one generation's life as an
-HTTP response: the wait for the engine (429 beyond ``queue_size`` waiting or ``queue_timeout``
-seconds), the answer as one JSON body or as server-sent events, the generation stopped when the
-client goes away, and answers from the memo shaped like fresh ones. The wire format lives in
+answered requests, OpenAI-style error bodies for every failure, and one request's generations' life
+as an HTTP response: the wait for the engine (429 beyond ``queue_size`` waiting or ``queue_timeout``
+seconds), the answer (each of its ``n`` choices) as one JSON body or as server-sent events, the
+generations stopped when the client goes away, and answers from the memo shaped like fresh ones.
+Tool-call text a model wrote that did not parse is logged here (it went out as content). The wire format lives in
 ``protocol``, the engine's use in ``service``, listening and the header time limit in ``http``,
 the ``deltafin serve`` command in ``cli``.
 
@@ -34,7 +35,7 @@ from ..errors import DeltafinError
 from ..settings import Settings
 from . import metrics as metrics_mod
 from .admission import EngineBusy
-from .memo import MemoEntry
+from .memo import MemoChoice, MemoEntry
 from .protocol import (MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat,
                        parse_completion, sse)
 from .service import Job, Service
@@ -47,17 +48,17 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 
 async def _respond(service: Service, req: ParsedRequest) -> Response:
     service.check_model(req.model)
-    prompt_ids = await service.encode(req)
-    job = service.job(req, prompt_ids)
-    shaper = Shaper(req.kind, service.name, req.include_usage)
+    job = await service.prepare(req)
+    prompt_n = len(job.prompt_ids)
+    shaper = Shaper(req.kind, service.name, req.include_usage, choices=job.choices, calls=req.reads_calls,
+                    first_index=req.calls_before, describe=service.describe)
     key = service.memo_key(job)
     entry = service.memo.get(key) if key is not None else None
     if key is not None:
         service.metrics.memo_lookups.inc(result="hit" if entry is not None else "miss")
     if entry is not None:
-        log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, len(prompt_ids),
-                 entry.completion_tokens)
-        return memo_response(shaper, req.stream, entry, len(prompt_ids))
+        log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, prompt_n, entry.completion_tokens)
+        return memo_response(shaper, req.stream, entry, prompt_n)
     return _GenerationResponse(service, req, job, key, shaper)
 
 
@@ -65,15 +66,17 @@ def memo_response(shaper: Shaper, stream: bool, entry: MemoEntry, prompt_tokens:
     """A remembered answer, shaped like a fresh one (streamed the same way when asked to stream),
     usage included."""
     if not stream:
-        return JSONResponse(shaper.response(entry.text, entry.finish_reason, prompt_tokens, entry.completion_tokens,
-                                            entry.cached_tokens))
-    events = [] if (opening := shaper.opening_chunk()) is None else [sse(opening)]
-    events += [sse(shaper.text_chunk(p)) for p in entry.pieces]
-    events.append(sse(shaper.final_chunk(entry.finish_reason)))
+        answers = [(list(c.pieces), c.finish_reason) for c in entry.choices]
+        return JSONResponse(shaper.response(answers, prompt_tokens, entry.completion_tokens, entry.cached_tokens))
+    chunks = shaper.opening_chunks()
+    for i, c in enumerate(entry.choices):
+        for piece in c.pieces:
+            chunks += shaper.piece_chunks(i, [piece])
+        chunks += shaper.final_chunks(i, c.finish_reason)
     if shaper.include_usage:
-        events.append(sse(shaper.usage_chunk(prompt_tokens, entry.completion_tokens, entry.cached_tokens)))
-    events.append(SSE_DONE)
-    return Response(b"".join(events), headers={k.decode(): v.decode() for k, v in _SSE_HEADERS})
+        chunks.append(shaper.usage_chunk(prompt_tokens, entry.completion_tokens, entry.cached_tokens))
+    return Response(b"".join(sse(c) for c in chunks) + SSE_DONE,
+                    headers={k.decode(): v.decode() for k, v in _SSE_HEADERS})
 
 
 async def _watch_disconnect(receive, left: asyncio.Event, cancel: threading.Event) -> None:
@@ -95,10 +98,10 @@ async def _send_json(send, status: int, obj: dict) -> None:
 
 
 class _GenerationResponse(Response):
-    """Waits for the engine, runs one generation and sends the answer, as one JSON body or as
-    server-sent events. The whole life of the request is in ``__call__``, so whatever happens
-    (a 429, a client leaving while queued or mid-stream, an engine error) the generation is
-    stopped and the engine handed on."""
+    """Waits for the engine, runs the request's generations (one per choice) and sends the answer, as
+    one JSON body or as server-sent events. The whole life of the request is in ``__call__``, so
+    whatever happens (a 429, a client leaving while queued or mid-stream, an engine error) the
+    generations are stopped and the engine handed on."""
 
     def __init__(self, service: Service, req: ParsedRequest, job: Job, memo_key: tuple | None, shaper: Shaper):
         super().__init__()
@@ -137,66 +140,88 @@ class _GenerationResponse(Response):
             return
 
         loop = asyncio.get_running_loop()
-        texts: asyncio.Queue[str | None] = asyncio.Queue()
+        pieces_in: asyncio.Queue = asyncio.Queue()  # (choice, piece or None at its end)
 
-        def emit(text: str | None) -> None:
-            loop.call_soon_threadsafe(texts.put_nowait, text)
+        def emit(i: int, piece) -> None:
+            loop.call_soon_threadsafe(pieces_in.put_nowait, (i, piece))
 
         t0 = time.perf_counter()
-        future = service.start(job, emit, cancel)
+        futures = service.start(job, emit, cancel)
         if req.stream:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            if (opening := shaper.opening_chunk()) is not None:
-                await _send_body(send, sse(opening))
-        pieces: list[str] = []
-        ended = False
-        while not ended:
+            if opening := shaper.opening_chunks():
+                await _send_body(send, b"".join(sse(c) for c in opening))
+        pieces: list[list] = [[] for _ in futures]
+        gens: list = [None] * len(futures)
+        error: Exception | None = None
+        running = len(futures)
+        while running:
             # Everything the engine produced since the last send goes out in one write.
-            batch = [await texts.get()]
-            while not texts.empty():
-                batch.append(texts.get_nowait())
-            if batch[-1] is None:
-                ended = True
-                batch.pop()
-            pieces += batch
-            if req.stream and batch and not left.is_set():
-                await _send_body(send, b"".join(sse(shaper.text_chunk(t)) for t in batch))
-        try:
-            gen = await asyncio.wrap_future(future)
-        except Exception as e:
-            if isinstance(e, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
-                log.error("%s: reading the weights failed: %s", shaper.id, e)
-                fault = service.weights_failed(e)
-                error = APIError(503, f"{fault}; the server is degraded (see /health)", code="engine_fault")
+            batch = [await pieces_in.get()]
+            while not pieces_in.empty():
+                batch.append(pieces_in.get_nowait())
+            chunks = []
+            for i, piece in batch:
+                if piece is not None:
+                    pieces[i].append(piece)
+                    if req.stream:
+                        chunks += shaper.piece_chunks(i, [piece])
+                    continue
+                running -= 1
+                try:
+                    gens[i] = futures[i].result()  # resolved before its end was announced
+                except Exception as e:
+                    error = error or e
+                    cancel.set()  # one choice failed: the request has failed, the others stop
+                    continue
+                if req.stream and gens[i].finish_reason != "cancelled":
+                    chunks += shaper.final_chunks(i, gens[i].finish_reason)
+            if req.stream and chunks and error is None and not left.is_set():
+                await _send_body(send, b"".join(sse(c) for c in chunks))
+        if error is not None:
+            if isinstance(error, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
+                log.error("%s: reading the weights failed: %s", shaper.id, error)
+                fault = service.weights_failed(error)
+                failure = APIError(503, f"{fault}; the server is degraded (see /health)", code="engine_fault")
             else:  # requests are validated before they reach the engine: this is a bug
-                log.exception("%s: generation failed", shaper.id)
-                error = APIError(500, f"generation failed: {type(e).__name__}", code="engine_error")
+                log.error("%s: generation failed", shaper.id, exc_info=error)
+                failure = APIError(500, f"generation failed: {type(error).__name__}", code="engine_error")
             if req.stream:  # headers are out: the error travels as an event
-                await _send_body(send, sse(error.body()) + SSE_DONE, more=False)
+                await _send_body(send, sse(failure.body()) + SSE_DONE, more=False)
             else:
-                await _send_json(send, error.status, error.body())
+                await _send_json(send, failure.status, failure.body())
             return
 
-        prompt_n, completion_n = len(job.prompt_ids), len(gen.tokens)
-        cached_n = gen.stats.get("cached_tokens", 0)
+        prompt_n, completion_n = len(job.prompt_ids), sum(len(g.tokens) for g in gens)
+        cached_n = gens[0].stats.get("cached_tokens", 0)
         service.metrics.prompt_tokens.inc(prompt_n)
         service.metrics.completion_tokens.inc(completion_n)
         elapsed = time.perf_counter() - t0
-        if gen.finish_reason == "cancelled":
+        if any(g.finish_reason == "cancelled" for g in gens):
             log.info("%s: generation cancelled (client disconnected) after %d tokens", shaper.id, completion_n)
             return
+        finishes = ",".join(g.finish_reason for g in gens)
         log.info("%s: %d prompt (%d cached) + %d completion tokens, finish_reason=%s, %.2f s (%.1f tok/s)",
-                 shaper.id, prompt_n, cached_n, completion_n, gen.finish_reason, elapsed, completion_n / elapsed if elapsed > 0 else 0.0)
-        text = "".join(pieces)  # equals gen.text: on_token is handed every piece of it
+                 shaper.id, prompt_n, cached_n, completion_n, finishes, elapsed,
+                 completion_n / elapsed if elapsed > 0 else 0.0)
         if self.memo_key is not None:
-            service.memo.put(self.memo_key, MemoEntry(tuple(pieces), completion_n, gen.finish_reason, cached_n))
+            service.memo.put(self.memo_key, MemoEntry(tuple(MemoChoice(tuple(p), len(g.tokens), g.finish_reason)
+                                                            for p, g in zip(pieces, gens)), cached_n))
         if not req.stream:
-            await _send_json(send, 200, shaper.response(text, gen.finish_reason, prompt_n, completion_n, cached_n))
+            answers = [(p, g.finish_reason) for p, g in zip(pieces, gens)]
+            body = shaper.response(answers, prompt_n, completion_n, cached_n)
+            _log_malformed(shaper)
+            await _send_json(send, 200, body)
             return
-        tail = sse(shaper.final_chunk(gen.finish_reason))
-        if shaper.include_usage:
-            tail += sse(shaper.usage_chunk(prompt_n, completion_n, cached_n))
+        _log_malformed(shaper)
+        tail = sse(shaper.usage_chunk(prompt_n, completion_n, cached_n)) if shaper.include_usage else b""
         await _send_body(send, tail + SSE_DONE, more=False)
+
+
+def _log_malformed(shaper: Shaper) -> None:
+    """Tool-call text the model wrote that did not parse went out as content; the log keeps it raw."""
+    for raw in shaper.malformed:
+        log.warning("%s: a malformed tool call was answered as content: %r", shaper.id, raw[:500])
 
 
 async def _send_body(send, data: bytes, more: bool = True) -> None:

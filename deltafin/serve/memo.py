@@ -2,10 +2,11 @@
 
 A deterministic request (greedy, or sampling from a fixed seed: ``SamplingParams.deterministic``)
 for the same served name, prompt tokens and parameters always gets the same answer, so the server
-keeps the last ``memo_size`` of them, least recently used first out. What an entry holds: the text
-as it was streamed (its pieces, so a remembered answer streams the same way), the token counts and
-the finish reason. The key is the caller's (the service's: the served name and the job); nothing
-here looks inside it. Used from the event loop thread only; it holds no lock.
+keeps the last ``memo_size`` of them, least recently used first out. What an entry holds: each
+choice's pieces as they were streamed (text and logprobs, so a remembered answer streams the same
+way and is read for tool calls the same way), its token count and its generation's finish reason,
+and the prompt tokens that were cached. The key is the caller's (the service's: the served name and
+the job); nothing here looks inside it. Used from the event loop thread only; it holds no lock.
 """
 from __future__ import annotations
 
@@ -14,15 +15,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class MemoEntry:
-    pieces: tuple[str, ...]  # the text as it was streamed
+class MemoChoice:
+    pieces: tuple  # (text, logprob entry or None) per returned token, as it was streamed
     completion_tokens: int
-    finish_reason: str
+    finish_reason: str  # the generation's (the response reads tool calls from the text)
+
+
+@dataclass(frozen=True)
+class MemoEntry:
+    choices: tuple[MemoChoice, ...]
     cached_tokens: int = 0
 
     @property
-    def text(self) -> str:
-        return "".join(self.pieces)
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
 
 
 class ResponseMemo:

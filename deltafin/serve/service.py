@@ -1,12 +1,13 @@
 """What ``deltafin serve`` serves with: one loaded model, used by many requests at once.
 
 ``Service`` owns the names the model is served under, its context (``max_model_len`` caps it),
-turning a validated request into a ``Job`` (the prompt rendered and tokenized off the event loop
-within ``render_timeout``), the admission gate, the memo of deterministic answers, the scheduler
-(generations batched into shared passes on one engine thread), the prefix cache of decode states
-(a request whose prompt starts with the tokens of an earlier request's prompt, or prompt + answer
-as chat clients resend it, prefills only the rest), the server's metrics, and its health: a fault
-reading the weights, or a prompt stuck rendering, turns it "degraded".
+turning a validated request into a ``Job`` (the prompt rendered with its tools and tokenized, and
+its constraint checked and compiled, off the event loop within ``render_timeout``), the admission
+gate, the memo of deterministic answers, the scheduler (generations batched into shared passes on
+one engine thread), the prefix cache of decode states (a request whose prompt starts with the
+tokens of an earlier request's prompt, or prompt + answer as chat clients resend it, prefills only
+the rest; the choices of one request share one prefill), the server's metrics, and its health: a
+fault reading the weights, or a prompt stuck rendering, turns it "degraded".
 
 What it trusts: the model folder (its chat template is rendered in a sandbox), and requests the
 wire format (``protocol``) has already validated; what they name is checked against the model
@@ -25,13 +26,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.sampling import SamplingParams
+from ..runtime.generate import Generation
+from ..runtime.grammar import GrammarError, Matcher
+from ..runtime.sampling import SEED_RANGE, SamplingParams
 from ..runtime.scheduler import Scheduler
 from ..settings import Settings, SettingsError
 from .admission import EngineGate
 from .memo import ResponseMemo
 from .prefix_cache import PrefixCache
-from .protocol import APIError, ParsedRequest, bad, resolve_max_tokens
+from .protocol import APIError, ParsedRequest, bad, constraint, resolve_max_tokens
 from .server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -39,9 +42,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Job:
-    """One generation, as the engine sees it (also its memo key, with the served name)."""
+    """One request's generations, as the engine sees them (also its memo key, with the served name)."""
     prompt_ids: tuple[int, ...]
     params: SamplingParams  # max_new_tokens resolved; canonical (greedy ignores the sampling knobs)
+    choices: int = 1  # choice i samples with seed + i
+    special_text: bool = False  # chat: the text keeps the tool-call and thinking markers, for reading
+
+    def choice_params(self, i: int) -> SamplingParams:
+        if self.params.seed is None or i == 0:
+            return self.params
+        low, high = SEED_RANGE  # seed + i, wrapped around within the seeds torch takes
+        return self.params.replace(seed=(self.params.seed + i - low) % (high - low + 1) + low)
 
 
 def model_name(model) -> str:
@@ -127,14 +138,15 @@ class Service:
             raise APIError(404, f"the model '{name}' does not exist here; this server serves '{self.name}'",
                            param="model", code="model_not_found")
 
-    async def encode(self, req: ParsedRequest) -> list[int]:
-        """The prompt's token ids, rendered and tokenized off the event loop within render_timeout."""
+    async def prepare(self, req: ParsedRequest) -> Job:
+        """The request's Job: its constraint checked and compiled, its prompt rendered and tokenized, its
+        max_tokens resolved, off the event loop within render_timeout."""
         job = next(self._render_ids)
 
         def run():
             self._renders[job] = time.monotonic()
             try:
-                return self._encode(req)
+                return self._prepare(req)
             finally:
                 self._renders.pop(job, None)
 
@@ -146,6 +158,18 @@ class Service:
             raise APIError(503, f"rendering and tokenizing the prompt took longer than {limit:g} s "
                            "(render_timeout)", code="render_timeout") from None
 
+    def _prepare(self, req: ParsedRequest) -> Job:
+        c = constraint(req)  # first: the tools are checked before the template sees them
+        ids = self._encode(req)
+        if c is not None:
+            try:  # compiled here (then cached), so a generation never starts with a grammar that fails
+                Matcher(c, self.tokenizer, self.model.config.vocab_size, self.model.config.eos_token_ids)
+            except GrammarError as e:
+                raise bad(f"'{e.param}': {e.message}", param=e.param) from None
+        max_tokens = resolve_max_tokens(req, len(ids), self.context, self.settings.max_tokens_cap)
+        params = req.sampling.replace(max_new_tokens=max_tokens, constraint=c).canonical()
+        return Job(tuple(ids), params, req.n, special_text=req.kind == "chat")
+
     def _encode(self, req: ParsedRequest) -> list[int]:
         tok = self.tokenizer
         if tok is None:
@@ -156,7 +180,7 @@ class Service:
                 raise bad(f"the model '{self.name}' has no chat template; use /v1/completions with a prompt",
                           param="messages", code="no_chat_template")
             try:
-                ids = self.model.encode_chat(req.messages)
+                ids = self.model.encode_chat(req.messages, tools=req.tools)
             except Exception as e:  # the template's own checks (role order, ...) raise here
                 raise bad(f"the chat template cannot render these messages: {e}", param="messages") from None
         elif isinstance(req.prompt, list):
@@ -171,27 +195,36 @@ class Service:
             raise bad("the prompt is empty: at least one token is needed", param=req.prompt_param)
         return list(ids)
 
-    def job(self, req: ParsedRequest, prompt_ids: list[int]) -> Job:
-        max_tokens = resolve_max_tokens(req, len(prompt_ids), self.context, self.settings.max_tokens_cap)
-        return Job(tuple(prompt_ids), req.sampling.replace(max_new_tokens=max_tokens).canonical())
+    def describe(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and bytes, as logprobs name it (a special token by its name)."""
+        tok = self.tokenizer
+        if hasattr(tok, "token_bytes"):
+            raw = tok.token_bytes(token_id)
+            return raw.decode("utf-8", "replace"), raw
+        text = tok.decode([token_id])
+        return text, text.encode()
 
     def memo_key(self, job: Job) -> tuple | None:
         return (self.name, job) if job.params.deterministic and self.memo.size > 0 else None
 
     # -- the engine ----------------------------------------------------------------------------
-    def start(self, job: Job, emit, cancel: threading.Event) -> concurrent.futures.Future:
-        """Run ``job`` on the engine thread, batched with the others (the caller holds a gate slot;
-        it is released when the job is done). ``emit(text)`` is called from the engine thread for
-        each new piece of text and ``emit(None)`` once at the end; setting ``cancel`` stops the
-        generation.
+    def start(self, job: Job, emit, cancel: threading.Event) -> list[concurrent.futures.Future]:
+        """Run ``job``'s choices on the engine thread, batched with the others (the caller holds a gate
+        slot; it is released when every choice is done). ``emit(i, (text, logprob entry or None))`` is
+        called from the engine thread for each token choice i returns (tokens whose text is still ""
+        only when logprobs are asked for), and ``emit(i, None)`` once at its end, after its future
+        is resolved; setting ``cancel`` stops them all. The futures resolve to the choices'
+        ``Generation``s.
 
-        The generation starts from the longest cached prefix of the prompt and leaves states for
+        The generations start from the longest cached prefix of the prompt and leave states for
         later requests: the one at the end (prompt + answer as fed), the one right after the prompt,
         and, while a long prompt is read in, one each time another ``prefix_cache_block`` tokens
         are in. A chat client's next turn starts with the first when the template renders the
         answer as it was generated, with the second otherwise; prompts that share only a beginning
-        (a long system prompt) with the third. ``stats["cached_tokens"]`` of the result counts the
-        prompt tokens that were not prefilled."""
+        (a long system prompt) with the third. Several choices read the prompt once: all of it but
+        the last token in one generation of its own, whose state each choice then continues from a
+        copy of. ``stats["cached_tokens"]`` of a result counts the prompt tokens that were not
+        prefilled."""
         loop = asyncio.get_running_loop()
         ids, cache, block = list(job.prompt_ids), self.prefix_cache, self.settings.prefix_cache_block
         cached, state = cache.lookup(ids) if cache.enabled else (0, None)
@@ -200,6 +233,8 @@ class Service:
             self.metrics.cached_tokens.inc(cached)
         keep = cache.budget_bytes > 0
         kept_at = [cached]
+        futures = [concurrent.futures.Future() for _ in range(job.choices)]
+        running = [job.choices]
 
         def on_prefill(st) -> None:
             n = st.num_tokens
@@ -207,31 +242,74 @@ class Service:
                 cache.put(ids[:n], st)
                 kept_at[0] = n
 
-        def on_token(token_id: int, text: str) -> bool:
-            if text:
-                emit(text)
-            return not cancel.is_set()
-
-        def engine_done(future):
-            if not future.cancelled() and future.exception() is None:
-                gen = future.result()
+        def choice_done(i: int, inner: concurrent.futures.Future) -> None:
+            error = inner.exception() if not inner.cancelled() else concurrent.futures.CancelledError()
+            if error is None:
+                gen = inner.result()
                 gen.stats["cached_tokens"] = cached
                 if keep and gen.generated:  # the state holds the prompt and every produced token but the last
                     cache.put(ids + gen.generated[:-1], gen.state, copy=False)
-            # The slot is handed back before the end is announced, so a client that has its
+                futures[i].set_result(gen)
+            else:
+                futures[i].set_exception(error)
+            running[0] -= 1
+            # The slot is handed back before the last end is announced, so a client that has its
             # answer never finds the server still counting its request.
-            try:
-                loop.call_soon_threadsafe(self.gate.release)
-            except RuntimeError:  # the loop is already closed: nobody is left to admit
+            if running[0] == 0:
+                try:
+                    loop.call_soon_threadsafe(self.gate.release)
+                except RuntimeError:  # the loop is already closed: nobody is left to admit
+                    return
+            emit(i, None)
+
+        def run_choice(i: int, prompt: list[int], start_state, held: int, prefill) -> None:
+            entry = [None]
+
+            def on_logprob(e) -> None:
+                entry[0] = e
+
+            def on_token(token_id: int, text: str) -> bool:
+                if text or job.params.logprobs is not None:
+                    emit(i, (text, entry[0]))
+                return not cancel.is_set()
+
+            extra = {"on_logprob": on_logprob} if job.params.logprobs is not None else {}
+            inner = self.scheduler.submit(prompt, job.choice_params(i), on_token=on_token, cancel=cancel,
+                                          state=start_state, held_ids=ids[:held] if held else None,
+                                          on_prefill=prefill, special_text=job.special_text, **extra)
+            inner.add_done_callback(lambda f: choice_done(i, f))
+
+        def branch(shared: concurrent.futures.Future) -> None:
+            """The shared prefill is done: every choice continues from a copy of its state."""
+            error = shared.exception()
+            if error is not None or shared.result().finish_reason == "cancelled":
+                for i in range(job.choices):  # each choice ends as the prefill did
+                    ended = concurrent.futures.Future()
+                    if error is not None:
+                        ended.set_exception(error)
+                    else:
+                        ended.set_result(Generation([], "", "cancelled", {}))
+                    choice_done(i, ended)
                 return
-            emit(None)
+            prefilled = shared.result().state
+            for i in range(job.choices):
+                run_choice(i, ids[-1:], prefilled.snapshot(), len(ids) - 1, on_prefill if keep and i == 0 else None)
 
         try:
-            future = self.scheduler.submit(ids[cached:], job.params, on_token=on_token, cancel=cancel,
-                                           state=state, held_ids=ids[:cached] if cached else None,
-                                           on_prefill=on_prefill if keep else None)
+            if job.choices == 1:
+                run_choice(0, ids[cached:], state, cached, on_prefill if keep else None)
+            elif cached < len(ids) - 1:
+                # One token after the prompt but its last: the state then holds exactly ids[:-1].
+                shared = self.scheduler.submit(ids[cached:-1], SamplingParams(max_new_tokens=1), cancel=cancel,
+                                               state=state, held_ids=ids[:cached] if cached else None,
+                                               on_prefill=on_prefill if keep else None)
+                shared.add_done_callback(branch)
+            else:
+                start = concurrent.futures.Future()
+                start.set_result(Generation([], "", "length", {}, state=state if state is not None
+                                            else self.model.new_state()))
+                branch(start)
         except BaseException:
             self.gate.release()
             raise
-        future.add_done_callback(engine_done)
-        return future
+        return futures
