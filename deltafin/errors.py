@@ -11,3 +11,8 @@ from __future__ import annotations
 
 class DeltafinError(ValueError):
     """Bad input or a fault deltafin can name: the message says what, where, and what to do."""
+
+
+class DeviceOutOfMemory(DeltafinError):
+    """The compute device had no memory left for a pass: too many sequences or too long a prompt piece.
+    Only the requests of that pass end; the server is not degraded by it."""

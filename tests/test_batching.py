@@ -217,6 +217,40 @@ def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_pa
     assert all("all" not in kinds for _, kinds in shapes.passes if set(kinds) != {"all"})  # none mixed
 
 
+class _SmallDevice(_Shapes):
+    """A device whose memory holds a sequence's piece of at most `rows` rows (a longer one raises as
+    CUDA does)."""
+
+    def __init__(self, model, rows):
+        super().__init__(model)
+        self.rows = rows
+
+    def forward_batch(self, seqs):
+        if any(len(s.ids) > self.rows for s in seqs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().forward_batch(seqs)
+
+
+def test_a_prompt_too_long_for_the_device_ends_its_request_alone(tiny_k3_path, alone):
+    """With recorded passes prompt pieces are passes of their own: the one that does not fit ends its
+    request with a clear error, the others go on to the outputs they get alone."""
+    from deltafin.errors import DeviceOutOfMemory
+    from deltafin.runtime.decode_graph import DecodeGraphs
+    m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    sched = Scheduler(_SmallDevice(m, 100), 8, 256)
+    try:
+        futures = [sched.submit(p, params) for p, params in _requests(m)]
+        # the ninth request waits for a free place among max_batch 8: it joins while others decode
+        long = sched.submit(_ids(m, 200, 1), SamplingParams(max_new_tokens=4))
+        got = [f.result(timeout=300) for f in futures]
+        with pytest.raises(DeviceOutOfMemory, match="ran out of memory reading a prompt piece"):
+            long.result(timeout=300)
+    finally:
+        sched.close()
+    assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
+
+
 class _FlatCosts(PassCosts):
     """Every pass costs the same whatever its rows (as when a pass streams its weights from disk)."""
 

@@ -43,6 +43,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
+from ..errors import DeviceOutOfMemory
 from .generate import Decoding
 from .sampling import SamplingParams
 
@@ -325,6 +328,22 @@ class Scheduler:
             logits = self.model.forward_batch([seq for _, seq in batch])
             t2 = time.perf_counter()
             self.costs.record(rows, t2 - t1)
+        except torch.OutOfMemoryError:
+            # Only the pass's own requests end (their states may be half updated); requests outside
+            # it were not touched and go on. With recorded passes a prompt piece is a pass of its
+            # own, so a prompt too long for the device ends its request alone.
+            torch.cuda.empty_cache()
+            rows_of = {id(r): len(seq.ids) for r, seq in batch}
+            log.warning("the device ran out of memory in a pass of %d rows over %d request(s)", rows, len(batch))
+            for r in self._active:
+                if id(r) in rows_of:
+                    what = "reading a prompt piece" if r.decoding.prefilling else "decoding"
+                    r.future.set_exception(DeviceOutOfMemory(
+                        f"the compute device ran out of memory {what} ({rows_of[id(r)]} of the pass's {rows} "
+                        f"rows, {len(batch)} request(s) in the pass); retry with a shorter prompt or fewer "
+                        "requests at once"))
+            self._active = [r for r in self._active if id(r) not in rows_of]
+            return
         except Exception as e:  # a failed pass leaves every state in it unusable
             log.exception("a forward pass over %d request(s) failed", len(self._active))
             for r in self._active:

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import DeltafinError
+from ..errors import DeltafinError, DeviceOutOfMemory
 from ..settings import Settings
 from . import metrics as metrics_mod
 from .admission import EngineBusy
@@ -179,7 +179,10 @@ class _GenerationResponse(Response):
             if req.stream and chunks and error is None and not left.is_set():
                 await _send_body(send, b"".join(sse(c) for c in chunks))
         if error is not None:
-            if isinstance(error, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
+            if isinstance(error, DeviceOutOfMemory):  # this request's pass did not fit: the server goes on
+                log.warning("%s: %s", shaper.id, error)
+                failure = APIError(503, str(error), code="device_out_of_memory")
+            elif isinstance(error, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
                 log.error("%s: reading the weights failed: %s", shaper.id, error)
                 fault = service.weights_failed(error)
                 failure = APIError(503, f"{fault}; the server is degraded (see /health)", code="engine_fault")
