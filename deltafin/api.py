@@ -205,7 +205,9 @@ class Model:
         g = self.engine.graphs
         if g is None:
             return None
-        return {"recorded": g.recorded, "replayed": g.replayed, "failed": g.failed, "record_seconds": g.record_seconds}
+        return {"recorded": g.recorded, "replayed": g.replayed, "replayed_by_kind": dict(g.replayed_by_kind),
+                "shapes": [list(shape) for shape in sorted(g.graphs)], "failed": g.failed,
+                "record_seconds": g.record_seconds}
 
     def global_weights(self) -> dict:
         """The weights outside the layers (embedding, head, final norm) as the provider holds them."""

@@ -250,6 +250,7 @@ def test_cuda_speculation_replays_check_passes_with_the_same_tokens(request, fix
         assert g.tokens == want
     graphs = m.engine.graphs
     assert graphs.failed is None and any(keep for (_, n, keep) in graphs.graphs)
+    assert m.graph_stats()["replayed_by_kind"]["check"] > 0
     assert g.stats["accepted_draft_tokens"] > 0 and g.stats["passes"] < len(want) - 1
 
 

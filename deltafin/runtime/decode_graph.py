@@ -72,6 +72,7 @@ class DecodeGraphs:
         self.failed: str | None = None
         self.recorded = 0  # graphs recorded so far (one per batch size and capacity reached)
         self.replayed = 0
+        self.replayed_by_kind = {"decode": 0, "check": 0}  # one token of each sequence | drafts checked
         self.record_seconds = 0.0  # spent recording (not running) graphs
         dev = engine.device
         self.x = torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, device=dev)
@@ -127,6 +128,7 @@ class DecodeGraphs:
             graph, out, counts, records = recorded
             graph.replay()
             self.replayed += 1
+            self.replayed_by_kind["check" if keep else "decode"] += 1
             logits = out.clone()  # the recorded output buffer is the next replay's
             for k, v in counts.items():
                 setattr(stats, k, getattr(stats, k) + v)
