@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.sizes import model_bytes
+from .dist.launch import joined
 from .errors import DeltafinError
 from .io.sources import open_source
 from .model.state import DecodeState
@@ -59,7 +60,8 @@ def row_threads(settings: Settings, streaming: bool) -> int | None:
     return compute_threads(settings, streaming=False)  # every core
 
 
-def _want_stream(settings: Settings, source) -> bool:
+def _want_stream(settings: Settings, source, need: int) -> bool:
+    """need: the bytes this process would hold in RAM (a rank of a split model: its share)."""
     if settings.stream != "auto":
         return settings.stream == "on"
     if source.kind == "hub":  # in RAM would mean fetching every expert up front
@@ -71,7 +73,7 @@ def _want_stream(settings: Settings, source) -> bool:
     if inside.where != "host":  # a memory cgroup's limit binds tighter than the machine's RAM
         available = min(available, inside.free)
     # Keep the model in RAM only when it fits with plenty of room to spare.
-    return model_bytes(source) > 0.5 * available
+    return need > 0.5 * available
 
 
 class Model:
@@ -83,26 +85,44 @@ class Model:
         self.name = self.source.repo_id if self.source.kind == "hub" else self.path.name
         self.residency = ""  # what a device or host RAM holds, and its budget (a start-up line)
         device = settings.torch_device()
+        # A rank of a model split across processes (deltafin.dist) holds its layers only, and only
+        # rank 0 the embedding and head; rank 0's engine runs every pass through the other ranks.
+        group = joined()
+        self.placement = None  # dist.placement.RankPlacement of a split model
+        layers, with_globals, need = None, True, None
+        if group is not None:
+            from .dist.placement import agree
+            if device.type != "cpu":
+                raise DeltafinError("a model split across ranks runs on the CPU only so far: add --device cpu")
+            if settings.prompt_cache:
+                raise DeltafinError("--prompt-cache is not available for a model split across ranks yet")
+            self.placement = agree(group, self.source, settings)
+            layers, with_globals = self.placement.ranges[group.rank], group.rank == 0
+            need = self.placement.weight_bytes[group.rank]
         if device.type != "cpu":
             from .io.device import DeviceProvider, device_placement
             placement, held = device_placement(self.source, settings, device, settings.stream)
             self.residency = f"device holds {held}"
             provider = DeviceProvider(self.source, settings, placement)
             self.streaming = provider.streaming
-        elif _want_stream(settings, self.source):
+        elif _want_stream(settings, self.source, model_bytes(self.source) if need is None else need):
             self.streaming = True
             from .io.stream import StreamProvider
-            provider = StreamProvider(self.source, settings)
+            provider = StreamProvider(self.source, settings, layers=layers, with_globals=with_globals)
             self.residency = provider.budget_line
         else:
             self.streaming = False
             from .io.ram import RAMProvider
-            provider = RAMProvider(self.source)
+            provider = RAMProvider(self.source, layers=layers, with_globals=with_globals)
         self.threads = compute_threads(settings, self.streaming)
         # Process-wide, like the device: the user's setting (or its auto value) for this run.
         torch.set_num_threads(self.threads)
         self.row_threads = row_threads(settings, self.streaming)
-        self.engine = Engine(self.config, provider, settings, self.row_threads)
+        if group is not None and group.rank == 0:
+            from .dist.pipeline import FrontEngine
+            self.engine = FrontEngine(group, self.config, provider, settings, self.row_threads, layers)
+        else:
+            self.engine = Engine(self.config, provider, settings, self.row_threads, layers)
         self.device = self.engine.device
         self.tokenizer = load_tokenizer(self.path)
         self.last_generation_stats: dict = {}

@@ -143,7 +143,7 @@ def measure_ram_read(model, threads: int, seed: int = 0, passes: int = 3) -> dic
     cfg = model.config
     rng = random.Random(seed)
     weights = [w for name, w in model.global_weights().items() if name != "embed"]
-    for i in range(cfg.num_layers):
+    for i in model.engine.layers:  # a rank of a split model holds its own layers only
         weights.append(model.layer_weights(i))
         if cfg.is_moe(i):
             k = min(cfg.experts_per_token, cfg.num_experts)

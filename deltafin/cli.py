@@ -8,6 +8,8 @@ import sys
 
 from . import bench, chat
 from .checkpoint import convert
+from .dist import launch as dist_launch
+from .dist.transport import RankFault
 from .errors import DeltafinError
 from .profile import PassRecorder, format_pass, format_summary
 from .runtime import sampling
@@ -120,6 +122,28 @@ def cmd_make_checkpoint(args) -> int:
     return 0
 
 
+# -- a model split across ranks (torchrun) ------------------------------------------------------
+DIST_COMMANDS = ("run", "bench")
+
+
+def run_launched(args, launch: dist_launch.Launch) -> int:
+    """One rank of a model split across processes: rank 0 runs the command, the others serve its
+    passes (printing nothing to stdout) until it stops."""
+    if args.command not in DIST_COMMANDS:
+        raise ValueError(f"deltafin {args.command} does not run across ranks (these do: {', '.join(DIST_COMMANDS)})")
+    settings = from_args(args)
+    group = dist_launch.join(launch, settings.dist_timeout)
+    try:
+        if group.rank == 0:
+            return args.func(args)
+        import deltafin
+        from .dist.worker import serve_passes
+        model = deltafin.load(args.model or default_model_path(settings), settings=settings)
+        return serve_passes(group, model.engine)
+    finally:
+        dist_launch.leave()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltafin",
@@ -152,7 +176,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        rc = args.func(args) or 0
+        launch = dist_launch.from_environment()
+        rc = (args.func(args) if launch is None else run_launched(args, launch)) or 0
         sys.stdout.flush()  # a pipe buffers: a closed reader shows up here, not at exit
         return rc
     except BrokenPipeError:
@@ -169,6 +194,8 @@ def main(argv=None) -> int:
         # (permission, disk full); ValueError: a refused argument. Anything else is a bug.
         if isinstance(e, (DeltafinError, OSError, ValueError)):
             print(f"deltafin: error: {e}", file=sys.stderr)
+            if isinstance(e, RankFault):  # a rank of the group failed, not the input
+                return 1
         else:
             print(f"deltafin: error: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
                   file=sys.stderr)

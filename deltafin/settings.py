@@ -79,6 +79,12 @@ class Settings:
                          "streaming: 1 thread measured faster than 2); passes of several rows (a batch, "
                          "drafts, a prompt piece) run their products on every core")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill")
+    placement: str = _knob("", "a model split across ranks (torchrun): each rank's layers, in rank order, as "
+                           "contiguous ranges covering every layer, e.g. 0-3,4-7; empty = sized by each rank's "
+                           "--ram-budget when every rank sets one above 0, else equal weight bytes per rank")
+    dist_timeout: float = _knob(60.0, "a model split across ranks (torchrun): seconds a rank waits for another "
+                                "within a pass before the request fails naming that rank; must exceed the "
+                                "slowest pass")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")
     draft_len: int = _knob(4, "maximum drafted tokens verified per pass", group="generate")
@@ -155,6 +161,7 @@ class Settings:
         parse_device(self.device)  # raises with a message
         parse_gpu_budget(self.gpu_budget)
         parse_ram_budget(self.ram_budget)
+        parse_placement(self.placement)
         if not self.revision.strip():
             raise SettingsError("setting 'revision' must not be empty")
         for f in fields(self):
@@ -203,7 +210,7 @@ RANGES = {
     "max_model_len": (0, None), "header_timeout": (0.1, None), "body_timeout": (0.1, None),
     "render_timeout": (0.1, None), "max_batch": (1, 256), "prefill_chunk": (1, None),
     "hub_connections": (1, 256), "hub_retries": (0, 100), "hub_backoff": (0, 600), "hub_cache_gb": (0, None),
-    "prefix_cache_mb": (0, None), "prefix_cache_block": (0, None),
+    "prefix_cache_mb": (0, None), "prefix_cache_block": (0, None), "dist_timeout": (0.1, None),
 }
 
 
@@ -260,6 +267,30 @@ def parse_gpu_budget(spec: str) -> int | None:
 
 def parse_ram_budget(spec: str) -> int | None:
     return _parse_budget("ram_budget", spec, True, "auto, 0 = no cache, or a number of GB above 0")
+
+
+def parse_placement(spec: str) -> list[range] | None:
+    """'' -> None; '0-3,4-7' (each range FIRST-LAST, or one layer N) -> [range(0, 4), range(4, 8)],
+    checked to be contiguous from layer 0 (the model's layer count is checked where it is known)."""
+    text = str(spec).strip()
+    if not text:
+        return None
+    ranges = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        last = last or first
+        if not (first.strip().isdigit() and last.strip().isdigit()):
+            raise SettingsError(f"setting 'placement' (DELTAFIN_PLACEMENT): {part.strip()!r} is not a layer "
+                                "range FIRST-LAST (e.g. 0-3,4-7)")
+        ranges.append(range(int(first), int(last) + 1))
+    start = 0
+    for r in ranges:
+        if r.start != start or not r:
+            raise SettingsError(f"setting 'placement' (DELTAFIN_PLACEMENT): {spec!r} must list contiguous, "
+                                f"non-empty layer ranges from layer 0 in rank order (expected one starting "
+                                f"at {start}, got {r.start}-{r.stop - 1})")
+        start = r.stop
+    return ranges
 
 
 def resolve_device(spec: str) -> str:

@@ -86,7 +86,8 @@ def startup_message(model, path) -> str:
             f"{'streaming from disk' if model.streaming else 'in RAM'}, {threads_message(model)}; "
             f"{spine_message(model.source, path, model.settings.spine)}; {experts_message(model.source)}; "
             f"{products_message(model.settings)}"
-            + (f"\ndeltafin: {model.residency}" if model.residency else ""))
+            + (f"\ndeltafin: {model.residency}" if model.residency else "")
+            + (f"\n{model.placement.table()}" if model.placement is not None else ""))
 
 
 MAX_PROMPT_FILE = 64 * MiB

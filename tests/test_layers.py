@@ -19,7 +19,7 @@ LAYERS = [
     ["model"],
     ["checkpoint"],
     ["io"],
-    ["runtime"],
+    ["runtime", "dist"],  # dist: a model split across ranks, under the api that builds it
     ["api", "startup", ""],  # "": the package itself (deltafin/__init__.py exports api)
     ["serve", "chat", "bench", "inspect", "profile", "routing_stats", "sensitivity"],
     ["cli", "__main__"],

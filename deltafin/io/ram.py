@@ -15,21 +15,24 @@ def done(value) -> Future:
 
 
 class RAMProvider:
-    def __init__(self, source, progress=None):
+    def __init__(self, source, progress=None, layers: range | None = None, with_globals: bool = True):
+        """``layers``: the layers whose weights are read (default all; a rank of a split model reads
+        its own); ``with_globals``: whether the embedding, head and final norm are read too."""
         cfg = self.config = source.config
-        self._globals = source.read_globals()
-        embed = self._globals["embed"]
+        self._globals = source.read_globals() if with_globals else {}
+        embed = self._globals.get("embed")
         # Per pass every global but the embedding is read (the head, the final norm); of the
         # embedding one row per token, as the streamer counts them.
-        self._embed_row_bytes = weight_bytes(embed) // max(1, embed.shape[0])
+        self._embed_row_bytes = weight_bytes(embed) // max(1, embed.shape[0]) if embed is not None else 0
         self._global_pass_bytes = sum(weight_bytes(w) for k, w in self._globals.items() if k != "embed")
-        self._spines = []
-        self._experts: list[dict] = []
-        layers = range(cfg.num_layers)
+        # Indexed by layer; layers outside `layers` hold nothing.
+        self._spines: list[dict] = [{} for _ in range(cfg.num_layers)]
+        self._experts: list[dict] = [{} for _ in range(cfg.num_layers)]
+        layers = range(cfg.num_layers) if layers is None else layers
         for i in (progress(layers) if progress else layers):
-            self._spines.append(source.read_spine(i))
-            self._experts.append({e: source.read_expert(i, e) for e in range(cfg.num_experts)}
-                                 if cfg.is_moe(i) else {})
+            self._spines[i] = source.read_spine(i)
+            self._experts[i] = ({e: source.read_expert(i, e) for e in range(cfg.num_experts)}
+                                if cfg.is_moe(i) else {})
         self._spine_bytes = [sum(weight_bytes(w) for w in s.values()) for s in self._spines]
         # counted once here: summing them per expert per layer per pass cost ~8% of a batched pass
         self._expert_bytes = [{e: weight_bytes(w) for e, w in layer.items()} for layer in self._experts]

@@ -49,8 +49,12 @@ from .spine_reader import SpineReader
 
 class StreamProvider:
     def __init__(self, source, settings: Settings, held: frozenset[int] = frozenset(), cache: bool = True,
-                 memory_root: str = "/", watch: bool = True):
+                 memory_root: str = "/", watch: bool = True, layers: range | None = None,
+                 with_globals: bool = True):
         """``held``: layers whose spine a device provider keeps; they are never read here.
+        ``layers``: the layers whose weights are read (default all; a rank of a split model reads its
+        own; ``pin_layers`` then pins only where the range starts at the first layer);
+        ``with_globals``: whether the embedding, head and final norm are read too.
         ``cache``: whether a host-RAM cache may be kept (as ``settings.ram_budget`` says);
         ``memory_root``: the file tree memory is read from (``/``; tests give a tree they write);
         ``watch``: check memory from a thread a few times a second (else only ``watcher.check()``)."""
@@ -66,22 +70,27 @@ class StreamProvider:
         self._finalizer = weakref.finalize(self, _shutdown, self.pool, self.files)
 
         L = cfg.num_layers
+        layers = range(L) if layers is None else layers
         layouts = [spine_layout(source, i) for i in range(L)]
-        glayout = globals_layout(source)
-        self._global_buf = AlignedBuffer(glayout.capacity)
-        read_now(self.pool, glayout, self._global_buf)
-        self._globals = source.decode_globals(views(self._global_buf.mem, glayout))
-        embed = self._globals["embed"]
-        self._embed_row_bytes = embed.shape[1] * embed.element_size()
-        # Per pass the whole of every global but the embedding is used; of the embedding, one row per token.
-        self._global_pass_bytes = glayout.nbytes - embed.numel() * embed.element_size()
+        self._global_buf: AlignedBuffer | None = None
+        self._globals, self._embed_row_bytes, self._global_pass_bytes = {}, 0, 0
+        if with_globals:
+            glayout = globals_layout(source)
+            self._global_buf = AlignedBuffer(glayout.capacity)
+            read_now(self.pool, glayout, self._global_buf)
+            self._globals = source.decode_globals(views(self._global_buf.mem, glayout))
+            embed = self._globals["embed"]
+            self._embed_row_bytes = embed.shape[1] * embed.element_size()
+            # Per pass the whole of every global but the embedding is used; of the embedding, one row per token.
+            self._global_pass_bytes = glayout.nbytes - embed.numel() * embed.element_size()
 
-        pin_layers = min(settings.pin_layers, L)
-        self.streamable = [i for i in range(pin_layers, L) if i not in held]  # the layers whose spine is read
+        pin_layers = min(settings.pin_layers, layers.stop) if layers.start == 0 else 0
+        # the layers whose spine is read
+        self.streamable = [i for i in layers if i >= pin_layers and i not in held]
         ceiling = settings.ram_budget_bytes()
         self.cache: RamCache | None = None
         if cache and ceiling != 0 and self.streamable:
-            moe = [i for i in range(L) if cfg.is_moe(i)]
+            moe = [i for i in layers if cfg.is_moe(i)]
             self.cache = RamCache([align_up(layouts[i].capacity) if i in self.streamable else 0 for i in range(L)],
                                   [align_up(expert_layout(source, i, 0).capacity) if i in moe else 0
                                    for i in range(L)], cfg.num_experts)
@@ -167,7 +176,7 @@ class StreamProvider:
     def resident_bytes(self) -> dict[str, int]:
         """Memory the provider holds, by part (independent of the layer count except `pinned`)."""
         out = {
-            "globals": self._global_buf.nbytes,
+            "globals": self._global_buf.nbytes if self._global_buf is not None else 0,
             "pinned": self._spines.pinned_bytes(),
             "spine_buffers": self._spines.buffer_bytes(),
             "expert_slots": self._experts.slot_bytes(),

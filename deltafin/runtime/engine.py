@@ -10,6 +10,10 @@ device; ``io.ram`` keeps a whole model in memory, ``io.stream`` reads it from di
 ``io.device`` keeps what its budget holds in a GPU's memory and streams the rest. Timing and
 byte counts are kept in a ``PassStats`` the engine owns and returns; whoever wants to watch passes
 (profiles, benchmarks, metrics, routing traces) gives the engine a ``PassObserver`` (``observe``).
+
+An engine may run a contiguous range of the layers only (``layers``): a rank of a model split across
+processes (deltafin.dist), whose states then hold those layers alone. ``device_pass`` is the layers
+(``run_layers``) followed by the head (``head``), so that the split can hand the rows on in between.
 """
 from __future__ import annotations
 
@@ -31,10 +35,13 @@ from .pass_stats import PassObserver, PassStats
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, provider, settings: Settings, row_threads: int | None = None):
+    def __init__(self, cfg: ModelConfig, provider, settings: Settings, row_threads: int | None = None,
+                 layers: range | None = None):
         """row_threads: the native products' threads in a CPU pass of several rows (a batch, drafts,
-        a prompt piece) when that differs from the run's threads (api.row_threads says when)."""
+        a prompt piece) when that differs from the run's threads (api.row_threads says when).
+        layers: the layers this engine runs (default all of them)."""
         self.cfg = cfg
+        self.layers = range(cfg.num_layers) if layers is None else layers
         self.row_threads = row_threads
         self.provider = provider
         self.settings = settings
@@ -48,8 +55,10 @@ class Engine:
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
         self.observers: list[PassObserver] = []
-        # One-token decode passes replayed as a CUDA graph where everything they read is resident.
-        self.graphs = DecodeGraphs(self) if DecodeGraphs.possible(self) else None
+        # Decode and check passes replayed as CUDA graphs where everything they read is resident (the
+        # whole model: a rank of a split one hands its rows on between passes).
+        whole = self.layers == range(cfg.num_layers)
+        self.graphs = DecodeGraphs(self) if whole and DecodeGraphs.possible(self) else None
 
     @contextlib.contextmanager
     def observe(self, observer: PassObserver):
@@ -62,7 +71,7 @@ class Engine:
 
     def new_state(self) -> DecodeState:
         layers = []
-        for i in range(self.cfg.num_layers):
+        for i in self.layers:
             attn = self.templates[layer_kind(self.cfg, i)].self_attn
             layers.append(attn.new_state(self.dtype, self.device))
         return DecodeState(layers=layers)
@@ -98,11 +107,7 @@ class Engine:
         if self.graphs is not None and not routes and self.graphs.applies(seqs):
             logits = self.graphs.run(seqs, ids_t, stats)
         else:
-            # A decode-sized pass on the CPU runs its products in the native kernels, on every
-            # compute thread, and torch's small ops on one (see cpu_native.decode_threads).
-            small = self.device.type == "cpu" and len(ids_t) <= cpu_native.GEMV_MAX_ROWS
-            native = self.row_threads if len(ids_t) > 1 else None
-            with cpu_native.decode_threads(native) if small else contextlib.nullcontext():
+            with self.pass_threads(len(ids_t)):
                 logits = self.device_pass(self.embed(ids_t), seqs, stats, routes)
         c0 = time.perf_counter()
         if all(s.on_device for s in seqs):
@@ -124,6 +129,14 @@ class Engine:
             start += n
         return out
 
+    def pass_threads(self, rows: int):
+        """The threads a pass of `rows` rows computes on: a decode-sized pass on the CPU runs its
+        products in the native kernels, on every compute thread, and torch's small ops on one
+        (see cpu_native.decode_threads)."""
+        if self.device.type == "cpu" and rows <= cpu_native.GEMV_MAX_ROWS:
+            return cpu_native.decode_threads(self.row_threads if rows > 1 else None)
+        return contextlib.nullcontext()
+
     def _fetch(self, i: int, stats: PassStats, routes):
         """Layer i's expert fetch (model.moe.ExpertFetch): the provider's read, seen by the observers."""
         if not routes:
@@ -144,18 +157,25 @@ class Engine:
         compute device. Reads nothing back to the host when every weight is resident and every MoE
         layer's experts are stacked (what a recorded decode graph needs, see decode_graph.py), and no
         observer watches the routing (``routes``: their on_route callbacks)."""
-        cfg = self.cfg
-        g = self.provider.globals()
         blocks: list[torch.Tensor] = []
+        h = self.run_layers(h, blocks, seqs, stats, routes)
+        return self.head(h, blocks, seqs, stats)
+
+    def run_layers(self, h: torch.Tensor, blocks: list[torch.Tensor], seqs: list[Seq], stats: PassStats,
+                   routes=()) -> torch.Tensor:
+        """The engine's layers over the pass's rows h; the residual stream after them. ``blocks``
+        (K3's attention-residual block summaries so far) grows as the layers start new blocks."""
+        cfg = self.cfg
         chunk = self.settings.kda_chunk
+        first = self.layers.start  # a state holds the engine's layers only
         self.provider.start_pass(stats)
         try:
-            for i in range(cfg.num_layers):
+            for i in self.layers:
                 weights = self.provider.spine(i, stats)
                 tmpl = self.templates[layer_kind(cfg, i)]
                 bind(tmpl, self._for_products(weights))
                 w0, c0 = stats.expert_wait_seconds, time.perf_counter()
-                parts = [Rows(s.state.layers[i], len(s.ids), s.keep_states) for s in seqs]
+                parts = [Rows(s.state.layers[i - first], len(s.ids), s.keep_states) for s in seqs]
                 h = tmpl(i, h, blocks, parts, chunk, self._fetch(i, stats, routes))
                 # Waiting for routed experts happens inside the layer; it is I/O, not compute.
                 stats.compute_seconds += time.perf_counter() - c0 - (stats.expert_wait_seconds - w0)
@@ -163,8 +183,15 @@ class Engine:
                 del weights
         finally:
             self.provider.end_pass(stats)
+        return h
+
+    def head(self, h: torch.Tensor, blocks: list[torch.Tensor], seqs: list[Seq], stats: PassStats) -> torch.Tensor:
+        """The final norm and lm_head over the rows whose logits the sequences want (h may hold
+        those rows only, see logit_rows); float32 logits on the compute device."""
+        cfg = self.cfg
+        g = self.provider.globals()
         c0 = time.perf_counter()
-        rows = _logit_rows(seqs)
+        rows = logit_rows(seqs)
         if len(rows) != h.shape[0]:  # every row wanted (a full-logits pass): no copy
             h, blocks = h[rows], [b[rows] for b in blocks]
         if cfg.attn_res_block_size:
@@ -199,7 +226,8 @@ def _logit_count(s: Seq) -> int:
     return {"all": len(s.ids), "last": 1, "none": 0}[s.logits]
 
 
-def _logit_rows(seqs: list[Seq]) -> torch.Tensor:
+def logit_rows(seqs: list[Seq]) -> torch.Tensor:
+    """Which rows of a pass (all sequences' rows, concatenated) the sequences want logits of."""
     rows, start = [], 0
     for s in seqs:
         n = len(s.ids)

@@ -1,0 +1,148 @@
+"""Messages and rows between the ranks of a split model, over torch.distributed (gloo on the CPU).
+
+One process group of every rank, two kinds of traffic told apart by tag:
+
+- control (rank 0 -> each rank): a JSON message per pass, saying what the pass carries and which
+  state operations come before it, or "stop". A rank between passes waits for it without a deadline
+  (a server may idle for days); the wait ends when rank 0's process ends (its connection closes).
+- rows (along the chain 0 -> 1 -> ... -> N-1 -> 0): the residual stream of the pass's rows, as one
+  float32 tensor whose shape both ends know from the control message. Every wait for rows, and every
+  send, within a pass is bounded by ``dist_timeout``.
+
+A rank that fails a wait or a send within a pass files a fault report in the rendezvous store naming
+the rank it was talking to, and exits. Rank 0, when its own wait fails, names the rank at fault from
+the reports: a rank some report names that filed none itself (the others only saw it go); without a
+report, the rank it was waiting for.
+
+JSON, not pickle: the transport has no authentication, and a message must not be able to run code.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DeltafinError
+
+CONTROL, ROWS = 1, 2  # message tags
+
+
+class RankFault(DeltafinError):
+    """A rank of the group exited, was killed or stopped answering; the message names it."""
+
+
+class LinkError(Exception):
+    """A send or receive with one peer failed (closed connection or timeout)."""
+
+    def __init__(self, peer: int, why: str):
+        super().__init__(f"rank {peer} {why}")
+        self.peer, self.why = peer, why
+
+
+def _why(e: Exception, timeout: float) -> str:
+    text = str(e)
+    if "Timed out" in text or "timeout" in text.lower():
+        return f"stopped answering (nothing within --dist-timeout {timeout:g} s)"
+    return "is gone (its connection closed: the process exited or was killed)"
+
+
+class Group:
+    """This process's place in the group: its rank, the world size, and the channels above."""
+
+    def __init__(self, rank: int, world_size: int, store, timeout: float):
+        self.rank, self.world_size = rank, world_size
+        self.store = store  # the rendezvous store: fault reports
+        self.timeout = timeout
+        self.fault: RankFault | None = None  # set once a pass failed: the group is down for good
+
+    @property
+    def last(self) -> int:
+        return self.world_size - 1
+
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    # -- control -----------------------------------------------------------------------------
+    def send_message(self, dst: int, message) -> None:
+        """A JSON value to `dst`, bounded by the timeout (a stopped rank's socket fills)."""
+        data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8)
+        self._send(torch.tensor([data.numel()], dtype=torch.int64), dst, CONTROL)
+        self._send(data, dst, CONTROL)
+
+    def recv_message(self, src: int, bounded: bool = True):
+        """The next JSON value from `src`; unbounded: wait as long as it takes (between passes)."""
+        n = torch.zeros(1, dtype=torch.int64)
+        self._recv(n, src, CONTROL, bounded)
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        self._recv(data, src, CONTROL, bounded)
+        return json.loads(bytes(data.numpy()).decode())
+
+    def gather(self, value) -> list:
+        """Every rank's JSON value, in rank order, on every rank (at start: no deadline but the
+        launcher's; every rank calls it)."""
+        data = json.dumps(value).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+        width = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(got, mine)
+        return [json.loads(bytes(g[:int(s.item())].numpy()).decode()) for g, s in zip(got, sizes)]
+
+    # -- rows --------------------------------------------------------------------------------
+    def send_rows(self, dst: int, rows: torch.Tensor) -> None:
+        self._send(rows.contiguous(), dst, ROWS)
+
+    def recv_rows(self, src: int, shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32)
+        self._recv(out, src, ROWS, bounded=True)
+        return out
+
+    # -- faults ------------------------------------------------------------------------------
+    def report(self, e: LinkError) -> None:
+        """File this rank's fault report (a rank other than 0, before it exits)."""
+        try:
+            self.store.set(f"fault/{self.rank}", json.dumps({"rank": e.peer, "why": e.why}))
+        except Exception:  # the store went with rank 0's host: nobody is left to read the report
+            pass
+
+    def at_fault(self, e: LinkError) -> RankFault:
+        """Rank 0: the error naming the rank at fault, after its own link to `e.peer` failed."""
+        reports = {}
+        for r in range(1, self.world_size):
+            key = f"fault/{r}"
+            try:
+                if self.store.check([key]):
+                    reports[r] = json.loads(self.store.get(key))
+            except Exception:
+                continue
+        named = sorted({rep["rank"] for rep in reports.values() if rep["rank"] not in reports and rep["rank"] != 0})
+        if named:
+            culprit = named[0]
+            why = next(rep["why"] for rep in reports.values() if rep["rank"] == culprit)
+        else:
+            culprit, why = e.peer, e.why
+        self.fault = RankFault(f"rank {culprit} of {self.world_size} {why}; the request is lost. Restart the "
+                               "group (torchrun --max-restarts restarts it by itself)")
+        return self.fault
+
+    def check_up(self) -> None:
+        if self.fault is not None:
+            raise RankFault(f"the group is down: {self.fault}")
+
+    # -- internals ---------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        try:
+            dist.isend(t, dst, tag=tag).wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise LinkError(dst, _why(e, self.timeout)) from None
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int, bounded: bool) -> None:
+        try:
+            work = dist.irecv(t, src, tag=tag)
+            work.wait(datetime.timedelta(seconds=self.timeout)) if bounded else work.wait()
+        except RuntimeError as e:
+            raise LinkError(src, _why(e, self.timeout)) from None

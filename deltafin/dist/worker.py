@@ -1,0 +1,73 @@
+"""The loop of every rank but 0: wait for rank 0's next pass, run this rank's layers, hand the rows on.
+
+The rank keeps its layers' part of every decode state by the key rank 0 gave it and replays the
+state operations each control message lists before its pass (see pipeline.py). It prints nothing
+to stdout. It ends with rank 0's "stop" (0), or when a peer fails (a fault report filed, then
+RankFault: exit status 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.state import DecodeState
+from ..runtime.engine import Engine, Seq, logit_rows
+from ..runtime.pass_stats import PassStats
+from .pipeline import blocks_before
+from .transport import Group, LinkError, RankFault
+
+
+def serve_passes(group: Group, engine: Engine) -> int:
+    """Serve rank 0's passes until it says stop (or a peer fails, which raises RankFault)."""
+    states: dict[int, DecodeState] = {}
+    while True:
+        try:
+            message = group.recv_message(0, bounded=False)
+        except LinkError as e:
+            raise RankFault(f"rank {group.rank}: rank 0 {e.why}; stopping") from None
+        if message == "stop":
+            return 0
+        for op in message["ops"]:
+            _apply(op, states, engine)
+        seqs = [Seq(ids, states[key], keep, logits) for key, ids, keep, logits in message["seqs"]]
+        try:
+            _run_pass(group, engine, seqs)
+        except LinkError as e:
+            group.report(e)
+            raise RankFault(f"rank {group.rank}: {e}; stopping") from None
+
+
+def _apply(op: list, states: dict, engine: Engine) -> None:
+    kind, key, *rest = op
+    if kind == "new":
+        states[key] = engine.new_state()
+    elif kind == "drop":
+        states.pop(key, None)
+    elif kind == "rollback":
+        states[key].rollback(rest[0])
+    elif kind == "snapshot":
+        states[rest[0]] = states[key].snapshot()
+    elif kind == "restore":
+        states[key].restore(states[rest[0]])
+    else:
+        raise ValueError(f"unknown state operation {kind!r} from rank 0")
+
+
+@torch.inference_mode()
+def _run_pass(group: Group, engine: Engine, seqs: list[Seq]) -> None:
+    cfg = engine.cfg
+    n = sum(len(s.ids) for s in seqs)
+    x = group.recv_rows(group.rank - 1, (blocks_before(cfg, engine.layers.start) + 1, n, cfg.hidden_size))
+    blocks, h = list(x[:-1]), x[-1]
+    stats = PassStats(tokens=n)
+    for s in seqs:
+        s.state.begin_pass(s.keep_states)
+    with engine.pass_threads(n):
+        h = engine.run_layers(h, blocks, seqs, stats)
+    for s in seqs:
+        s.state.num_tokens += len(s.ids)
+    engine.last_pass = stats
+    if group.rank == group.last:  # only the rows whose logits rank 0 wants go back
+        rows = logit_rows(seqs)
+        if len(rows) != n:
+            h, blocks = h[rows], [b[rows] for b in blocks]
+    group.send_rows(group.next_rank(), torch.stack([*blocks, h]))

@@ -1,0 +1,65 @@
+"""One rank of a split model in tests/test_dist.py: ``python dist_rank.py CHECKPOINT OUT`` under a
+torchrun-like environment (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT). Rank 0 runs ``parity`` and
+saves what it returns to OUT; the other ranks serve its passes."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def parity(model) -> dict:
+    """Logits and tokens of every kind of pass and state operation (the test runs it in one process too)."""
+    from deltafin.runtime.engine import Seq
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.scheduler import Scheduler
+    from deltafin.runtime.sampling import SamplingParams
+    prompt, other = [5, 17, 42, 7, 99, 3, 250, 11], [8, 8, 1, 300]
+    out = {"logits": model.logits(prompt)}
+    a, b = model.new_state(), model.new_state()
+    out["batch"] = model.forward_batch([Seq(prompt, a, logits="last"), Seq(other, b, logits="all")])
+    out["batch2"] = model.forward_batch([Seq([4], b), Seq([9, 10], a)])
+    # Speculation's pattern: a keep_states pass, a rollback into it, and a snapshot restored later.
+    snap = a.snapshot()
+    model.forward([1, 2, 3, 4], a, keep_states=True)
+    a.rollback(a.num_tokens - 2)
+    out["after_rollback"] = model.forward([6], a)
+    a.restore(snap)
+    out["after_restore"] = model.forward([6], a)
+    del snap, b
+    out["greedy"] = model.generate(prompt, max_new_tokens=24)
+    out["greedy_plain"] = model.generate(prompt, max_new_tokens=24, speculate=False)
+    out["sampled"] = model.generate(prompt, max_new_tokens=24, temperature=0.9, seed=3)
+    # Drafts that are right (the greedy output itself) get accepted: rollbacks of part of a pass.
+    want = out["greedy"]
+    drafted = generate(model, prompt, SamplingParams(max_new_tokens=24),
+                       drafter=lambda ctx, n: want[len(ctx) - len(prompt):][:n])
+    out["drafted"], out["accepted"] = drafted.tokens, drafted.stats["accepted_draft_tokens"]
+    sched = Scheduler(model, 4, 4)
+    try:
+        futures = [sched.submit(prompt, SamplingParams(max_new_tokens=12)),
+                   sched.submit(other, SamplingParams(max_new_tokens=12, temperature=0.7, seed=5)),
+                   sched.submit(prompt[:3], SamplingParams(max_new_tokens=12))]
+        out["scheduled"] = [f.result(timeout=120).tokens for f in futures]
+    finally:
+        sched.close()
+    return out
+
+
+def main(path: str, out: str) -> int:
+    import deltafin
+    from deltafin.dist import launch
+    from deltafin.dist.worker import serve_passes
+    group = launch.join(launch.from_environment(), timeout=30)
+    try:
+        model = deltafin.load(path, device="cpu")
+        if group.rank:
+            return serve_passes(group, model.engine)
+        torch.save({**parity(model), "placement": [(r.start, r.stop) for r in model.placement.ranges]}, out)
+        return 0
+    finally:
+        launch.leave()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1], sys.argv[2]))
