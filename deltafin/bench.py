@@ -64,7 +64,7 @@ from .runtime.pass_stats import PassObserver
 from .runtime.sampling import SamplingParams
 from .runtime.scheduler import PASS_ROWS
 from .settings import Settings, add_arguments, from_args
-from .units import GB, MB, GiB
+from .units import GB, MB, GiB, MiB
 
 
 
@@ -526,7 +526,7 @@ def format_table(r: dict) -> str:
                           f"{r['io_efficiency_range'][1]:.2f} against the faster / slower probe)"
          if r["raw_read"] else "- (in RAM: nothing read per token)" if not r["streaming"]
          else f"- ({_why_no_probe(r)}: raw bandwidth not probed)"),
-        ("peak RSS", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"),
+        ("peak RSS", f"{r['peak_rss_bytes'] / MiB:.0f} MiB"),
     ]
     if "device_bandwidth_gbps" in r:
         res = r["residency"] or {}

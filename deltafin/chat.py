@@ -23,6 +23,7 @@ from .runtime import sampling
 from .runtime.generate import Generation, generate
 from .runtime.grammar import Constraint, GrammarError
 from .runtime.sampling import SamplingParams
+from .units import MiB
 from .runtime.tool_calls import Parsed, ToolCallStream, parse
 
 HELP = """commands:
@@ -177,7 +178,7 @@ class Conversation:
         self.tools, self.answer = tools, None
 
     def stats_line(self) -> str:
-        mb = self.state.nbytes() / 2 ** 20
+        mb = self.state.nbytes() / MiB
         head = f"{len(self.messages)} messages, state holds {len(self.held)} tokens ({mb:.1f} MiB)"
         s = self.last
         if not s:

@@ -95,9 +95,9 @@ class Sensitivity:
         self.path = Path(path)
         self.model = deltafin.load(path, stream="off", spine="bf16", device=device)
         self.cfg = self.model.config
-        provider = self.model.engine.provider
-        self._weights = {None: provider._globals, **dict(enumerate(provider._spines))}
-        self._experts = provider._experts  # per layer {expert id: (w1, w3, w2)}
+        globals_, spines, experts = self.model.engine.provider.held()  # a model in RAM: io.ram.RAMProvider
+        self._weights = {None: globals_, **dict(enumerate(spines))}
+        self._experts = experts  # per layer {expert id: (w1, w3, w2)}
         self.slots = _role_slots(self.cfg)
         self.prompts = fixed_prompts(self.cfg.vocab_size, prompts, length, seed)
         self.reference = self._logits()

@@ -40,6 +40,12 @@ class RAMProvider:
     def globals(self) -> dict:
         return self._globals
 
+    def held(self) -> tuple[dict, list[dict], list[dict]]:
+        """The weights themselves: the globals, each layer's spine, each layer's {expert: (w1, w3, w2)}.
+        A caller may swap entries in place (the sensitivity tool puts re-encoded weights there); the
+        byte counts stay those of the weights read at load."""
+        return self._globals, self._spines, self._experts
+
     def start_pass(self, stats) -> None:
         stats.bytes_from_ram += self._global_pass_bytes + self._embed_row_bytes * stats.tokens
 

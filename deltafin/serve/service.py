@@ -31,6 +31,7 @@ from ..runtime.grammar import GrammarError, Matcher
 from ..runtime.sampling import SEED_RANGE, SamplingParams
 from ..runtime.scheduler import Scheduler
 from ..settings import Settings, SettingsError
+from ..units import MiB
 from .admission import EngineGate
 from .memo import ResponseMemo
 from .prefix_cache import PrefixCache
@@ -82,7 +83,7 @@ class Service:
         self.started = int(time.time())
         self.gate = EngineGate(settings.queue_size, settings.queue_timeout, settings.max_batch)
         self.memo = ResponseMemo(settings.memo_size)
-        self.prefix_cache = PrefixCache(settings.prefix_cache_mb * 2 ** 20)
+        self.prefix_cache = PrefixCache(settings.prefix_cache_mb * MiB)
         if settings.prompt_cache:
             from ..runtime.saved_state import load_state
             ids, state, _ = load_state(model, settings.prompt_cache)
