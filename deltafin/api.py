@@ -18,6 +18,7 @@ from .runtime.generate import generate
 from .runtime.grammar import Constraint
 from .runtime.pass_stats import PassObserver, PassStats
 from .runtime.sampling import SamplingParams
+from .runtime.thread_policy import ThreadPolicy
 from .settings import Settings
 from .tokenizer import load_tokenizer
 
@@ -123,6 +124,10 @@ class Model:
             self.engine = FrontEngine(group, self.config, provider, settings, self.row_threads, layers)
         else:
             self.engine = Engine(self.config, provider, settings, self.row_threads, layers)
+        if self.row_threads is not None and self.row_threads > self.threads:
+            # Streaming with automatic threads: one-token passes leave the readers a core while they
+            # wait on the disk, and take every core once the RAM tiers serve them.
+            self.engine.thread_policy = ThreadPolicy(self.threads, self.row_threads)
         self.device = self.engine.device
         self.tokenizer = load_tokenizer(self.path)
         self.last_generation_stats: dict = {}

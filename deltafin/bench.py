@@ -39,6 +39,11 @@ native call that only loads and sums their bytes (best of 3 passes, probed immed
 immediately after the decode, like the disk; ``ram_read`` has both probes and their spread).
 ``ram_limit_tok_s`` = ram_read_gbps / weight bytes per token is the tok/s that reading the
 weights alone allows, and ``decode_vs_ram_limit`` the share of it the decode reached.
+
+A model split across ranks (``torchrun ... -m deltafin bench``, docs/distributed.md): the figures
+above are rank 0's (its layers and the head; the probes read its layers only), and ``dist`` has the
+placement, each rank's disk and RAM bytes per token, the bytes it sent and its busy share, the bytes
+on the wire per token and the latency per hop (``dist_figures``).
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ from pathlib import Path
 
 from .checkpoint import expert_codec
 from .checkpoint.sizes import ModelSizes
+from .dist.pipeline import FrontEngine
 from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, \
     expert_layout, spine_layout
 from .profile import SOURCES, PassRecorder, summarize
@@ -242,12 +248,18 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     piece = prefill_piece(batch, prompt_tokens)
     prefills = -(-prompt_tokens // piece)  # passes until every prompt is read (the last gives the first tokens)
 
+    # A model split across ranks (deltafin.dist): every rank's totals before and after the decode.
+    split = isinstance(model.engine, FrontEngine)
+    ranks_before: list[dict] = []
+
     def on_pass(index: int, stats) -> None:
         if index == prefills - 1:
             marks["first_token"] = time.perf_counter()
         if index == prefills - 1 + untimed:  # probe the disk, then decode is measured from disk, not from cache
             probe()
             drop_file_cache(files)
+            if split:
+                ranks_before.extend(model.engine.ranks_report())
             marks["decode_start"] = time.perf_counter()
             if routings is not None:
                 routings.on = True
@@ -262,6 +274,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
+    ranks_after = model.engine.ranks_report() if split else []
     probe()
     prefill, decode = rec.passes[:prefills], rec.passes[prefills + untimed:]
     prefill_tokens = sum(p.tokens for p in prefill)
@@ -290,6 +303,12 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "experts_exact": expert_codec.of(model.source) == expert_codec.published(cfg),
         "product_dtype": settings.dtype,
         "threads": model.threads,
+        # One-token passes of a streamed model: the products' threads as the run ended, and how often
+        # the count changed (every core once the passes stopped waiting on the disk).
+        "one_token_threads": ({"now": model.engine.thread_policy.now, "waiting": model.engine.thread_policy.waiting,
+                               "every": model.engine.thread_policy.every,
+                               "switches": model.engine.thread_policy.switches}
+                              if model.engine.thread_policy is not None else None),
         "prompt_tokens": prompt_tokens,
         "batch": batch,
         "prefill_passes": prefills,
@@ -348,7 +367,42 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         out["provider_resident_bytes"] = resident
     if model.device.type == "cuda":
         out.update(device_figures(model, d, s_per_tok, raw))
+    out["dist"] = dist_figures(model, d, decode_seconds, ranks_before, ranks_after) if split else None
     return out
+
+
+def dist_figures(model, d: dict, decode_seconds: float, before: list[dict], after: list[dict]) -> dict:
+    """A model split across ranks: the placement, and per decode token each rank's weight bytes by
+    tier and the bytes it sent, the bytes on the wire, and the time between ranks per hop.
+
+    Rank 0's round trip (its rows handed on until the last rank's are back) less the other ranks'
+    layer seconds is what the hops took (transfer, and each rank's handling of a pass outside its
+    layers), spread over the world_size hops of a pass. A rank's busy share is its layer seconds over
+    the decode's; with one pass in flight the rest is idle."""
+    tokens, passes = d["tokens"], after[0]["passes"] - before[0]["passes"]
+    diff = [{k: a[k] - b[k] for k in a if k != "rank"} for a, b in zip(after, before)]
+    hops = len(diff)
+    others = sum(r["layer_seconds"] for r in diff[1:])
+    ranks = [{"rank": 0, "disk_bytes_per_token": d["read_bytes_per_token"],
+              "ram_bytes_per_token": d["ram_bytes_per_token"]}]
+    ranks += [{"rank": r, "disk_bytes_per_token": x["disk_bytes"] / tokens, "ram_bytes_per_token": x["ram_bytes"] / tokens}
+              for r, x in enumerate(diff) if r]
+    for rank, x in zip(ranks, diff):
+        rank["sent_bytes_per_token"] = x["sent_bytes"] / tokens
+        rank["layer_s_per_token"] = x["layer_seconds"] / tokens
+        rank["busy_share"] = x["layer_seconds"] / decode_seconds
+    placement = model.placement
+    return {
+        "world_size": hops,
+        "placement": [{"rank": r, "layers": [layers.start, layers.stop - 1], "weight_bytes": nbytes}
+                      for r, (layers, nbytes) in enumerate(zip(placement.ranges, placement.weight_bytes))],
+        "placement_how": placement.how,
+        "ranks": ranks,
+        "wire_bytes_per_token": sum(x["sent_bytes"] for x in diff) / tokens,
+        "round_trip_s_per_pass": diff[0]["round_trip_seconds"] / passes,
+        "hop_latency_s": (diff[0]["round_trip_seconds"] - others) / passes / hops,
+        "decode_passes": passes,
+    }
 
 
 class _RoutingCounter(PassObserver):
@@ -558,6 +612,19 @@ def format_table(r: dict) -> str:
                                   f"{(r['expert_cache_hit_rate'] or 0) * 100:.0f}%; holds {c['held_bytes'] / GB:.2f} "
                                   f"GB (spines {c['spine_layers_held']}/{c['streamed_layers']} layers, "
                                   f"{c['experts_held']} experts), budget {r['ram_budget_bytes'] / GB:.2f} GB"))
+    if r.get("dist"):
+        x = r["dist"]
+        for rank, place in zip(x["ranks"], x["placement"]):
+            rows.append((f"rank {rank['rank']}", f"layers {place['layers'][0]}-{place['layers'][1]} "
+                                                 f"({place['weight_bytes'] / MB:.1f} MB), per token disk "
+                                                 f"{rank['disk_bytes_per_token'] / MB:.2f} MB, ram "
+                                                 f"{rank['ram_bytes_per_token'] / MB:.2f} MB, sent "
+                                                 f"{rank['sent_bytes_per_token'] / 1e3:.1f} kB; layers "
+                                                 f"{rank['layer_s_per_token'] * 1e3:.1f} ms/token, busy "
+                                                 f"{rank['busy_share'] * 100:.0f}%"))
+        rows.append(("wire", f"{x['wire_bytes_per_token'] / 1e3:.1f} kB/token over {x['world_size']} hops a pass, "
+                             f"{x['hop_latency_s'] * 1e3:.2f} ms a hop (round trip "
+                             f"{x['round_trip_s_per_pass'] * 1e3:.1f} ms a pass)"))
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
             f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "

@@ -76,7 +76,8 @@ def threads_message(model) -> str:
     why = "model in RAM: every core" if not model.streaming else "streaming: one core left to the readers"
     rows = model.row_threads
     if rows is not None and rows != model.threads:
-        why += f"; {rows} for the products of a pass of several rows"
+        why += (f"; {rows} for the products of a pass of several rows, and of one-token passes once they "
+                "wait little on the disk")
     return f"{model.threads} compute thread{'s' if model.threads != 1 else ''} (auto, {why})"
 
 

@@ -32,6 +32,7 @@ from ..model.state import DecodeState, Rows
 from ..settings import Settings
 from .decode_graph import DecodeGraphs
 from .pass_stats import PassObserver, PassStats
+from .thread_policy import ThreadPolicy
 
 
 class Engine:
@@ -55,6 +56,9 @@ class Engine:
                                if len(shape) == 2 and name not in NOT_PRODUCTS} | {"lm_head"}
         self.last_pass = PassStats()
         self.observers: list[PassObserver] = []
+        # The native threads of one-token CPU passes, chosen from where their bytes come from
+        # (thread_policy.py); the loader sets it for a streamed model with automatic threads.
+        self.thread_policy: ThreadPolicy | None = None
         # Decode and check passes replayed as CUDA graphs where everything they read is resident (the
         # whole model: a rank of a split one hands its rows on between passes).
         whole = self.layers == range(cfg.num_layers)
@@ -119,6 +123,8 @@ class Engine:
         for s in seqs:
             s.state.num_tokens += len(s.ids)
         self.last_pass = stats
+        if self.thread_policy is not None and stats.tokens == 1:
+            self.thread_policy.after(stats)
         for o in self.observers:
             o.on_pass(stats)
         out: list[torch.Tensor | None] = []
@@ -134,7 +140,8 @@ class Engine:
         products in the native kernels, on every compute thread, and torch's small ops on one
         (see cpu_native.decode_threads)."""
         if self.device.type == "cpu" and rows <= cpu_native.GEMV_MAX_ROWS:
-            return cpu_native.decode_threads(self.row_threads if rows > 1 else None)
+            one = self.thread_policy.now if self.thread_policy is not None else None
+            return cpu_native.decode_threads(self.row_threads if rows > 1 else one)
         return contextlib.nullcontext()
 
     def _fetch(self, i: int, stats: PassStats, routes):

@@ -1,0 +1,46 @@
+"""How many threads the native products of a streamed model's one-token passes run on, decided from
+where the pass's bytes came from.
+
+While a one-token pass waits on the disk, product threads beyond the one the readers leave free buy
+nothing: they only take the core the pread workers need. Once the tiers serve the pass from RAM (the
+RAM cache warm and hitting, or a model that fits), the pass is compute-bound and every core should
+compute. The policy watches each one-token pass's share of time spent waiting for weights
+(``PassStats`` spine and expert waits) over the last ``WINDOW`` such passes, and moves between the two
+counts with hysteresis, so a single slow read or a single cached pass does not flip it.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .pass_stats import PassStats
+
+WINDOW = 4  # one-token passes the decision looks back on
+EVERY_CORE_BELOW = 0.05  # mean share of a pass spent waiting for weights: below it, every core computes
+READERS_ABOVE = 0.20  # above it, the product threads leave the readers their core again
+
+
+class ThreadPolicy:
+    def __init__(self, waiting: int, every: int):
+        """waiting: the threads while passes wait on the disk; every: the threads once they do not."""
+        self.waiting, self.every = waiting, every
+        self.now = waiting
+        self._shares: deque[float] = deque(maxlen=WINDOW)
+        self.switches = 0  # times the count changed (bench reports it)
+
+    def after(self, stats: PassStats) -> None:
+        """Account a one-token pass that has ended."""
+        if stats.seconds <= 0:
+            return
+        self._shares.append((stats.spine_wait_seconds + stats.expert_wait_seconds) / stats.seconds)
+        if len(self._shares) < WINDOW:
+            return
+        share = sum(self._shares) / len(self._shares)
+        want = (self.every if share < EVERY_CORE_BELOW else self.waiting if share > READERS_ABOVE else self.now)
+        if want != self.now:
+            self.now = want
+            self.switches += 1
+            self._shares.clear()  # the next decision sees passes run with the new count only
+
+    def describe(self) -> str:
+        return (f"{self.now} now: {self.waiting} while passes wait on the disk, {self.every} once they wait "
+                f"less than {EVERY_CORE_BELOW:.0%} of a pass")
