@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 
 from . import bench, chat
@@ -123,18 +124,22 @@ def cmd_make_checkpoint(args) -> int:
 
 
 # -- a model split across ranks (torchrun) ------------------------------------------------------
-DIST_COMMANDS = ("run", "bench")
+DIST_COMMANDS = ("run", "bench", "serve")
 
 
 def run_launched(args, launch: dist_launch.Launch) -> int:
-    """One rank of a model split across processes: rank 0 runs the command, the others serve its
-    passes (printing nothing to stdout) until it stops."""
+    """One rank of a model split across processes: rank 0 runs the command (serve: the HTTP server
+    is on rank 0 only), the others serve its passes (printing nothing to stdout) until it stops."""
     if args.command not in DIST_COMMANDS:
         raise ValueError(f"deltafin {args.command} does not run across ranks (these do: {', '.join(DIST_COMMANDS)})")
     settings = from_args(args)
     group = dist_launch.join(launch, settings.dist_timeout)
     try:
         if group.rank == 0:
+            # A SIGTERM (a service manager, torchrun's agent ending the group) ends rank 0 through its
+            # finally blocks, so that the others are told to stop instead of finding it gone; the
+            # server stops gracefully first, then hands the signal on.
+            signal.signal(signal.SIGTERM, _terminated)
             return args.func(args)
         import deltafin
         from .dist.worker import serve_passes
@@ -142,6 +147,10 @@ def run_launched(args, launch: dist_launch.Launch) -> int:
         return serve_passes(group, model.engine)
     finally:
         dist_launch.leave()
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # what a shell reports for a process ended by the signal
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """A model split across processes (deltafin.dist), gloo on loopback: the same logits and tokens as
-one process, a rank that dies or stops answering named within the timeout, different checkpoints
-refused at start; the placement and launch rules in-process."""
+one process, the server on rank 0 answering as one process does, a rank that dies or stops answering
+named within the timeout (in the CLI and in the server), different checkpoints refused at start; the
+placement and launch rules in-process."""
 from __future__ import annotations
 
 import os
@@ -161,6 +162,165 @@ def test_different_checkpoints_are_refused_at_start(tiny_k3_path, tmp_path):
 def test_a_command_that_does_not_split_is_refused(tiny_k3_path):
     results = _finish(_start(lambda r: _cli("inspect", str(tiny_k3_path)), 2))
     assert all(rc == 2 and "does not run across ranks" in se for rc, _, se in results)
+
+
+def test_bench_across_ranks_reports_each_rank_and_the_wire(tiny_kl_path):
+    import json
+    args = ("bench", "--model", str(tiny_kl_path), "--device", "cpu", "--tokens", "8", "--prompt-tokens", "8",
+            "--json")
+    alone = subprocess.run(_cli(*args), env=dict(os.environ, DELTAFIN_THREADS="1"), cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    results = _finish(_start(lambda r: _cli(*args), 2))
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2] + results[1][2]
+    assert results[1][1] == ""
+    one, split = json.loads(alone.stdout), json.loads(results[0][1])
+    assert one["dist"] is None
+    x = split["dist"]
+    assert x["world_size"] == 2 and [p["rank"] for p in x["placement"]] == [0, 1]
+    assert x["placement"][0]["layers"][0] == 0 and x["placement"][1]["layers"][1] == 4
+    assert x["decode_passes"] == split["decode_tokens"]  # batch 1, no speculation: a pass a token
+    # The ranks together read per token what one process reads (the same tokens route the same).
+    assert sum(r["ram_bytes_per_token"] for r in x["ranks"]) == one["ram_bytes_per_token"]
+    # Each hop carries the residual stream of the pass's row (float32): rank 0 -> 1, then 1 -> 0.
+    assert all(r["sent_bytes_per_token"] >= 4 * deltafin.load(tiny_kl_path).config.hidden_size for r in x["ranks"])
+    assert x["wire_bytes_per_token"] == pytest.approx(sum(r["sent_bytes_per_token"] for r in x["ranks"]))
+    assert x["round_trip_s_per_pass"] > 0 and all(0 < r["busy_share"] < 1 for r in x["ranks"])
+
+
+# -- the server on rank 0 ---------------------------------------------------------------------------
+class _Server:
+    """``deltafin serve`` on `world` ranks started as torchrun would (127.0.0.1, a port the OS picks)."""
+
+    def __init__(self, path, world: int, *extra: str):
+        self.procs = _start(lambda r: _cli("serve", "--model", str(path), "--device", "cpu", "--port", "0",
+                                           "--memo-size", "0", *extra), world)
+        # Rank 0 prints where it serves once every rank has loaded its layers.
+        for line in self.procs[0].stdout:
+            if line.startswith("deltafin serving"):
+                self.base = line.split(" at ")[1].split()[0]
+                break
+        else:
+            raise AssertionError(f"the server did not start: {self.procs[0].stderr.read()}")
+
+    def client(self, timeout: float = 60):
+        import openai
+        return openai.OpenAI(base_url=self.base, api_key="x", max_retries=0, timeout=timeout)
+
+    def health(self) -> tuple[int, dict]:
+        import json
+        import urllib.error
+        import urllib.request
+        try:
+            with urllib.request.urlopen(self.base.removesuffix("/v1") + "/health", timeout=30) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    def stop(self) -> list[tuple[int, str, str]]:
+        """SIGTERM to rank 0 (it ends with 143 once it told the others to stop); each rank's (status,
+        stdout, stderr)."""
+        self.procs[0].send_signal(signal.SIGTERM)
+        return _finish(self.procs, timeout=60)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.communicate()
+
+
+def _generated(model, ids, **params) -> str:
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.sampling import SamplingParams
+    return generate(model, ids, SamplingParams(**params)).text
+
+
+@pytest.mark.parametrize("which,world", [("k3", 3), ("kl", 2)])
+def test_server_on_rank_0_answers_as_one_process(which, world, tiny_k3_path, tiny_kl_path):
+    """The openai client against a split model's server: streaming, choices and concurrent requests
+    batched into shared passes, and a conversation served from the prefix cache, each answer the
+    text one process generates."""
+    import concurrent.futures
+    path = tiny_k3_path if which == "k3" else tiny_kl_path
+    model = deltafin.load(path, device="cpu", stream="off")
+    server = _Server(path, world)
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "How many days are there in a week?"}]
+        chunks = list(client.chat.completions.create(model=model.name, messages=messages, max_tokens=12,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        ids = model.encode_chat(messages)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            _generated(model, ids, max_new_tokens=12)
+        assert chunks[-1].usage.prompt_tokens == len(ids)
+
+        # n choices share one prefill, then run as one batch (each from a snapshot of the prefilled state).
+        prompt = "The river ran slowly past the old mill"
+        r = client.completions.create(model=model.name, prompt=prompt, n=3, temperature=0.9, seed=7, max_tokens=10)
+        ids = model.encode(prompt)
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
+            [_generated(model, ids, max_new_tokens=10, temperature=0.9, seed=7 + i) for i in range(3)]
+        assert server.health()[1]["passes"]["sequences_per_pass"] > 1
+
+        prompts = ["Once upon a time", "The quick brown fox", "In the beginning"]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(model=model.name, prompt=p, max_tokens=16,
+                                                                        temperature=0).choices[0].text, prompts))
+        assert answers == [_generated(model, model.encode(p), max_new_tokens=16) for p in prompts]
+
+        # A conversation resent in full each turn starts from the state the last turn left.
+        messages, usages = [{"role": "system", "content": "Answer briefly."}], []
+        for i in range(3):
+            messages.append({"role": "user", "content": f"Question {i}: what comes next?"})
+            r = client.chat.completions.create(model=model.name, messages=messages, max_tokens=6, temperature=0)
+            assert r.choices[0].message.content == _generated(model, model.encode_chat(messages), max_new_tokens=6)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            usages.append(r.usage)
+        for before, u in zip(usages, usages[1:]):
+            assert before.prompt_tokens <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
+        status, health = server.health()
+        assert status == 200 and health["status"] == "ok" and health["prefix_cache"]["hits"] >= 2
+        results = server.stop()
+    finally:
+        server.close()
+    assert [rc for rc, _, _ in results] == [143] + [0] * (world - 1), [se for _, _, se in results]
+    assert all(so == "" for _, so, _ in results[1:])  # only rank 0 prints
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_lost_rank_ends_the_stream_and_degrades_the_server(how, tiny_kl_path):
+    """Rank 1 is killed (or stopped) once the first token of a long answer is out: the stream ends with
+    an error event naming it within the timeout, /health says degraded, later requests get a 503 at
+    once, and rank 0 still shuts down cleanly."""
+    import openai
+    timeout = 3
+    model = deltafin.load(tiny_kl_path, device="cpu", stream="off")
+    prompt = [15, 7]  # greedy from here runs hundreds of tokens before the end-of-text token
+    assert len(model.generate(prompt, max_new_tokens=300)) == 300
+    server = _Server(tiny_kl_path, 2, "--dist-timeout", str(timeout))
+    try:
+        client = server.client(timeout=timeout + 30)  # a hang fails the test instead of blocking it
+        got = 0
+        with pytest.raises(openai.APIError) as info:
+            for _ in client.completions.create(model=model.name, prompt=prompt, max_tokens=300, temperature=0,
+                                               stream=True):
+                got += 1
+                if got == 1:
+                    os.kill(server.procs[1].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        assert 1 <= got < 300
+        assert "rank 1 of 2" in info.value.message and "degraded" in info.value.message
+        assert ("stopped answering" if how == "stop" else "is gone") in info.value.message
+        status, health = server.health()
+        assert status == 503 and health["status"] == "degraded" and "rank 1 of 2" in health["reason"]
+        with pytest.raises(openai.InternalServerError) as later:
+            client.completions.create(model=model.name, prompt=prompt, max_tokens=4)
+        assert later.value.body["code"] == "rank_lost" and "rank 1 of 2" in later.value.message
+        server.procs[1].kill()  # a stopped rank would never end
+        rc, _, err = server.stop()[0]
+    finally:
+        server.close()
+    assert rc == 143, err
 
 
 # -- placement and launch, in-process ---------------------------------------------------------------

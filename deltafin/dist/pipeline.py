@@ -12,11 +12,16 @@ The states rank 0 hands out (``FrontState``) hold rank 0's layers and note every
 them in the ``Mirror``: a new state, a rollback after a keep_states pass, a snapshot, a restore,
 and a state dropped (garbage-collected). The notes travel with the next pass, in order, so the
 other ranks' parts of every state are what a single process's would be when a pass reads them.
+
+For bench, rank 0 keeps running totals too (``FrontEngine.ranks_report``): its passes, the seconds
+its own layers took, and each pass's round trip (from handing the rows on until the last rank's rows
+are back), from which the other ranks' layer seconds subtract to the time spent between ranks.
 """
 from __future__ import annotations
 
 import collections
 import itertools
+import time
 import weakref
 
 import torch
@@ -89,6 +94,21 @@ class FrontEngine(Engine):
         super().__init__(cfg, provider, settings, row_threads, layers)
         self.group = group
         self.mirror = Mirror()
+        self.passes, self.layer_seconds, self.round_trip_seconds = 0, 0.0, 0.0
+
+    def ranks_report(self) -> list[dict]:
+        """Every rank's running totals, rank 0's first (between passes: see worker.Tally); rank 0's
+        pass statistics are its own PassStats, which the engine's observers see."""
+        group = self.group
+        group.check_up()
+        mine = {"rank": 0, "passes": self.passes, "layer_seconds": self.layer_seconds,
+                "round_trip_seconds": self.round_trip_seconds, "sent_bytes": group.sent_bytes}
+        try:
+            for r in range(1, group.world_size):
+                group.send_message(r, "report")
+            return [mine] + [group.recv_message(r) for r in range(1, group.world_size)]
+        except LinkError as e:
+            raise group.at_fault(e) from None
 
     def new_state(self) -> FrontState:
         state = self.mirror.adopt(super().new_state())
@@ -108,9 +128,14 @@ class FrontEngine(Engine):
             for r in range(1, group.world_size):
                 group.send_message(r, message)
             blocks: list[torch.Tensor] = []
+            t0 = time.perf_counter()
             h = self.run_layers(h, blocks, seqs, stats, routes)
+            t1 = time.perf_counter()
             group.send_rows(1, torch.stack([*blocks, h]))
             back = group.recv_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size))
+            self.passes += 1
+            self.layer_seconds += t1 - t0
+            self.round_trip_seconds += time.perf_counter() - t1
         except LinkError as e:
             raise group.at_fault(e) from None
         except BaseException:

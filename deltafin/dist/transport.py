@@ -56,6 +56,7 @@ class Group:
         self.store = store  # the rendezvous store: fault reports
         self.timeout = timeout
         self.fault: RankFault | None = None  # set once a pass failed: the group is down for good
+        self.sent_bytes = 0  # everything this rank sent (control and rows): the wire's share of bench
 
     @property
     def last(self) -> int:
@@ -139,6 +140,7 @@ class Group:
             dist.isend(t, dst, tag=tag).wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
             raise LinkError(dst, _why(e, self.timeout)) from None
+        self.sent_bytes += t.numel() * t.element_size()
 
     def _recv(self, t: torch.Tensor, src: int, tag: int, bounded: bool) -> None:
         try:

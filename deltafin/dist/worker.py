@@ -3,9 +3,12 @@
 The rank keeps its layers' part of every decode state by the key rank 0 gave it and replays the
 state operations each control message lists before its pass (see pipeline.py). It prints nothing
 to stdout. It ends with rank 0's "stop" (0), or when a peer fails (a fault report filed, then
-RankFault: exit status 1).
+RankFault: exit status 1). Between passes rank 0 may ask for the rank's running totals
+("report": ``Tally.report``), which bench turns into per-rank figures.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -16,12 +19,29 @@ from .pipeline import blocks_before
 from .transport import Group, LinkError, RankFault
 
 
+class Tally:
+    """A rank's running totals since it started: its passes, the seconds its layers took (compute
+    and their weights' reads) and their pass statistics."""
+
+    def __init__(self):
+        self.passes, self.layer_seconds, self.stats = 0, 0.0, PassStats()
+
+    def report(self, group: Group) -> dict:
+        return {"rank": group.rank, "passes": self.passes, "layer_seconds": self.layer_seconds,
+                "compute_seconds": self.stats.compute_seconds, "disk_bytes": self.stats.bytes_read,
+                "ram_bytes": self.stats.bytes_from_ram, "sent_bytes": group.sent_bytes}
+
+
 def serve_passes(group: Group, engine: Engine) -> int:
     """Serve rank 0's passes until it says stop (or a peer fails, which raises RankFault)."""
     states: dict[int, DecodeState] = {}
+    tally = Tally()
     while True:
         try:
             message = group.recv_message(0, bounded=False)
+            if message == "report":
+                group.send_message(0, tally.report(group))
+                continue
         except LinkError as e:
             raise RankFault(f"rank {group.rank}: rank 0 {e.why}; stopping") from None
         if message == "stop":
@@ -30,7 +50,7 @@ def serve_passes(group: Group, engine: Engine) -> int:
             _apply(op, states, engine)
         seqs = [Seq(ids, states[key], keep, logits) for key, ids, keep, logits in message["seqs"]]
         try:
-            _run_pass(group, engine, seqs)
+            _run_pass(group, engine, seqs, tally)
         except LinkError as e:
             group.report(e)
             raise RankFault(f"rank {group.rank}: {e}; stopping") from None
@@ -53,7 +73,7 @@ def _apply(op: list, states: dict, engine: Engine) -> None:
 
 
 @torch.inference_mode()
-def _run_pass(group: Group, engine: Engine, seqs: list[Seq]) -> None:
+def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally) -> None:
     cfg = engine.cfg
     n = sum(len(s.ids) for s in seqs)
     x = group.recv_rows(group.rank - 1, (blocks_before(cfg, engine.layers.start) + 1, n, cfg.hidden_size))
@@ -61,11 +81,15 @@ def _run_pass(group: Group, engine: Engine, seqs: list[Seq]) -> None:
     stats = PassStats(tokens=n)
     for s in seqs:
         s.state.begin_pass(s.keep_states)
+    t0 = time.perf_counter()
     with engine.pass_threads(n):
         h = engine.run_layers(h, blocks, seqs, stats)
+    tally.layer_seconds += time.perf_counter() - t0
     for s in seqs:
         s.state.num_tokens += len(s.ids)
     engine.last_pass = stats
+    tally.passes += 1
+    tally.stats.add(stats)
     if group.rank == group.last:  # only the rows whose logits rank 0 wants go back
         rows = logit_rows(seqs)
         if len(rows) != n:

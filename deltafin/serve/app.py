@@ -13,7 +13,7 @@ the ``deltafin serve`` command in ``cli``.
 
 What it trusts: nothing a client sends. Bodies are decoded and validated (``protocol``) before
 the service sees them; a fault reading the weights is answered 503 without local paths and turns
-/health to "degraded".
+/health to "degraded", and so does a lost rank of a model split across processes (naming the rank).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..dist.transport import RankFault
 from ..errors import DeltafinError, DeviceOutOfMemory
 from ..settings import Settings
 from . import metrics as metrics_mod
@@ -182,6 +183,10 @@ class _GenerationResponse(Response):
             if isinstance(error, DeviceOutOfMemory):  # this request's pass did not fit: the server goes on
                 log.warning("%s: %s", shaper.id, error)
                 failure = APIError(503, str(error), code="device_out_of_memory")
+            elif isinstance(error, RankFault):  # a rank of a split model is lost: so is every pass after it
+                log.error("%s: %s", shaper.id, error)
+                failure = APIError(503, f"{service.rank_lost(error)}; the server is degraded (see /health)",
+                                   code="rank_lost")
             elif isinstance(error, (DeltafinError, OSError)):  # the weights could not be read: not the client's doing
                 log.error("%s: reading the weights failed: %s", shaper.id, error)
                 fault = service.weights_failed(error)

@@ -45,7 +45,8 @@ class ServerMetrics:
                                       "(ram: a cache hit, disk: read)", ("source",))
         self.memo_lookups = m.counter("deltafin_memo_lookups_total",
                                       "deterministic requests looked up in the response memo", ("result",))
-        self.faults = m.counter("deltafin_engine_faults_total", "generations ended by a fault reading the weights")
+        self.faults = m.counter("deltafin_engine_faults_total", "generations ended by a fault (reading the "
+                                "weights, or a lost rank of a model split across processes)")
         m.gauge("deltafin_queue_depth", "requests waiting for the engine", lambda: gate.waiting)
         m.gauge("deltafin_running", "generations running (batched into shared passes)", lambda: gate.running)
         m.gauge("deltafin_memo_entries", "answers held by the response memo", lambda: len(memo))

@@ -120,6 +120,13 @@ class Service:
         self.fault = f"reading the model's weights failed: {self.without_paths(str(error))}"
         return self.fault
 
+    def rank_lost(self, error: Exception) -> str:
+        """A rank of a model split across processes was lost (dist.transport.RankFault, which names
+        it): no pass can run any more, so the server is degraded for good; the reason."""
+        self.metrics.faults.inc()
+        self.fault = str(error)
+        return self.fault
+
     def health(self) -> tuple[int, dict]:
         stuck = [time.monotonic() - t for t in list(self._renders.values())]
         stuck = [s for s in stuck if s > self.settings.render_timeout]
