@@ -1,6 +1,7 @@
 """One rank of a split model in tests/test_dist.py: ``python dist_rank.py CHECKPOINT OUT`` under a
 torchrun-like environment (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT). Rank 0 runs ``parity`` and
-saves what it returns to OUT; the other ranks serve its passes."""
+saves what it returns to OUT (or, with OUT ``hostile:HOW``, sends rank 1 a control message it must
+refuse); the other ranks serve its passes."""
 from __future__ import annotations
 
 import sys
@@ -46,6 +47,21 @@ def parity(model) -> dict:
     return out
 
 
+def hostile(model, how: str) -> None:
+    """Rank 0 sends rank 1 a control message it must refuse: a huge declared length, bytes that are
+    not JSON, or a pass naming a state that does not exist."""
+    from deltafin.dist import launch
+    from deltafin.dist.transport import CONTROL
+    group = launch.joined()
+    if how == "length":
+        group._send(torch.tensor([1 << 62], dtype=torch.int64), 1, CONTROL)
+    elif how == "json":
+        group._send(torch.tensor([4], dtype=torch.int64), 1, CONTROL)
+        group._send(torch.tensor([0xff, 0xfe, 0x7b, 0x7b], dtype=torch.uint8), 1, CONTROL)
+    else:
+        group.send_message(1, {"ops": [], "seqs": [[12345, [1, 2], False, "all"]]})
+
+
 def main(path: str, out: str) -> int:
     import deltafin
     from deltafin.dist import launch
@@ -55,6 +71,9 @@ def main(path: str, out: str) -> int:
         model = deltafin.load(path, device="cpu")
         if group.rank:
             return serve_passes(group, model.engine)
+        if out.startswith("hostile:"):
+            hostile(model, out.split(":", 1)[1])
+            return 0
         torch.save({**parity(model), "placement": [(r.start, r.stop) for r in model.placement.ranges]}, out)
         return 0
     finally:

@@ -149,6 +149,20 @@ def test_a_lost_rank_ends_the_request_naming_it(how, tiny_kl_path):
                 f.close()
 
 
+@pytest.mark.parametrize("how,says", [("length", "control message of 4611686018427387904 bytes"),
+                                      ("json", "not JSON"), ("pass", "cannot run (KeyError: 12345)")])
+def test_a_rank_refuses_a_hostile_control_message(how, says, tiny_kl_path):
+    """A rank takes nothing from the wire on trust: a message longer than any pass needs is refused
+    before it is allocated, bytes that are not JSON and a pass it cannot run end it with one line."""
+    procs = _start(lambda r: ([sys.executable, str(RANK_SCRIPT), str(tiny_kl_path), f"hostile:{how}"] if r == 0
+                              else _cli("run", "--model", str(tiny_kl_path), "--device", "cpu", "x")), 2)
+    (_, _, err0), (rc, out, err) = _finish(procs)
+    assert rc == 1, err + err0
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+    assert out == ""
+
+
 def test_different_checkpoints_are_refused_at_start(tiny_k3_path, tmp_path):
     from deltafin.checkpoint.synthetic import make_checkpoint
     other = make_checkpoint("tiny-k3", tmp_path / "other", seed=1, progress=False)

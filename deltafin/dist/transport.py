@@ -27,6 +27,9 @@ import torch.distributed as dist
 from ..errors import DeltafinError
 
 CONTROL, ROWS = 1, 2  # message tags
+# A control message lists a pass's sequences (their new token ids) and state operations: a few MB at
+# the most. A length beyond this is refused before anything is allocated.
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 class RankFault(DeltafinError):
@@ -76,9 +79,15 @@ class Group:
         """The next JSON value from `src`; unbounded: wait as long as it takes (between passes)."""
         n = torch.zeros(1, dtype=torch.int64)
         self._recv(n, src, CONTROL, bounded)
-        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        size = int(n.item())
+        if not 0 <= size <= MAX_MESSAGE_BYTES:
+            raise LinkError(src, f"sent a control message of {size} bytes (at most {MAX_MESSAGE_BYTES})")
+        data = torch.empty(size, dtype=torch.uint8)
         self._recv(data, src, CONTROL, bounded)
-        return json.loads(bytes(data.numpy()).decode())
+        try:
+            return json.loads(bytes(data.numpy()).decode())
+        except ValueError:  # not UTF-8, or not JSON
+            raise LinkError(src, "sent a control message that is not JSON") from None
 
     def gather(self, value) -> list:
         """Every rank's JSON value, in rank order, on every rank (at start: no deadline but the

@@ -46,9 +46,11 @@ def serve_passes(group: Group, engine: Engine) -> int:
             raise RankFault(f"rank {group.rank}: rank 0 {e.why}; stopping") from None
         if message == "stop":
             return 0
-        for op in message["ops"]:
-            _apply(op, states, engine)
-        seqs = [Seq(ids, states[key], keep, logits) for key, ids, keep, logits in message["seqs"]]
+        try:
+            seqs = _pass_of(message, states, engine)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise RankFault(f"rank {group.rank}: rank 0 sent a pass this rank cannot run ({type(e).__name__}: {e}); "
+                            "stopping") from None
         try:
             _run_pass(group, engine, seqs, tally)
         except LinkError as e:
@@ -70,6 +72,22 @@ def _apply(op: list, states: dict, engine: Engine) -> None:
         states[key].restore(states[rest[0]])
     else:
         raise ValueError(f"unknown state operation {kind!r} from rank 0")
+
+
+# Rows one pass may carry: a pass of max_batch sequences' prompt pieces stays far below it; a message
+# asking for more is refused before its rows are allocated.
+MAX_PASS_ROWS = 1 << 16
+
+
+def _pass_of(message: dict, states: dict, engine: Engine) -> list[Seq]:
+    """The pass a control message describes, after its state operations (raises on a malformed one)."""
+    for op in message["ops"]:
+        _apply(op, states, engine)
+    seqs = [Seq(list(ids), states[key], bool(keep), logits) for key, ids, keep, logits in message["seqs"]]
+    rows = sum(len(s.ids) for s in seqs)
+    if not 0 < rows <= MAX_PASS_ROWS:
+        raise ValueError(f"a pass of {rows} rows (at most {MAX_PASS_ROWS})")
+    return seqs
 
 
 @torch.inference_mode()
