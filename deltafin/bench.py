@@ -26,7 +26,8 @@ Memory tiers: ``disk_bytes_per_token`` (what came off the model's files) and ``r
 budget it ended with (``ram_budget_bytes``: its own buffers plus what the cache may hold; 0 = no
 cache) and what it held (``ram_cache``). ``limit_tok_s`` is the tok/s the disk allows for the bytes
 a token read from it (raw read bandwidth of the probes / disk bytes per token; None when a token
-read nothing), and ``decode_vs_limit`` the share of it reached. With ``prefetch`` on,
+read nothing), and ``decode_vs_limit`` the share of it reached (``decode_vs_limit_range`` against the
+faster and the slower probe; ``limit_note`` explains a share above 1, see ``disk_limit``). With ``prefetch`` on,
 ``prefetch_useful_rate`` is the share of the bytes read ahead of the router that it then chose
 (prefetched bytes are disk bytes too). ``expert_routing`` is what the decode's routers chose, and
 the hit rate the best fixed experts of the cache's size would have had (``routing_figures``). On CUDA the limit is the slowest
@@ -173,6 +174,28 @@ def raw_read_summary(probes: list[dict]) -> dict:
             "spread": (max(rates) - min(rates)) / mean if mean > 0 else 0.0, "probes": probes}
 
 
+def disk_limit(tok_s: float, read_bytes_per_token: float, raw: dict | None) -> dict:
+    """What the disk allows for the bytes a decode token read from it: ``limit_tok_s`` at the probes'
+    mean bandwidth, ``decode_vs_limit`` the share reached, ``decode_vs_limit_range`` the same against
+    the fastest and the slowest probe, and, when the decode itself read faster than the fastest probe,
+    ``limit_note`` saying so: a share above 1 then says that the probes understate the disk under this
+    run's conditions (reads the page cache of a memory group served, a device's own cache, the probes'
+    drift), not that the decode beat the disk."""
+    if not raw or read_bytes_per_token <= 0:
+        return {"limit_tok_s": None, "decode_vs_limit": None, "decode_vs_limit_range": None, "limit_note": None}
+    limit = raw["gbps"] * GB / read_bytes_per_token
+    share = lambda gbps: tok_s * read_bytes_per_token / (gbps * GB) if gbps > 0 else None  # noqa: E731
+    achieved = tok_s * read_bytes_per_token / GB
+    note = None
+    if achieved > raw["max_gbps"]:
+        note = (f"the decode read {achieved:.2f} GB/s from the model's files, faster than either probe "
+                f"({raw['min_gbps']:.2f}-{raw['max_gbps']:.2f} GB/s): the probes understate the disk in this run "
+                "(the page cache of a memory group, a device cache, or drift), so decode_vs_limit above 1 is the "
+                "probe's error, not a decode faster than the disk")
+    return {"limit_tok_s": limit, "decode_vs_limit": tok_s / limit,
+            "decode_vs_limit_range": [share(raw["max_gbps"]), share(raw["min_gbps"])], "limit_note": note}
+
+
 def machine_info(settings: Settings) -> dict:
     import psutil
     import torch
@@ -288,7 +311,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         return disk_s_per_tok / gbps / s_per_tok if gbps > 0 else 0.0
 
     residency = (model.residency_now() or {}) if model.streaming else {}
-    limit = raw["gbps"] * GB / d["read_bytes_per_token"] if raw and d["read_bytes_per_token"] > 0 else None
+    disk = disk_limit(d["tokens"] / decode_seconds, d["read_bytes_per_token"], raw)
+    limit = disk["limit_tok_s"]
     ram = raw_read_summary(ram_probes) if ram_probes else None
     ram_limit = ram["gbps"] * GB / d["bytes_per_token"] if ram and d["bytes_per_token"] > 0 else None
     sizes = ModelSizes.of(model.source)
@@ -329,7 +353,9 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "expert_routing": routing_figures({}, routings.counts, residency.get("cache")) if routings else None,
         "limit_tok_s": limit,
         "limit_tier": "disk" if limit else None,
-        "decode_vs_limit": d["tokens"] / decode_seconds / limit if limit else None,
+        "decode_vs_limit": disk["decode_vs_limit"],
+        "decode_vs_limit_range": disk["decode_vs_limit_range"],
+        "limit_note": disk["limit_note"],
         "ram_read_gbps": ram["gbps"] if ram else None,
         "ram_limit_tok_s": ram_limit,
         "decode_vs_ram_limit": d["tokens"] / decode_seconds / ram_limit if ram_limit else None,
@@ -604,8 +630,12 @@ def format_table(r: dict) -> str:
                               + " / ".join(f"{p['gbps']:.1f}" for p in ram["probes"])
                               + f"); decode reached {r['decode_vs_ram_limit'] * 100:.0f}%"))
     else:
+        lo, hi = r["decode_vs_limit_range"] or (None, None)
         rows.append(("limit", f"{r['limit_tok_s']:.2f} tok/s set by the disk (decode reached "
-                              f"{r['decode_vs_limit'] * 100:.0f}%)" if r["limit_tok_s"] else "-"))
+                              f"{r['decode_vs_limit'] * 100:.0f}%, {lo * 100:.0f}-{hi * 100:.0f}% against the "
+                              "faster and the slower probe)" if r["limit_tok_s"] else "-"))
+        if r["limit_note"]:
+            rows.append(("note", r["limit_note"]))
     if r["ram_cache"]:
         c = r["ram_cache"]
         rows.append(("ram cache", f"hits: spines {r['spine_cache_hit_rate'] * 100:.0f}%, experts "

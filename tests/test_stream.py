@@ -222,6 +222,10 @@ def test_bench_cli_json(tiny_k3_path, capsys):
     assert raw["spread"] == pytest.approx((max(rates) - min(rates)) / (sum(rates) / 2))
     low, high = r["io_efficiency_range"]
     assert 0 < low <= r["io_efficiency"] <= high
+    low, high = r["decode_vs_limit_range"]
+    assert 0 < low <= r["decode_vs_limit"] <= high
+    # a share above the fastest probe's never comes without the note saying why
+    assert (r["limit_note"] is not None) == (r["achieved_read_gbps"] > raw["max_gbps"])
     assert r["settings"]["io_workers"] == 2 and r["machine"]["cpu_count"] >= 1
     assert r["io_split"]["experts_per_token"] == 20  # 5 MoE layers x top-4
     # What the decode's routers chose: 2 tokens x 5 MoE layers x top-4, by layer, most routed first.
@@ -233,6 +237,18 @@ def test_bench_cli_json(tiny_k3_path, capsys):
     assert r["ram_read"] is None and r["ram_read_gbps"] is r["ram_limit_tok_s"] is r["decode_vs_ram_limit"] is None
     from deltafin.bench import format_table
     assert "probes before / after decode" in format_table(r) and "spine bf16 (exact)" in format_table(r)
+
+
+def test_disk_limit_explains_a_decode_faster_than_its_probes():
+    from deltafin.bench import disk_limit
+    raw = {"gbps": 1.25, "min_gbps": 1.2, "max_gbps": 1.3}
+    within = disk_limit(10.0, 0.1e9, raw)  # the decode read 1.0 GB/s
+    assert within["limit_tok_s"] == pytest.approx(12.5) and within["decode_vs_limit"] == pytest.approx(0.8)
+    assert within["decode_vs_limit_range"] == pytest.approx([1.0 / 1.3, 1.0 / 1.2]) and within["limit_note"] is None
+    beyond = disk_limit(21.0, 0.1e9, raw)  # 2.1 GB/s, as in a 3 GiB group whose page cache served reads
+    assert beyond["decode_vs_limit"] == pytest.approx(1.68) and "2.10 GB/s" in beyond["limit_note"]
+    assert "1.20-1.30 GB/s" in beyond["limit_note"]
+    assert disk_limit(5.0, 0, raw)["limit_tok_s"] is None and disk_limit(5.0, 1e6, None)["limit_note"] is None
 
 
 def test_bench_in_ram_neither_evicts_nor_probes_the_disk(tiny_k3_path, capsys):
