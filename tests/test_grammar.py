@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from deltafin.runtime.generate import Decoding, generate
-from deltafin.runtime.grammar import (ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, THINK_BEGIN,
-                                      THINK_END, Constraint, GrammarError, Matcher, _compile, _vocab)
+from deltafin.runtime.grammar import Constraint, GrammarError, Matcher, _compile, _vocab
+from deltafin.runtime.tool_calls import (ARGS_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, THINK_BEGIN,
+                                         THINK_END)
 from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.scheduler import Scheduler
 from deltafin.tokenizer import KimiTokenizer
@@ -48,7 +49,7 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "required": ["a", "b"], "additionalProperties": False}}}
 PING = {"type": "function", "function": {"name": "ping"}}  # no parameters: an empty object
 TOOLS = [WEATHER, ADD, PING]
-CALL = re.compile(re.escape(CALL_BEGIN) + r"functions\.([A-Za-z0-9_-]+):(\d+)" + re.escape(ARGUMENT_BEGIN)
+CALL = re.compile(re.escape(CALL_BEGIN) + r"functions\.([A-Za-z0-9_-]+):(\d+)" + re.escape(ARGS_BEGIN)
                   + r"(.*?)" + re.escape(CALL_END), re.S)
 
 
@@ -143,7 +144,7 @@ def _ids(model, text: str) -> list[int]:
 
 
 def _section(*calls) -> str:
-    return SECTION_BEGIN + "".join(f"{CALL_BEGIN}functions.{n}:{i}{ARGUMENT_BEGIN}{a}{CALL_END}"
+    return SECTION_BEGIN + "".join(f"{CALL_BEGIN}functions.{n}:{i}{ARGS_BEGIN}{a}{CALL_END}"
                                    for n, i, a in calls) + SECTION_END
 
 
@@ -154,7 +155,7 @@ def test_auto_leaves_text_free_and_constrains_a_section_once_begun(model):
     text = _ids(model, "Let me look that up.")
     allowed = m.allowed()
     assert all(allowed[t] for t in text) and all(allowed[t] for t in eos)
-    assert not any(allowed[tok.special_tokens[n]] for n in (CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, SECTION_END))
+    assert not any(allowed[tok.special_tokens[n]] for n in (CALL_BEGIN, ARGS_BEGIN, CALL_END, SECTION_END))
     good = text + _ids(model, _section(("get_weather", 0, '{"city": "Paris", "unit": "c"}'),
                                        ("add", 1, '{"a": 1, "b": -2}')))
     assert m.legal_prefix(good) == len(good)

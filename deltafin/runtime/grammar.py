@@ -34,22 +34,14 @@ import torch
 
 from ..errors import DeltafinError
 from ..tokenizer import KimiTokenizer
+from .tool_calls import (ARGS_BEGIN, CALL_BEGIN, CALL_END, MARKERS, NAME_PATTERN, SECTION_BEGIN, SECTION_END,
+                         THINK_BEGIN, THINK_END)
 
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
-THINK_BEGIN, THINK_END = "<think>", "</think>"
-TOOL_TOKENS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
-# The special tokens a generation's text keeps when asked (``Decoding(special_text=True)``), so that
-# the tool-call parser can find the section and the thinking block; every other special token is
-# left out of the text as usual.
-TEXT_TOKENS = TOOL_TOKENS + (THINK_BEGIN, THINK_END)
+TOOL_TOKENS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 
 CHOICES = ("auto", "required", "none")
 MAX_CALLS = 16  # calls in one section: the grammar numbers each call, so it lists them
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_NAME = re.compile(NAME_PATTERN)
 # Whitespace between JSON tokens: enough for pretty-printed JSON a few levels deep, but bounded, so
 # that a model cannot fill its whole budget with blanks between two tokens.
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
@@ -310,7 +302,7 @@ def _path(param: str, keys) -> str:
 # ----------------------------------------------------------------------------------------------
 # Compiling for a tokenizer
 # ----------------------------------------------------------------------------------------------
-def special_ids(tokenizer, names=TEXT_TOKENS) -> dict[str, int]:
+def special_ids(tokenizer, names=MARKERS) -> dict[str, int]:
     """{name: id} of those special tokens the tokenizer has."""
     vocab = getattr(tokenizer, "special_tokens", None)
     if vocab is None:  # a tokenizer.json tokenizer
@@ -401,7 +393,7 @@ def _tools_lark(c: Constraint) -> str:
     for k in range(count):
         rules.append(f"calls_{k}: call_{k}" + (f" calls_{k + 1}?" if k + 1 < count else ""))
         index = c.first_index + k
-        names = " | ".join(f'"{name}:{index}" {ARGUMENT_BEGIN} args_{i}' for i, (name, _, _) in enumerate(tools))
+        names = " | ".join(f'"{name}:{index}" {ARGS_BEGIN} args_{i}' for i, (name, _, _) in enumerate(tools))
         rules.append(f'call_{k}: {CALL_BEGIN} "functions." ({names}) {CALL_END}')
     for i, (_, params, strict) in enumerate(tools):
         rules.append(f"args_{i}: {_json_rule(params, strict)}")

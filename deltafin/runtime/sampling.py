@@ -82,12 +82,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace, max_new_tokens: int | None = None) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
-
-
-def split(options: dict) -> tuple[SamplingParams, dict]:
-    """Keyword arguments of a convenience call (``Model.generate(ids, max_new_tokens=8, seed=1)``) as
-    the SamplingParams they name and the rest."""
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    return (SamplingParams(**{k: v for k, v in options.items() if k in names}),
-            {k: v for k, v in options.items() if k not in names})
-

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-# The special tokens whose text an answer must keep to be read here (every other special token's text
-# is left out of an answer, as before).
+# The special tokens whose text an answer must keep to be read here (Decoding(special_text=True) keeps
+# them; every other special token's text is left out of an answer, as before); grammar.py writes them.
 MARKERS = (THINK_BEGIN, THINK_END, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 
 # OpenAI's rule for function names: 1 to 64 letters, digits, underscores and dashes.
