@@ -388,16 +388,12 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    import deltafin
-    from .startup import default_model_path, read_text_arg, startup_message
+    from .startup import load_announced, read_text_arg
     from .runtime.saved_state import restore_or_build
     from .settings import from_args
 
     settings = from_args(args)
-    path = args.model or default_model_path(settings)
-    print(f"deltafin: {settings.summary()}", file=sys.stderr)
-    model = deltafin.load(path, settings=settings)
-    print(startup_message(model, path), file=sys.stderr)
+    model, path = load_announced(args.model, settings)
     tok = model.require_tokenizer()
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{path}: this checkpoint has no chat template; use deltafin run instead")

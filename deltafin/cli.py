@@ -17,7 +17,7 @@ from .runtime import sampling
 from .runtime.generate import generate
 from .serve import cli as serve_cli
 from .settings import Settings, SettingsError, add_arguments, from_args
-from .startup import default_model_path, read_text_arg, startup_message
+from .startup import default_model_path, load_announced, read_text_arg
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -36,12 +36,8 @@ def _add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    import deltafin
     settings = from_args(args)
-    path = args.model or default_model_path(settings)
-    print(f"deltafin: {settings.summary()}", file=sys.stderr)
-    model = deltafin.load(path, settings=settings)
-    print(startup_message(model, path), file=sys.stderr)
+    model, _ = load_announced(args.model, settings)
     text = read_text_arg(args.prompt)
     ids = model.encode_chat([{"role": "user", "content": text}]) if args.chat else model.encode(text)
     if not ids:

@@ -1,11 +1,12 @@
 """What every front end (run, chat, serve, bench) does at start: find the built-in default model
-(made on first use), read a prompt argument, and print the start-up line that says what runs, from
-where, with which numerics."""
+(made on first use), load the model with the start-up lines that say what runs, from where, with
+which numerics (``load_announced``), and read a prompt argument."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from .api import Model, load
 from .checkpoint import expert_codec
 from .checkpoint.synthetic import make_checkpoint
 from .files import writer_lock
@@ -89,6 +90,16 @@ def startup_message(model, path) -> str:
             f"{products_message(model.settings)}"
             + (f"\ndeltafin: {model.residency}" if model.residency else "")
             + (f"\n{model.placement.table()}" if model.placement is not None else ""))
+
+
+def load_announced(model: str | None, settings: Settings) -> tuple[Model, str | Path]:
+    """The model a command names (or the built-in default), loaded with ``settings``, the settings'
+    line and the start-up line printed to stderr first and after; (model, the path it was named by)."""
+    path = model or default_model_path(settings)
+    print(f"deltafin: {settings.summary()}", file=sys.stderr)
+    loaded = load(path, settings=settings)
+    print(startup_message(loaded, path), file=sys.stderr)
+    return loaded, path
 
 
 MAX_PROMPT_FILE = 64 * MiB

@@ -74,18 +74,12 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    import sys
-
-    import deltafin
-    from deltafin.startup import default_model_path, startup_message
+    from deltafin.startup import load_announced
 
     settings = settings_mod.from_args(args)
     sock = bind(settings.host, settings.port)  # a busy port is reported before the model loads, not after
     try:
-        path = args.model or default_model_path(settings)
-        print(f"deltafin: {settings.summary()}", file=sys.stderr)
-        model = deltafin.load(path, settings=settings)
-        print(startup_message(model, path), file=sys.stderr)
+        model, _ = load_announced(args.model, settings)
         serve(model, sock=sock)
     finally:
         sock.close()
