@@ -85,16 +85,22 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
     assert got["drafted"] == got["greedy"] and got["accepted"] > 0
 
 
-def test_streamed_ranks_equal_one_process_on_the_cli(tiny_kl_path):
-    args = ("run", "--model", str(tiny_kl_path), "--device", "cpu", "--max-new-tokens", "16", "--stream", "on",
-            "The river")
+def _alone_and_on_two_ranks(args) -> tuple[str, list[tuple[int, str, str]]]:
+    """The command's stdout in one process, and (rc, stdout, stderr) of each of 2 ranks running it;
+    both ran cleanly and rank 1 printed nothing."""
     alone = subprocess.run(_cli(*args), env=dict(os.environ, DELTAFIN_THREADS="1"), cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     assert alone.returncode == 0, alone.stderr
     results = _finish(_start(lambda r: _cli(*args), 2))
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2] + results[1][2]
-    assert results[0][1] == alone.stdout
     assert results[1][1] == ""
+    return alone.stdout, results
+
+
+def test_streamed_ranks_equal_one_process_on_the_cli(tiny_kl_path):
+    alone, results = _alone_and_on_two_ranks(("run", "--model", str(tiny_kl_path), "--device", "cpu",
+                                              "--max-new-tokens", "16", "--stream", "on", "The river"))
+    assert results[0][1] == alone
     assert "placement across 2 ranks" in results[0][2] and "rank 1: layers" in results[0][2]
 
 
@@ -180,15 +186,9 @@ def test_a_command_that_does_not_split_is_refused(tiny_k3_path):
 
 def test_bench_across_ranks_reports_each_rank_and_the_wire(tiny_kl_path):
     import json
-    args = ("bench", "--model", str(tiny_kl_path), "--device", "cpu", "--tokens", "8", "--prompt-tokens", "8",
-            "--json")
-    alone = subprocess.run(_cli(*args), env=dict(os.environ, DELTAFIN_THREADS="1"), cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
-    assert alone.returncode == 0, alone.stderr
-    results = _finish(_start(lambda r: _cli(*args), 2))
-    assert [rc for rc, _, _ in results] == [0, 0], results[0][2] + results[1][2]
-    assert results[1][1] == ""
-    one, split = json.loads(alone.stdout), json.loads(results[0][1])
+    alone, results = _alone_and_on_two_ranks(("bench", "--model", str(tiny_kl_path), "--device", "cpu", "--tokens",
+                                              "8", "--prompt-tokens", "8", "--json"))
+    one, split = json.loads(alone), json.loads(results[0][1])
     assert one["dist"] is None
     x = split["dist"]
     assert x["world_size"] == 2 and [p["rank"] for p in x["placement"]] == [0, 1]
