@@ -225,6 +225,23 @@ class Model:
         shapes few)."""
         return self.engine.graphs is not None
 
+    @property
+    def layers(self) -> range:
+        """The layers this process holds: all of them, or its range of a model split across ranks."""
+        return self.engine.layers
+
+    def one_token_threads(self) -> dict | None:
+        """A streamed model's one-token passes: the products' threads now, the two counts the thread
+        policy moves between, and how often it did (None: a fixed count)."""
+        policy = self.engine.thread_policy
+        return policy.summary() if policy is not None else None
+
+    def ranks_report(self) -> list[dict] | None:
+        """Every rank's running totals of a model split across processes, rank 0 first (None: one
+        process, or a rank other than 0)."""
+        report = getattr(self.engine, "ranks_report", None)
+        return report() if report is not None else None
+
     def graph_stats(self) -> dict | None:
         """One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass)."""
         g = self.engine.graphs

@@ -62,7 +62,6 @@ from pathlib import Path
 
 from .checkpoint import expert_codec
 from .checkpoint.sizes import ModelSizes
-from .dist.pipeline import FrontEngine
 from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, \
     expert_layout, spine_layout
 from .profile import SOURCES, PassRecorder, summarize
@@ -150,7 +149,7 @@ def measure_ram_read(model, threads: int, seed: int = 0, passes: int = 3) -> dic
     cfg = model.config
     rng = random.Random(seed)
     weights = [w for name, w in model.global_weights().items() if name != "embed"]
-    for i in model.engine.layers:  # a rank of a split model holds its own layers only
+    for i in model.layers:  # a rank of a split model holds its own layers only
         weights.append(model.layer_weights(i))
         if cfg.is_moe(i):
             k = min(cfg.experts_per_token, cfg.num_experts)
@@ -272,7 +271,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     prefills = -(-prompt_tokens // piece)  # passes until every prompt is read (the last gives the first tokens)
 
     # A model split across ranks (deltafin.dist): every rank's totals before and after the decode.
-    split = isinstance(model.engine, FrontEngine)
+    split = model.placement is not None  # bench runs on rank 0 of a split model
     ranks_before: list[dict] = []
 
     def on_pass(index: int, stats) -> None:
@@ -282,7 +281,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
             probe()
             drop_file_cache(files)
             if split:
-                ranks_before.extend(model.engine.ranks_report())
+                ranks_before.extend(model.ranks_report())
             marks["decode_start"] = time.perf_counter()
             if routings is not None:
                 routings.on = True
@@ -297,7 +296,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
-    ranks_after = model.engine.ranks_report() if split else []
+    ranks_after = model.ranks_report() if split else []
     probe()
     prefill, decode = rec.passes[:prefills], rec.passes[prefills + untimed:]
     prefill_tokens = sum(p.tokens for p in prefill)
@@ -329,10 +328,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "threads": model.threads,
         # One-token passes of a streamed model: the products' threads as the run ended, and how often
         # the count changed (every core once the passes stopped waiting on the disk).
-        "one_token_threads": ({"now": model.engine.thread_policy.now, "waiting": model.engine.thread_policy.waiting,
-                               "every": model.engine.thread_policy.every,
-                               "switches": model.engine.thread_policy.switches}
-                              if model.engine.thread_policy is not None else None),
+        "one_token_threads": model.one_token_threads(),
         "prompt_tokens": prompt_tokens,
         "batch": batch,
         "prefill_passes": prefills,

@@ -41,6 +41,9 @@ class ThreadPolicy:
             self.switches += 1
             self._shares.clear()  # the next decision sees passes run with the new count only
 
+    def summary(self) -> dict:
+        return {"now": self.now, "waiting": self.waiting, "every": self.every, "switches": self.switches}
+
     def describe(self) -> str:
         return (f"{self.now} now: {self.waiting} while passes wait on the disk, {self.every} once they wait "
                 f"less than {EVERY_CORE_BELOW:.0%} of a pass")
