@@ -17,6 +17,14 @@ from deltafin.settings import Settings, SettingsError
 PROMPT = [11, 42, 7, 300, 5, 99]
 
 
+def _recorded(path):
+    """A CPU model whose decode passes run the recorded-mode code eagerly (record=False)."""
+    m = deltafin.load(path, device="cpu", stream="off")
+    assert m.engine.graphs is None  # only on CUDA
+    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    return m
+
+
 def _decode(model, state, tokens):
     return torch.cat([model.forward([t], state) for t in tokens])
 
@@ -52,9 +60,8 @@ def test_recorded_mode_matches_plain_pass_across_sequences_and_growth(request, f
     monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 4)  # grow the buffers several times
     path = request.getfixturevalue(fixture)
     plain = deltafin.load(path, device="cpu", stream="off")
-    m = deltafin.load(path, device="cpu", stream="off")
-    assert m.engine.graphs is None  # only on CUDA
-    graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    m = _recorded(path)
+    graphs = m.engine.graphs
     for want, got, ref, st in _two_sequences(plain, m, 14, 3):
         # the same fp32 arithmetic up to summation order (attention over the whole buffer)
         assert (got - want).abs().max().item() < 1e-4
@@ -66,8 +73,7 @@ def test_recorded_mode_with_speculation_snapshot_and_rollback(tiny_k3_path):
     """Plain passes between recorded ones (a verify pass, a rollback, a restored snapshot) leave
     the state's tensors elsewhere; the next recorded pass copies them in again."""
     plain = deltafin.load(tiny_k3_path, device="cpu", stream="off")
-    m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
-    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    m = _recorded(tiny_k3_path)
     ids = _tokens(10, 3)
 
     def script(model):
@@ -113,8 +119,8 @@ def test_batched_recorded_mode_matches_each_sequence_alone(request, fixture, mon
     monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 8)
     path = request.getfixturevalue(fixture)
     plain = deltafin.load(path, device="cpu", stream="off")
-    m = deltafin.load(path, device="cpu", stream="off")
-    graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    m = _recorded(path)
+    graphs = m.engine.graphs
     prompts = [PROMPT, PROMPT[:2], PROMPT[:4], [9]]
     plan = [[0, 1], [0, 1], [0, 1, 2], [2, 0, 1], [2, 0, 1, 3], [3, 1], [1, 3, 0, 2]] + [[0, 1, 2, 3]] * 6
     tokens = [_tokens(len(plan), 10 + j) for j in range(len(prompts))]
@@ -136,8 +142,7 @@ def test_check_passes_in_slots_roll_back_as_plain_passes_do(request, fixture):
     from deltafin.runtime.engine import Seq
     path = request.getfixturevalue(fixture)
     plain = deltafin.load(path, device="cpu", stream="off")
-    m = deltafin.load(path, device="cpu", stream="off")
-    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    m = _recorded(path)
     rows = _tokens(40, 5)
 
     def script(model):
@@ -163,8 +168,8 @@ def test_check_passes_in_slots_roll_back_as_plain_passes_do(request, fixture):
 
 def test_a_released_state_keeps_its_values(tiny_kl_path):
     """A sequence that leaves the buffers gets its own copies: the next one cannot change it."""
-    m = deltafin.load(tiny_kl_path, device="cpu", stream="off")
-    graphs = m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    m = _recorded(tiny_kl_path)
+    graphs = m.engine.graphs
     a, b = m.new_state(), m.new_state()
     m.forward(PROMPT, a)
     m.forward([5], a)
