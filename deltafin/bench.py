@@ -214,12 +214,14 @@ def peak_rss_bytes() -> int:
 
 
 def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, settings: Settings | None = None,
-              seed: int = 0, drop_cache: bool = True, batch: int = 1) -> dict:
+              seed: int = 0, drop_cache: bool = True, batch: int = 1, warmup_tokens: int | None = None) -> dict:
     """Prefill `batch` random prompts, decode `tokens` tokens of each greedily (no speculation, one
     token of every sequence per pass) between two raw read probes when streaming; return one flat
     record (see the module docstring). Token rates and bytes per token count every sequence's tokens.
     A batch's prompts are read together in pieces (``prefill_piece``), so a prefill pass carries no
-    more rows than batch 1's."""
+    more rows than batch 1's. `warmup_tokens`: decode passes after the prefill that are not timed
+    (a cache is measured in its steady state); None: 1 for a model streamed to a CUDA device (its
+    first decode pass tunes kernels), else 0. They come on top of `tokens`."""
     from .api import load
     if tokens < 2:
         raise ValueError("bench needs at least 2 tokens (the first comes from the prefill)")
@@ -227,6 +229,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         raise ValueError("bench needs a prompt of at least 1 token")
     if batch < 1:
         raise ValueError("bench needs a batch of at least 1 sequence")
+    if warmup_tokens is not None and warmup_tokens < 0:
+        raise ValueError("bench needs --warmup-tokens of 0 or more")
     settings = settings or Settings.resolve({})
     t0 = time.perf_counter()
     model = load(path, settings=settings)
@@ -266,7 +270,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     # left out instead.
     cuda = model.device.type == "cuda"
     warmup = 3 if cuda and not model.streaming else 0
-    untimed = 1 if cuda and model.streaming and tokens > 2 else 0  # decode passes before the timed ones
+    # decode passes before the timed ones (the model's own tokens, on top of `tokens`)
+    untimed = warmup_tokens if warmup_tokens is not None else 1 if cuda and model.streaming else 0
     piece = prefill_piece(batch, prompt_tokens)
     prefills = -(-prompt_tokens // piece)  # passes until every prompt is read (the last gives the first tokens)
 
@@ -292,7 +297,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     cache_drop = drop_file_cache(files) if files else "none"
     start = time.perf_counter()
     with model.observe(rec), model.observe(routings) if routings else contextlib.nullcontext():
-        gen_stats = _decode(model, prompts, tokens, piece)
+        gen_stats = _decode(model, prompts, tokens + untimed, piece)
     if len(rec.passes) < prefills + 1 + untimed:
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
@@ -388,7 +393,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     if resident is not None:
         out["provider_resident_bytes"] = resident
     if model.device.type == "cuda":
-        out.update(device_figures(model, d, s_per_tok, raw))
+        out.update(device_figures(model, d, s_per_tok, raw, settings))
     out["dist"] = dist_figures(model, d, decode_seconds, ranks_before, ranks_after) if split else None
     return out
 
@@ -466,29 +471,41 @@ def routing_figures(before: dict[int, list[int]], after: dict[int, list[int]], c
     return out
 
 
-def device_figures(model, d: dict, s_per_tok: float, raw: dict | None) -> dict:
-    """On CUDA: the device's copy bandwidth and pinned host->device bandwidth (measured now), how
-    much of the first the decode used, and the tok/s the slowest tier allows for the bytes it
-    delivered per token (device memory, host->device copies, and the disk when streaming)."""
+def device_figures(model, d: dict, s_per_tok: float, raw: dict | None, settings: Settings) -> dict:
+    """On CUDA: each tier's bandwidth, measured now (the device's own copy, pinned host->device, a
+    host-RAM read with the run's threads, and the disk's raw read when streaming), the bytes a decode
+    token took from each, and the tok/s they allow together: the tiers deliver at once (the copy
+    stream, the disk's reads and the device's compute overlap), so the slowest path for its bytes
+    bounds a token (``limit_tier``), and experts computed on the host's cores (``cpu_experts``) add
+    the time their bytes take to read from RAM. ``tier_seconds_per_token``: each path's time."""
     import torch
     device = model.device
     dev_gbps = measure_device_copy(device)
     h2d_gbps = measure_pinned_copy(device)
+    host = measure_host_read(model.threads) if model.streaming else None
     dev_bytes, h2d_bytes = d["device_bytes_per_token"], d["h2d_bytes_per_token"]
     tier_seconds = {"device": dev_bytes / (dev_gbps * GB), "host_to_device": h2d_bytes / (h2d_gbps * GB)}
     if raw:
         tier_seconds["disk"] = d["read_bytes_per_token"] / (raw["gbps"] * GB)
     slowest = max(tier_seconds, key=tier_seconds.get)
+    host_compute = d["host_compute_bytes_per_token"] / (host["gbps"] * GB) if host and host["gbps"] > 0 else 0.0
+    bound = tier_seconds[slowest] + host_compute
     return {
         "device_name": torch.cuda.get_device_name(device),
         "device_bandwidth_gbps": dev_gbps,
         "pinned_h2d_gbps": h2d_gbps,
+        "host_ram_read_gbps": host["gbps"] if host else None,
         "device_bytes_per_token": dev_bytes,
         "hbm_efficiency": dev_bytes / s_per_tok / (dev_gbps * GB),
         "h2d_bytes_per_token": h2d_bytes,
         "h2d_gbps": h2d_bytes / s_per_tok / GB,
-        "limit_tok_s": 1 / tier_seconds[slowest] if tier_seconds[slowest] > 0 else None,
-        "limit_tier": slowest,
+        "host_compute_bytes_per_token": d["host_compute_bytes_per_token"],
+        "expert_hit_rates": d["expert_hit_rates"],
+        "tier_seconds_per_token": tier_seconds | ({"host_compute": host_compute} if host_compute else {}),
+        "limit_tok_s": 1 / bound if bound > 0 else None,
+        "limit_tier": slowest + (" + host compute" if host_compute else ""),
+        "decode_vs_limit": bound / s_per_tok if bound > 0 else None,
+        "cpu_experts": settings.cpu_experts,
         "residency": model.residency_now(),
         # One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass).
         "decode_graph": model.graph_stats(),
@@ -520,6 +537,22 @@ def measure_device_copy(device, nbytes: int = GiB) -> float:
     finally:
         del src, dst
         torch.cuda.empty_cache()
+
+
+def measure_host_read(threads: int, nbytes: int = GiB, passes: int = 3) -> dict:
+    """How fast `threads` threads read host RAM (a buffer of `nbytes`, touched first; best of `passes`
+    reads, each one native call): what experts computed on the host's cores are bound by."""
+    import torch
+    from .kernels import cpu_native
+    if not cpu_native.available():
+        return {"gbps": 0.0}
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        cpu_native.read_memory([buf], threads)
+        best = min(best, time.perf_counter() - t0)
+    return {"bytes": nbytes, "seconds": best, "gbps": nbytes / best / GB if best > 0 else 0.0, "threads": threads}
 
 
 def measure_pinned_copy(device, nbytes: int = 256 << 20) -> float:
@@ -562,6 +595,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (default 64)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, sharing every pass; "
                                                         "rates count all of them (default 1)")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="decode passes after the prefill that are decoded but not timed, on top of --tokens (a "
+                        "cache is measured in its steady state; default 1 for a model streamed to a CUDA "
+                        "device, else 0)")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of a table")
     p.add_argument("--drop-cache", default=True, action=argparse.BooleanOptionalAction,
                    help="when streaming, evict the model's own files (only those, per file) from the page "
@@ -575,7 +612,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 def handle_cli(args: argparse.Namespace) -> int:
     settings = from_args(args)
     r = run_bench(args.model, tokens=args.tokens, prompt_tokens=args.prompt_tokens, settings=settings,
-                  drop_cache=args.drop_cache, batch=args.batch)
+                  drop_cache=args.drop_cache, batch=args.batch, warmup_tokens=args.warmup_tokens)
     if args.json:
         print(json.dumps(r, indent=2))
     else:

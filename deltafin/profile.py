@@ -72,12 +72,19 @@ def summarize(passes: list[PassStats]) -> dict:
         "bytes_by_source_per_token": {name: getattr(total, field) / n for name, field in SOURCES},
         "device_bytes_per_token": total.bytes_on_device / n,
         "h2d_bytes_per_token": total.bytes_to_device / n,  # of the bytes above, those copied to the device
+        "host_compute_bytes_per_token": total.bytes_host_compute / n,  # ... and those computed on the host's cores
         "experts_per_token": total.experts_loaded / n,
-        # Shares served by host RAM (pinned or cached) of the spines the streamer served and of the
-        # routed experts; None where nothing was streamed.
+        # Shares served by host RAM (pinned or cached) of the spines and of the routed experts the host
+        # streamer served (under a device: those the device did not hold); None where nothing was streamed.
         "spine_cache_hit_rate": total.spines_cached / total.spines_loaded if total.spines_loaded else None,
-        "expert_cache_hit_rate": (total.experts_cached / total.experts_loaded
-                                  if total.spines_loaded and total.experts_loaded else None),
+        "expert_cache_hit_rate": (total.experts_cached / total.experts_streamed
+                                  if total.experts_streamed else None),
+        # Of all routed experts: those served by the device's memory, the host-RAM cache, the disk
+        # (None but on a device that streams).
+        "expert_hit_rates": ({"device": 1 - total.experts_streamed / total.experts_loaded,
+                              "ram": total.experts_cached / total.experts_loaded,
+                              "disk": (total.experts_streamed - total.experts_cached) / total.experts_loaded}
+                             if total.bytes_on_device and total.experts_streamed else None),
         "spine_wait_seconds": total.spine_wait_seconds,
         "expert_wait_seconds": total.expert_wait_seconds,
         "compute_seconds": total.compute_seconds,

@@ -63,6 +63,12 @@ class Settings:
                             "respected), keep headroom, and give memory back as soon as free memory falls or "
                             "memory pressure appears (a set budget does the same below its ceiling). 0 = no "
                             "cache. Printed at start")
+    cpu_experts: str = _knob("auto", "with a CUDA / MPS device that streams: compute the routed experts the host serves "
+                             "(its RAM cache, or the disk) on the host's cores, so their weights never cross to the "
+                             "device (on), or copy them to the device (off); auto = per MoE layer, whichever its "
+                             "first such expert measured faster (the copy, or the host's product of one row). Only "
+                             "passes of up to 8 rows: a prompt's experts are always copied",
+                             choices=("auto", "on", "off"))
     prefetch: str = _knob("off", "when streaming, read a MoE layer's likely experts before its router runs, at the "
                           "lowest read priority (demand reads go first; a guess the router confirms while it "
                           "is still being read is waited for, not read again): early = the layer's router "

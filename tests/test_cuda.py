@@ -34,3 +34,38 @@ def test_cuda_greedy_generation_matches_cpu(tiny_k3_path):
     gpu = deltafin.load(tiny_k3_path, device="cuda", stream="on")
     assert gpu.generate(prompt, max_new_tokens=12) == gpu.generate(prompt, max_new_tokens=12, speculate=False)
     assert len(cpu) == 12 and gpu.generate(prompt, max_new_tokens=12, speculate=False)[:4] == cpu[:4]
+
+
+def _decoded_logits(model, ids, prompt: int = 6):
+    """Logits of a prompt pass, then of one token per pass (decode passes), with each pass's stats."""
+    eng = model.engine
+    state = eng.new_state()
+    out, stats = [eng.forward(ids[:prompt], state).float().cpu()], []
+    for t in ids[prompt:]:
+        out.append(eng.forward([t], state).float().cpu())
+        stats.append(eng.last_pass)
+    return torch.cat(out), stats
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+@pytest.mark.parametrize("cpu_experts", ["on", "off", "auto"])
+def test_cuda_over_host_ram_cache_with_host_experts_matches_cpu(request, fixture, cpu_experts):
+    """The device holds every spine and two experts per layer, the pinned host-RAM cache the rest;
+    decode passes compute the host's experts on its cores (on), copy them (off), or as measured (auto):
+    the CPU's logits every way, and the bytes say where each expert went."""
+    path = request.getfixturevalue(fixture)
+    ids = torch.randint(5, 500, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    want, _ = _decoded_logits(deltafin.load(path, device="cpu", stream="off"), ids)
+    sizes = ModelSizes.of(deltafin.load(path, device="cpu", stream="off").source)
+    budget = (sizes.globals_bytes + sum(sizes.spine_bytes) + 2 * sum(sizes.expert_bytes)) / 1e9
+    m = deltafin.load(path, device="cuda", stream="on", gpu_budget=str(budget), ram_budget="auto",
+                      cpu_experts=cpu_experts)
+    got, stats = _decoded_logits(m, ids)
+    assert (got - want).abs().max().item() <= 1e-3
+    host = sum(s.bytes_host_compute for s in stats)
+    assert sum(s.bytes_on_device for s in stats) > 0 and sum(s.bytes_from_ram for s in stats) > 0
+    assert (host > 0) if cpu_experts == "on" else (host == 0) if cpu_experts == "off" else True
+    res = m.residency_now()
+    assert res["pinned_host_buffers"] > 0 and res["host"]["cache"]["experts_held"] > 0
+    if cpu_experts == "auto":
+        assert res["host_choices"]  # measured, per layer

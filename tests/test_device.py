@@ -51,6 +51,20 @@ def test_expert_slots_keep_the_most_routed():
     assert empty.held_count() == 0
 
 
+def test_expert_slots_give_up_spare_copies_first():
+    """A copy a tier above also holds is evicted before any other, however often it is routed."""
+    s = ExpertSlots(slots=2)
+    for chosen in ([1, 2], [1, 2], [1], [3]):
+        s.routed(0, chosen)
+    s.offer(0, 1, "w1")
+    s.offer(0, 2, "w2")
+    assert not s.admit(0, 3)  # 3 is the coldest: no room for it
+    s.spare[0] = {1}
+    assert s.admit(0, 3) and s.get(0, 1) is None and s.get(0, 2) == "w2"
+    s.put(0, 3, "w3")
+    assert s.resize(1) == ["w3"]  # no spare left: the coldest goes
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "0", "inf", "nan", ""])
 def test_gpu_budget_rejects_bad_values(value):
     with pytest.raises(SettingsError, match="gpu_budget"):
@@ -198,3 +212,60 @@ def test_cuda_half_gemv_matches_torch_products():
         for got in (linear(x, HalfMatmul(w, torch.bfloat16)), half_gemv_triton.half_gemv(x, w, {"BN": 4, "BK": 128})):
             assert got.shape == want.shape and got.dtype == torch.float32
             assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), (N, K)
+
+
+def _expert_reads(source, budget: int, ram_budget: str, ids):
+    """Logits, the decode passes' stats, and what each tier holds at the end, for a device that
+    holds every spine and two experts per layer over a host-RAM cache of `ram_budget` over disk."""
+    settings = Settings.resolve({"device": "cpu", "ram_budget": ram_budget})
+    provider = DeviceProvider(source, settings, plan(ModelSizes.of(source), budget, "cpu"))
+    try:
+        logits, stats = _logits(source, provider, settings, ids)
+        host = provider._host.cache
+        on_device = {i: set(v) for i, v in provider._slots.held.items()}
+        in_ram = {i: set(v) for i, v in host._experts.held.items()} if host is not None else {}
+        return logits, stats, on_device, in_ram
+    finally:
+        provider.close()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_device_over_host_ram_over_disk(request, fixture):
+    """Three tiers at once: the device's slots, the host-RAM cache under them, the disk under both.
+    Logits equal the RAM provider's whatever holds what; with room in RAM no expert is read from
+    disk twice (an expert the device lets go is still in RAM); with too little, RAM gives up its
+    copies of the device's experts first, and bytes come from all three tiers."""
+    source = open_source(request.getfixturevalue(fixture))
+    ids = torch.randint(5, 500, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    want, _ = _logits(source, RAMProvider(source), Settings.resolve({"device": "cpu"}), ids)
+    sizes = ModelSizes.of(source)
+    budget = sizes.globals_bytes + sum(sizes.spine_bytes) + 2 * sum(sizes.expert_bytes)
+    every_expert = sizes.num_experts * sum(sizes.expert_bytes)
+
+    got, stats, on_device, in_ram = _expert_reads(source, budget, "auto", ids)
+    assert (got - want).abs().max().item() < 1e-4
+    assert sum(s.bytes_read for s in stats) <= every_expert  # each expert off the disk once at most
+    assert sum(s.bytes_from_ram for s in stats) > 0 and sum(s.bytes_on_device for s in stats) > 0
+
+    got, stats, _, _ = _expert_reads(source, budget, "0", ids)  # no RAM tier: device misses go to disk
+    assert (got - want).abs().max().item() < 1e-4
+    assert sum(s.bytes_read for s in stats) > every_expert
+
+    # Room in RAM for three experts per layer beyond the streamer's own buffers (as a decode pass
+    # needs them): the three tiers all serve.
+    moe = sum(1 for b in sizes.expert_bytes if b)
+    settings = Settings.resolve({"device": "cpu", "ram_budget": "auto"})
+    probe = DeviceProvider(source, settings, plan(sizes, budget, "cpu"))
+    try:
+        _logits(source, probe, settings, ids[:8])
+        host = probe.residency()["host"]
+    finally:
+        probe.close()
+    ram = host["fixed_bytes"] + 3 * host["cache"]["slot_bytes"]
+    got, stats, on_device, in_ram = _expert_reads(source, budget, str(ram / 1e9), ids)
+    assert (got - want).abs().max().item() < 1e-4
+    assert all(sum(getattr(s, k) for s in stats) > 0 for k in ("bytes_on_device", "bytes_from_ram", "bytes_read"))
+    assert all(len(v) <= 3 for v in in_ram.values())
+    # the RAM slots went to experts the device does not hold (its copies of the device's went first)
+    assert not any(in_ram[i] & on_device.get(i, set()) for i in in_ram)
+    assert sum(len(v) for v in in_ram.values()) >= moe

@@ -345,3 +345,13 @@ def test_routing_figures_best_cache_of_the_slots():
     assert r["routings"] == 19 and r["counts_by_rank"] == {"1": [6, 2, 1, 0], "3": [5, 5, 0, 0]}
     assert r["best_hit_rate"] == (6 + 5) / 19 and r["top10_share"] == (6 + 5) / 19  # top 10% of 4 = 1
     assert routing_figures({}, {}, None) is None and "best_hit_rate" not in routing_figures(before, after, None)
+
+
+def test_bench_warmup_tokens_are_decoded_but_not_timed(tiny_k3_path, capsys):
+    r = _bench_json(capsys, "--model", tiny_k3_path, "--stream", "on", "--tokens", "3", "--warmup-tokens", "2",
+                    "--ram-budget", "auto")
+    assert r["warmup_tokens"] == 2 and r["decode_tokens"] == 2  # --tokens counts the prefill's token
+    # after two tokens in the cache, the measured ones read less from disk than the whole model's spines
+    assert r["disk_bytes_per_token"] < r["io_split"]["spine_bytes_per_token"]
+    with pytest.raises(ValueError, match="--warmup-tokens"):
+        _bench_json(capsys, "--model", tiny_k3_path, "--warmup-tokens", "-1")

@@ -8,18 +8,29 @@ often so far (``placement.ExpertSlots``; an expert enters a slot when it had to 
 anyway, so keeping it costs no extra copy). Memory is given back only when the provider is
 dropped, or when a held expert is displaced by one routed more often.
 
-Everything else comes from the streamer (``io.stream``): disk -> its page-aligned buffers, which
-this provider registers as pinned memory so the O_DIRECT reads land in memory the device can copy
-from asynchronously -> device, on a dedicated copy stream. The compute stream waits for a copy's
+Everything else comes from the streamer (``io.stream``) and its host-RAM cache: disk -> page-aligned
+buffers, every one of which (read-ahead, expert slots, the cache's spines and experts) is made as
+pinned memory (``PinnedBuffer``), so the O_DIRECT reads land in memory the device can copy from
+asynchronously and a cache hit is copied straight from the cache -> device, on a dedicated copy
+stream. The host-RAM cache is told which experts the device's slots hold (``above``): its copies of
+those are the first it gives up for room, so under a tight RAM budget the two tiers hold different
+experts, and with room to spare an expert the device lets go is still in RAM. The compute stream waits for a copy's
 event; the host never waits for a copy except before the streamer reuses the buffer copied from:
 it reuses a spine buffer when the next spine is asked for and its expert slots at the next
 experts call, so both calls first wait for the last copy out of them (normally long finished:
 the copy was queued a layer earlier). Tensors made on the copy stream are marked as used by the
 compute stream, so the allocator does not hand their memory out again before the layer ran.
 
-Accounted per pass: bytes read from device-resident weights (``bytes_on_device``) and bytes
-copied host -> device (``bytes_to_device``), besides what the streamer accounts (disk reads,
-waits).
+Experts computed where they lie (``cpu_experts``): in a pass of few rows (a decode), the experts
+the host serves and the device's slots do not take stay in host memory, and the MoE layer computes
+them on the host's cores from the rows it sends down (``model.moe``), while the device computes the
+rest; their weights never cross PCIe. ``auto`` decides per layer from the first such expert: the
+time its copy took against the time the host's product of one row took with it (plus a round trip
+of the rows). Prompt passes always copy (many rows: the device's products win there).
+
+Accounted per pass: bytes read from device-resident weights (``bytes_on_device``), bytes copied
+host -> device (``bytes_to_device``) and experts computed on the host (``bytes_host_compute``),
+besides what the streamer accounts (disk reads, waits).
 
 On MPS (untested: no such machine was available) copies go through the same code without a copy
 stream: ``.to(device)``, which orders itself with the compute queue.
@@ -40,6 +51,7 @@ from ..model.moe import chosen_experts
 from ..units import GB, GiB
 from .placement import ExpertSlots, Placement, plan, require_everything
 from .ram import done
+from .reader import AlignedBuffer, align_up
 
 
 def _tensors(w):
@@ -75,6 +87,12 @@ def _held(name: str, w, device: torch.device):
     return _move(w, device)
 
 
+# The most rows a pass may have for its host-served experts to be computed on the host (cpu_experts).
+HOST_ROWS = 8
+# What sending a layer's rows to the host and the sum back adds to the host's products (two small
+# copies and a wait; measured on the H200 host at ~30-60 us), counted against the host in ``auto``.
+HOST_ROUND_TRIP_S = 60e-6
+
 # Device memory left free under an automatic budget: decode states, activations, the allocator's
 # rounding and the streamed layers' transient copies.
 HEADROOM_MIN = 2 * GiB
@@ -107,27 +125,71 @@ def device_placement(source, settings, device: torch.device, stream: str) -> tup
     return p, f"{p.describe()}; budget {how}"
 
 
+class PinnedBuffer(AlignedBuffer):
+    """An AlignedBuffer registered as pinned (page-locked) memory while it lives, so that copies out
+    of it to the device are asynchronous DMA. The registration ends before the mapping does: when the
+    buffer is dropped (a cache gives memory back) its finalizer first waits for the copy stream (no
+    copy may still read from it), then unregisters; the mapping goes with the last view of it.
+    (A registration that outlived its memory would make a new buffer mapped at the same address
+    impossible to register.) Registering costs about what touching every page does: once per buffer."""
+
+    def __init__(self, nbytes: int, stream, registry: weakref.WeakSet):
+        super().__init__(nbytes)
+        self._stream = stream
+        _register(self._map, self.nbytes)
+        self._finalizer = weakref.finalize(self, _unregister_map, stream, self._map)
+        registry.add(self)
+
+    def trim(self, nbytes: int) -> None:
+        # Pages given back while registered would stay locked (and the device would go on reading
+        # the old ones): register the smaller range instead.
+        if align_up(max(nbytes, 1)) < self.nbytes:
+            self._finalizer()
+            super().trim(nbytes)
+            _register(self._map, self.nbytes)
+            self._finalizer = weakref.finalize(self, _unregister_map, self._stream, self._map)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _map_address(m) -> int:
+    return torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+
+
+def _register(m, nbytes: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(_map_address(m), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"registering a {nbytes}-byte read buffer as pinned memory failed (CUDA error {int(err)})")
+
+
+def _unregister_map(stream, m) -> None:
+    try:
+        stream.synchronize()  # no copy may still read from it
+        torch.cuda.cudart().cudaHostUnregister(_map_address(m))
+    except Exception:  # at interpreter exit CUDA may be gone before the buffer: nothing left to do
+        pass
+
+
 class _Copier:
-    """Host -> device copies on a dedicated stream (CUDA) whose events the compute stream waits on."""
+    """Host -> device copies on a dedicated stream (CUDA) whose events the compute stream waits on,
+    and the host buffers they copy from (pinned on CUDA)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # Host buffers registered as pinned memory. The list keeps them mapped while registered: the
-        # finalizer (close, or the copier being dropped) unregisters them first, so no registration
-        # outlives its memory (a new buffer mapped at the same address could not be registered).
-        self.pinned: list = []
-        self._finalizer = weakref.finalize(self, _unregister, self.stream, self.pinned)
+        self._pinned: weakref.WeakSet = weakref.WeakSet()
 
-    def pin(self, buf) -> None:
-        """Register a streamer buffer as pinned memory (once), so copies from it are asynchronous."""
-        if self.stream is None or any(b is buf for b in self.pinned):
-            return
-        err = torch.cuda.cudart().cudaHostRegister(_address(buf), buf.nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"registering a {buf.nbytes}-byte read buffer as pinned memory failed (CUDA error "
-                               f"{int(err)})")
-        self.pinned.append(buf)
+    def buffer(self, nbytes: int) -> AlignedBuffer:
+        """A host buffer to read weights into (pinned memory where copies can use it)."""
+        if self.stream is None:
+            return AlignedBuffer(nbytes)
+        return PinnedBuffer(nbytes, self.stream, self._pinned)
+
+    def pinned(self) -> tuple[int, int]:
+        """(buffers, bytes) registered as pinned memory now."""
+        bufs = list(self._pinned)
+        return len(bufs), sum(b.nbytes for b in bufs)
 
     def copy(self, w):
         """`w` (tensors / QWeights, dict or tuple) on the device; (moved, event or None)."""
@@ -146,19 +208,8 @@ class _Copier:
         return moved, event
 
     def close(self) -> None:
-        self._finalizer()
-
-
-def _address(buf) -> int:
-    return torch.frombuffer(buf.mem, dtype=torch.uint8).data_ptr()
-
-
-def _unregister(stream, pinned: list) -> None:
-    if stream is not None:
-        stream.synchronize()  # no copy may still read from a buffer
-        for b in pinned:
-            torch.cuda.cudart().cudaHostUnregister(_address(b))
-    pinned.clear()
+        for b in list(self._pinned):
+            b.release()
 
 
 def _wait(event) -> None:
@@ -189,11 +240,13 @@ class DeviceProvider:
         self._host = None
         if not placement.everything:
             from .stream import StreamProvider
-            # No host-RAM cache under it yet: the copier registers the streamer's buffers as pinned
-            # memory once, which a cache that resizes them would invalidate.
-            self._host = StreamProvider(source, settings, held=placement.spine_layers, cache=False)
-            for buf in self._host.spine_buffers():
-                self._copier.pin(buf)
+            self._host = StreamProvider(source, settings, held=placement.spine_layers,
+                                        new_buffer=self._copier.buffer)
+        # Per MoE layer, whether host-served experts of small passes are computed on the host.
+        mode = settings.cpu_experts if self.device.type != "cpu" else "off"
+        self._cpu_experts = mode
+        self._host_compute: dict[int, bool] = {}
+        self.host_choices: dict[int, dict] = {}  # auto's measurements, per layer
         self._spine_copy = None  # event of the last copy out of a streamer spine buffer
         self._expert_copy = None  # ... and out of its expert slots
 
@@ -278,9 +331,18 @@ class DeviceProvider:
             return done(got)
         _wait(self._expert_copy)  # the streamer reuses its expert slots in this call
         pending = self._host.experts(i, missing, stats, residual)
-        for buf in self._host.expert_buffers():
-            self._copier.pin(buf)
-        return _Arriving(self, i, pending, got, stats)
+        rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
+        return _Arriving(self, i, pending, got, stats, self._cpu_experts != "off" and rows <= HOST_ROWS)
+
+    def _on_host(self, i: int, e: int, w) -> bool:
+        """Whether layer i computes its host-served experts on the host (``auto``: measured on `w`)."""
+        if self._cpu_experts == "on":
+            return True
+        if i not in self._host_compute:
+            copy_s, host_s = _time_copy(self._copier, w), _time_host_product(w)
+            self._host_compute[i] = host_s + HOST_ROUND_TRIP_S < copy_s
+            self.host_choices[i] = {"copy_s": copy_s, "host_s": host_s, "host": self._host_compute[i]}
+        return self._host_compute[i]
 
     # -- introspection -----------------------------------------------------------------------
     def residency(self) -> dict:
@@ -289,7 +351,16 @@ class DeviceProvider:
         out["experts_held"] = (self._slots.held_count()
                                + self.config.num_experts * (len(self._stacks) + len(self._all)))
         out["grouped_expert_layers"] = len(self._stacks)
-        out["pinned_host_buffers"] = len(self._copier.pinned)
+        out["pinned_host_buffers"], out["pinned_host_bytes"] = self._copier.pinned()
+        if self._host is not None:
+            out["cpu_experts"] = self._cpu_experts
+            if self.host_choices:
+                out["host_compute_layers"] = sorted(i for i, c in self.host_choices.items() if c["host"])
+                out["host_choices"] = self.host_choices
+        if self._host is not None:
+            host = self._host.residency()
+            if host:
+                out["host"] = host
         return out
 
     def resident_bytes(self) -> dict[str, int]:
@@ -306,19 +377,63 @@ class DeviceProvider:
 
 
 class _Arriving:
-    """Experts of one layer: the held ones now, the fetched ones once read and copied to the device."""
+    """Experts of one layer: the held ones now, the fetched ones once read and copied to the device
+    (`host_ok`: those the device's slots do not take may stay on the host, see ``cpu_experts``)."""
 
-    def __init__(self, provider: DeviceProvider, i: int, pending, held: dict, stats):
+    def __init__(self, provider: DeviceProvider, i: int, pending, held: dict, stats, host_ok: bool):
         self.provider, self.i, self.pending, self.held, self.stats = provider, i, pending, held, stats
+        self.host_ok = host_ok
 
     def result(self) -> dict:
         got = self.pending.result()  # the streamer's expert wait is accounted by the streamer
-        p = self.provider
+        p, i = self.provider, self.i
+        before = set(p._slots.held.get(i, {}))
+        stay, admitted = {}, None
+        if self.host_ok and got:
+            # Those the device's slots take are copied (the device keeps them); the others may stay.
+            admitted = {e for e in got if p._slots.admit(i, e)}
+            rest = {e: w for e, w in got.items() if e not in admitted}
+            if rest and p._on_host(i, *next(iter(rest.items()))):
+                stay, got = rest, {e: got[e] for e in admitted}
         t0 = time.perf_counter()
-        moved, p._expert_copy = p._copier.copy(got)
+        moved, p._expert_copy = p._copier.copy(got) if got else ({}, p._expert_copy)
         self.stats.expert_wait_seconds += time.perf_counter() - t0
-        self.stats.bytes_to_device += len(got) * p._expert_bytes[self.i]
+        self.stats.bytes_to_device += len(got) * p._expert_bytes[i]
+        self.stats.bytes_host_compute += len(stay) * p._expert_bytes[i]
         for e, w in moved.items():
-            p._slots.offer(self.i, e, w)
-        return {**self.held, **moved}
+            if admitted is None:
+                p._slots.offer(i, e, w)
+            elif e in admitted:
+                p._slots.put(i, e, w)
+        after = set(p._slots.held.get(self.i, {}))
+        for e in after - before:
+            p._host.above(self.i, e, True)
+        for e in before - after:
+            p._host.above(self.i, e, False)
+        return {**self.held, **moved, **stay}
+
+
+def _time_copy(copier: _Copier, w) -> float:
+    """Seconds one host->device copy of `w` takes, as the copier makes it."""
+    t0 = time.perf_counter()
+    _, event = copier.copy(w)
+    _wait(event)
+    return time.perf_counter() - t0
+
+
+def _time_host_product(w) -> float:
+    """Seconds the host's product of one row with expert `w` (w1, w3, w2) takes (the second of two
+    runs: the first touches the weights)."""
+    from ..kernels import experts_cpu
+    w1 = w[0]
+    x = torch.zeros(1, w1.shape[1], dtype=torch.float32)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    one = torch.ones(1, 1, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        if experts_cpu.routed(lambda g, u: g * u, x, ids, one, {0: w}) is None:
+            return float("inf")  # no native product for it here
+        best = time.perf_counter() - t0
+    return best
 

@@ -42,9 +42,11 @@ class _TimedFuture(Future):
 
 
 class ExpertReader:
-    def __init__(self, source, pool: ReadPool, files, origin: ReadOrigin, cache, decode_slots: int):
+    def __init__(self, source, pool: ReadPool, files, origin: ReadOrigin, cache, decode_slots: int,
+                 new_buffer=AlignedBuffer):
         """`cache`: the host-RAM cache, or None; `decode_slots`: the slots a decode pass
-        needs (top-k), kept at a pass's end."""
+        needs (top-k), kept at a pass's end; `new_buffer(nbytes)`: makes a buffer."""
+        self._new_buffer = new_buffer
         self._source, self._pool, self._files, self._origin = source, pool, files, origin
         self._cache = cache
         self._decode_slots = decode_slots
@@ -98,9 +100,9 @@ class ExpertReader:
         for lay, b in zip(layouts, own):
             if b is None:
                 if k == len(self._slots):  # more distinct experts than ever before (a prefill)
-                    self._slots.append(AlignedBuffer(lay.capacity))
+                    self._slots.append(self._new_buffer(lay.capacity))
                 elif self._slots[k].nbytes < lay.size:  # an expert split into more runs than the others
-                    self._slots[k] = AlignedBuffer(lay.capacity)
+                    self._slots[k] = self._new_buffer(lay.capacity)
                 b, k = self._slots[k], k + 1
             bufs.append(b)
         self._slots_used = max(self._slots_used, k)

@@ -12,6 +12,7 @@ network delivered.
 """
 from __future__ import annotations
 
+import importlib
 import re
 import threading
 import time
@@ -71,7 +72,6 @@ class Remote:
         raise AssertionError("unreachable")
 
     def _once(self, file: str, span: tuple[int, int] | None):
-        import httpx2
         from huggingface_hub.utils import build_hf_headers, get_session
 
         headers = build_hf_headers()
@@ -92,7 +92,7 @@ class Remote:
                         self.bytes_received += len(chunk)
                     if want is not None and len(body) > want:
                         raise _Retry(f"the server sent more than the {want} bytes asked for")
-        except httpx2.TransportError as e:  # reset, refused, timed out, cut mid-body
+        except _client_errors("TransportError") as e:  # reset, refused, timed out, cut mid-body
             raise _Retry(f"connection failed ({type(e).__name__}: {e})") from None
         if want is not None and len(body) != want:
             raise _Retry(f"the body has {len(body)} bytes, {want} were due (cut short)")
@@ -130,9 +130,20 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
+def _client_errors(name: str) -> tuple[type[BaseException], ...]:
+    """The HTTP client's error class `name` (HTTPError, TransportError): huggingface_hub's client is
+    httpx2 in recent releases and httpx in older ones, so both are caught where installed."""
+    out = []
+    for module in ("httpx2", "httpx"):
+        try:
+            out.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
 def resolve_commit(repo_id: str, revision: str, endpoint: str | None) -> str:
     """The commit `revision` (branch, tag or commit) of `repo_id` points to now."""
-    import httpx2
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -142,7 +153,7 @@ def resolve_commit(repo_id: str, revision: str, endpoint: str | None) -> str:
     except HfHubHTTPError as e:
         raise HubError(f"{repo_id} (revision {revision}): cannot read its config.json from the Hugging Face hub "
                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    except (httpx2.HTTPError, OSError) as e:  # connection refused, DNS, ...
+    except (*_client_errors("HTTPError"), OSError) as e:  # connection refused, DNS, ...
         raise HubError(f"{repo_id} (revision {revision}): cannot reach the Hugging Face hub "
                        f"({type(e).__name__}: {e})") from None
     if not meta.commit_hash or not re.fullmatch(r"[0-9a-f]{40}", meta.commit_hash):

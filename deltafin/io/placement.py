@@ -1,6 +1,6 @@
 """Which weights one memory tier holds for good, given its byte budget.
 
-One plan for every tier (device memory now; host RAM can take the same plan with its own budget):
+One plan for every tier (device memory, and host RAM under it with its own budget: ``ram_cache``):
 
 1. the globals (final norm, lm_head, output attn-res; the embedding table stays in host memory,
    one row per token is all a pass needs of it) must fit, or nothing can run from this tier;
@@ -99,7 +99,9 @@ class ExpertSlots:
     ``admit`` is asked for an expert that has to be fetched anyway: it says yes while the layer has
     a free slot, and when the expert now scores above the layer's coldest held one (which it evicts);
     ``put`` then stores the fetched weights (an opaque value). ``resize`` changes the slots per layer
-    and returns what it evicted. Not thread-safe: a caller shared between threads locks around it."""
+    and returns what it evicted. ``spare[i]``: held experts of layer i that a tier above holds too:
+    their copy here is needed only once that tier lets them go, so they are evicted first, whatever
+    their score. Not thread-safe: a caller shared between threads locks around it."""
 
     def __init__(self, slots: int, half_life: float = 32.0):
         self.slots = slots
@@ -107,6 +109,7 @@ class ExpertSlots:
         self.scores: dict[int, dict[int, float]] = {}
         self._step: dict[int, int] = {}
         self.held: dict[int, dict] = {}  # layer -> {expert: weights}
+        self.spare: dict[int, set] = {}
 
     def routed(self, i: int, chosen) -> None:
         scores = self.scores.setdefault(i, {})
@@ -126,8 +129,12 @@ class ExpertSlots:
         return self.held.get(i, {}).get(e)
 
     def coldest(self, i: int, keep=()) -> int | None:
-        """Layer i's held expert with the lowest score, leaving out those in `keep`; None: none."""
-        return min((x for x in self.held.get(i, {}) if x not in keep), key=lambda x: self.score(i, x), default=None)
+        """Layer i's held expert to evict first (a spare one, else the lowest score), leaving out
+        those in `keep`; None: none."""
+        layer = self.held.get(i, {})
+        pick = [x for x in self.spare.get(i, ()) if x in layer and x not in keep] or \
+            [x for x in layer if x not in keep]
+        return min(pick, key=lambda x: self.score(i, x), default=None)
 
     def admit(self, i: int, e: int, pending: int = 0, keep=()) -> bool:
         """Whether `e` (not held) should take a slot of layer i; evicts the coldest to make room.
@@ -139,7 +146,7 @@ class ExpertSlots:
         if len(layer) + pending < self.slots:
             return True
         coldest = self.coldest(i, keep)
-        if coldest is not None and self.score(i, e) > self.score(i, coldest):
+        if coldest is not None and (coldest in self.spare.get(i, ()) or self.score(i, e) > self.score(i, coldest)):
             del layer[coldest]
             return True
         return False

@@ -59,9 +59,10 @@ class Ahead:
 
 
 class Prefetcher:
-    def __init__(self, pool: ReadPool, layout_of, decode, cache=None, guesses: int = 8):
+    def __init__(self, pool: ReadPool, layout_of, decode, cache=None, guesses: int = 8, new_buffer=AlignedBuffer):
         """`layout_of(i, e)`: expert e of layer i's Layout; `decode(i, e, views)`: its weights;
-        `guesses`: the most experts one layer's guess reads (top-k)."""
+        `guesses`: the most experts one layer's guess reads (top-k); `new_buffer(nbytes)`: makes a buffer."""
+        self._new_buffer = new_buffer
         self._pool = pool
         self._layout_of = layout_of
         self._decode = decode
@@ -172,7 +173,7 @@ class Prefetcher:
         for k, b in enumerate(self._free):
             if b.nbytes >= nbytes:
                 return self._free.pop(k)
-        return AlignedBuffer(nbytes)
+        return self._new_buffer(nbytes)
 
 
 class Guesses:

@@ -49,9 +49,12 @@ from .reader import AlignedBuffer
 
 
 class RamCache:
-    def __init__(self, spine_bytes: list[int], expert_bytes: list[int], num_experts: int, log=None):
+    def __init__(self, spine_bytes: list[int], expert_bytes: list[int], num_experts: int, log=None,
+                 new_buffer=AlignedBuffer):
         """`spine_bytes[i]`: buffer bytes layer i's spine takes here (0 for a layer that is never
-        streamed: pinned, or held by a device); `expert_bytes[i]`: one expert of layer i (0: dense)."""
+        streamed: pinned, or held by a device); `expert_bytes[i]`: one expert of layer i (0: dense);
+        `new_buffer(nbytes)`: makes the buffer an admitted expert is read into."""
+        self._new_buffer = new_buffer
         self._sizes = ModelSizes(0, tuple(spine_bytes), tuple(expert_bytes), num_experts if any(expert_bytes) else 0)
         self._cacheable = [i for i, b in enumerate(spine_bytes) if b]
         self._lock = threading.Lock()
@@ -245,7 +248,7 @@ class RamCache:
                 self._expert_held -= old.nbytes
                 if buf is None and old.nbytes >= capacity:
                     return old
-            return buf if buf is not None else AlignedBuffer(capacity)
+            return buf if buf is not None else self._new_buffer(capacity)
 
     def put_expert(self, i: int, e: int, buf, weights) -> None:
         with self._lock:
@@ -259,6 +262,17 @@ class RamCache:
             if len(self._experts.held.get(i, {})) > before:
                 self._expert_held += buf.nbytes
 
+    def above(self, i: int, e: int, held: bool) -> None:
+        """Whether a tier above (the device) holds expert e of layer i now: while it does, the copy
+        here is the first to make room (``ExpertSlots.spare``); kept while there is room, it saves a
+        disk read once that tier lets the expert go."""
+        with self._lock:
+            spare = self._experts.spare.setdefault(i, set())
+            if held:
+                spare.add(e)
+            else:
+                spare.discard(e)
+
     def _promised(self) -> int:
         return sum(b for _, b in self._pending.values())
 
@@ -268,4 +282,5 @@ class RamCache:
             return {"target_bytes": self.target, "held_bytes": self._spine_held + self._expert_held,
                     "spine_layers_held": len(self._spines), "streamed_layers": len(self._cacheable),
                     "experts_held": self._experts.held_count(), "expert_slots_per_layer": self._experts.slots,
-                    "experts_in_layer": self._sizes.num_experts}
+                    "experts_in_layer": self._sizes.num_experts,
+                    "slot_bytes": sum(self._sizes.expert_bytes)}  # one expert slot in every MoE layer

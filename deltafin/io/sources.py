@@ -7,6 +7,7 @@ from pathlib import Path
 from ..checkpoint.source import HFSource
 from ..checkpoint.store import StoreSource, convert_command
 from ..settings import Settings
+from .fetch import HubError
 from .hub import HubSource, is_repo_id
 
 
@@ -19,7 +20,10 @@ def open_source(path: str | Path, spine: str = "auto", settings: Settings | None
             raise FileNotFoundError(f"{path}: no such checkpoint folder or store (nor a hub id owner/name)")
         if spine not in ("auto", "bf16"):
             raise ValueError(f"{path}: spine {spine!r} needs a converted store; a hub repository is read as published")
-        return HubSource(str(path), settings or Settings.resolve())
+        try:
+            return HubSource(str(path), settings or Settings.resolve())
+        except HubError as e:  # a mistyped local path reads as a repository id: say both
+            raise HubError(f"{e}; nor is there a local folder {str(path)!r}") from None
     if (p / "deltafin-store.json").exists():
         return StoreSource(p, spine=spine)
     if spine not in ("auto", "bf16"):

@@ -28,8 +28,8 @@ from .reader import AHEAD, SPINE_CHUNK, AlignedBuffer, Batch, Layout, ReadPool, 
 
 
 class _SpineBuffer:
-    def __init__(self, nbytes: int):
-        self.buf: AlignedBuffer | None = AlignedBuffer(nbytes)
+    def __init__(self, buf: AlignedBuffer):
+        self.buf: AlignedBuffer | None = buf
         self.layer: int | None = None  # layer being read (or read) into it
         self.origin = "disk"  # where its bytes come from (see origin.ReadOrigin)
         self.batch: Batch | None = None
@@ -48,9 +48,11 @@ class _SpineBuffer:
 
 class SpineReader:
     def __init__(self, source, pool: ReadPool, files, origin: ReadOrigin, layouts: list[Layout],
-                 pin_layers: int, streamable: list[int], cache=None):
+                 pin_layers: int, streamable: list[int], cache=None, new_buffer=AlignedBuffer):
         """`layouts[i]`: layer i's spine; `streamable`: the layers read here, neither pinned nor
-        held by a device provider; `cache`: the host-RAM cache, if there is one."""
+        held by a device provider; `cache`: the host-RAM cache, if there is one; `new_buffer(nbytes)`:
+        makes a buffer (a device provider's are pinned memory)."""
+        self._new_buffer = new_buffer
         self._source, self._pool, self._files, self._origin = source, pool, files, origin
         self._layouts = layouts
         self._cache = cache
@@ -58,14 +60,15 @@ class SpineReader:
         self._pinned: list[dict] = []
         self._pinned_bufs: list[AlignedBuffer] = []
         for i in range(pin_layers):
-            buf = AlignedBuffer(layouts[i].capacity)
+            buf = new_buffer(layouts[i].capacity)
             read_now(pool, layouts[i], buf)
             self._pinned_bufs.append(buf)
             self._pinned.append(source.decode_spine(i, views(buf.mem, layouts[i])))
         self.streamable = streamable
         self._streamed = streamable  # of them, those not cached now (see _follow_cache)
         self._ring_size = max((layouts[i].capacity for i in self._streamed), default=0)
-        self._bufs = [_SpineBuffer(self._ring_size), _SpineBuffer(self._ring_size)] if self._streamed else []
+        self._bufs = ([_SpineBuffer(new_buffer(self._ring_size)), _SpineBuffer(new_buffer(self._ring_size))]
+                      if self._streamed else [])
         self._cache_version = -1
 
     # -- a pass ------------------------------------------------------------------------------
@@ -207,7 +210,7 @@ class SpineReader:
         lay = self._layouts[layer]
         if b.buf is None or b.buf.nbytes < lay.capacity or b.buf.nbytes > max(self._ring_size, lay.capacity):
             b.buf = None  # the old one goes first: the two never coexist
-            b.buf = AlignedBuffer(max(self._ring_size, lay.capacity))
+            b.buf = self._new_buffer(max(self._ring_size, lay.capacity))
         jobs = [(run, b.buf.mem, s) for run, s in zip(lay.runs, lay.starts)]
         b.layer, b.held, b.origin, b.weights = layer, False, self._origin.of(lay), None
         self._files.prefetch(list(dict.fromkeys(run.file for run in lay.runs)))

@@ -50,14 +50,16 @@ from .spine_reader import SpineReader
 class StreamProvider:
     def __init__(self, source, settings: Settings, held: frozenset[int] = frozenset(), cache: bool = True,
                  memory_root: str = "/", watch: bool = True, layers: range | None = None,
-                 with_globals: bool = True):
+                 with_globals: bool = True, new_buffer=AlignedBuffer):
         """``held``: layers whose spine a device provider keeps; they are never read here.
         ``layers``: the layers whose weights are read (default all; a rank of a split model reads its
         own; ``pin_layers`` then pins only where the range starts at the first layer);
         ``with_globals``: whether the embedding, head and final norm are read too.
         ``cache``: whether a host-RAM cache may be kept (as ``settings.ram_budget`` says);
         ``memory_root``: the file tree memory is read from (``/``; tests give a tree they write);
-        ``watch``: check memory from a thread a few times a second (else only ``watcher.check()``)."""
+        ``watch``: check memory from a thread a few times a second (else only ``watcher.check()``);
+        ``new_buffer(nbytes)``: makes every buffer the streamer and its cache read into (a device
+        provider's are pinned memory, so copies out of them to the device are asynchronous)."""
         self.source = source
         cfg = self.config = source.config
         self.settings = settings
@@ -76,7 +78,7 @@ class StreamProvider:
         self._globals, self._embed_row_bytes, self._global_pass_bytes = {}, 0, 0
         if with_globals:
             glayout = globals_layout(source)
-            self._global_buf = AlignedBuffer(glayout.capacity)
+            self._global_buf = new_buffer(glayout.capacity)
             read_now(self.pool, glayout, self._global_buf)
             self._globals = source.decode_globals(views(self._global_buf.mem, glayout))
             embed = self._globals["embed"]
@@ -89,19 +91,22 @@ class StreamProvider:
         self.streamable = [i for i in layers if i >= pin_layers and i not in held]
         ceiling = settings.ram_budget_bytes()
         self.cache: RamCache | None = None
-        if cache and ceiling != 0 and self.streamable:
-            moe = [i for i in layers if cfg.is_moe(i)]
+        moe = [i for i in layers if cfg.is_moe(i)]
+        # A cache is worth having while anything is read per pass: spines, or routed experts (under a
+        # device that holds every spine, the experts alone).
+        if cache and ceiling != 0 and (self.streamable or moe):
             self.cache = RamCache([align_up(layouts[i].capacity) if i in self.streamable else 0 for i in range(L)],
                                   [align_up(expert_layout(source, i, 0).capacity) if i in moe else 0
-                                   for i in range(L)], cfg.num_experts)
+                                   for i in range(L)], cfg.num_experts, new_buffer=new_buffer)
         self._spines = SpineReader(source, self.pool, self.files, origin, layouts, pin_layers, self.streamable,
-                                   self.cache)
-        self._experts = ExpertReader(source, self.pool, self.files, origin, self.cache, cfg.experts_per_token)
+                                   self.cache, new_buffer)
+        self._experts = ExpertReader(source, self.pool, self.files, origin, self.cache, cfg.experts_per_token,
+                                     new_buffer)
         self.prefetcher: Prefetcher | None = None
         self._guesses: Guesses | None = None
         if settings.prefetch != "off" and any(cfg.is_moe(i) for i in range(L)):
             self.prefetcher = Prefetcher(self.pool, self._experts.layout, source.decode_expert, self.cache,
-                                         guesses=cfg.experts_per_token)
+                                         guesses=cfg.experts_per_token, new_buffer=new_buffer)
             self._guesses = Guesses(cfg, settings.prefetch, self.prefetcher, self._spines.in_memory)
 
         self.watcher: Watcher | None = None
@@ -154,6 +159,7 @@ class StreamProvider:
         ``early`` prefetch guesses the next MoE layer's experts."""
         chosen = chosen_experts(ids)
         stats.experts_loaded += len(chosen)
+        stats.experts_streamed += len(chosen)
         got = self._experts.cached(i, chosen, stats)
         under_way = self._guesses.routed(i, ids, chosen, got, stats) if self._guesses is not None else {}
         missing = [e for e in chosen if e not in got and e not in under_way]
@@ -162,6 +168,11 @@ class StreamProvider:
             self._guesses.after_experts(i, residual, stats)
         self._note_fixed()
         return fut
+
+    def above(self, i: int, e: int, held: bool) -> None:
+        """Whether a tier above (the device) holds expert e of layer i now (see ``RamCache.above``)."""
+        if self.cache is not None:
+            self.cache.above(i, e, held)
 
     # -- introspection -----------------------------------------------------------------------
     def spine_buffers(self) -> list[AlignedBuffer]:

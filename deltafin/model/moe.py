@@ -65,6 +65,12 @@ def chosen_experts(ids) -> list[int]:
     return sorted(set(ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids))
 
 
+def _device(w) -> torch.device:
+    """Where an expert's weights (w1, w3, w2: tensors or stored QWeights) lie."""
+    first = w[0]
+    return first.device if isinstance(first, torch.Tensor) else next(iter(first.tensors.values())).device
+
+
 class MoE(Bindable):
     def __init__(self, cfg):
         super().__init__()
@@ -124,11 +130,43 @@ class MoE(Bindable):
             y = experts_cpu.routed(lambda g, u: glu(c, g, u), z, ids, weights, experts)
             if y is not None:
                 return y
+        host = {} if isinstance(experts, Stacked) else {e: w for e, w in experts.items() if _device(w) != z.device}
+        if host:
+            return self._split(z, ids, weights, experts, host)
         y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for e in chosen_experts(ids) if isinstance(experts, Stacked) else sorted(experts):
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            w1, w3, w2 = experts[e]
-            out = mlp(c, z[rows], w1, w3, w2)
-            # each token picks an expert at most once, so `rows` has no repeats
-            y[rows] += out.float() * weights[rows, slot].unsqueeze(-1)
+            self._add(y, z, rows, slot, weights, experts[e])
         return y
+
+    def _add(self, y, z, rows, slot, weights, w) -> None:
+        """y[rows] += the expert's output for z[rows], times its routing weight (slot: its place in the top-k)."""
+        w1, w3, w2 = w
+        out = mlp(self.cfg, z[rows], w1, w3, w2)
+        # each token picks an expert at most once, so `rows` has no repeats
+        y[rows] += out.float() * weights[rows, slot].unsqueeze(-1)
+
+    def _split(self, z, ids, weights, experts, host: dict) -> torch.Tensor:
+        """The routed sum with the experts in `host` computed where their weights lie (host memory, see
+        io.device ``cpu_experts``): the rows go down, the host's sum comes back and is added; the
+        device's experts are queued first, so the device computes them while the host computes."""
+        c = self.cfg
+        z_h = z.to("cpu", torch.float32)  # waits for z; the routing was read back already
+        ids_h, weights_h = ids.cpu(), weights.to("cpu", torch.float32)
+        y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
+        for e in sorted(experts):
+            if e not in host:  # rows found on the host: no read-back per expert
+                rows, slot = (ids_h == e).nonzero(as_tuple=True)
+                self._add(y, z, rows.to(z.device), slot.to(z.device), weights, experts[e])
+        mask = torch.isin(ids_h, torch.tensor(sorted(host)))
+        t, k = mask.nonzero(as_tuple=True)
+        pair_ids, pair_w = ids_h[t, k].unsqueeze(1), weights_h[t, k].unsqueeze(1)
+        glu_ = lambda g, u: glu(c, g, u)  # noqa: E731
+        out = experts_cpu.routed(glu_, z_h[t], pair_ids, pair_w, host) if experts_cpu.applies(z_h, host) else None
+        if out is None:
+            out = torch.zeros(len(t), z.shape[1], dtype=torch.float32)
+            for e in sorted(host):
+                rows, slot = (pair_ids == e).nonzero(as_tuple=True)
+                self._add(out, z_h[t], rows, slot, pair_w, host[e])
+        y_h = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32).index_add_(0, t, out)
+        return y + y_h.to(z.device, non_blocking=True)

@@ -24,9 +24,11 @@ class PassStats:
     bytes_from_ram: int = 0
     bytes_on_device: int = 0  # read from weights resident on the compute device
     bytes_to_device: int = 0  # copied host -> device
+    bytes_host_compute: int = 0  # of the host's bytes, experts a device run computed on the host's cores
     experts_loaded: int = 0
     spines_loaded: int = 0  # layers whose spine the host streamer served (from its RAM or the disk)
     spines_cached: int = 0  # of them, those from host RAM (pinned or cached)
+    experts_streamed: int = 0  # of experts_loaded, those the host streamer served (from its RAM cache or the disk)
     experts_cached: int = 0  # of experts_loaded, those a host-RAM cache served
     prefetch_bytes: int = 0  # read ahead of the router on a guess (also in bytes_read)
     prefetch_used_bytes: int = 0  # of them, experts the router then chose
