@@ -40,6 +40,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -926,10 +927,50 @@ static struct {
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER};
 
+/* A decode token's products follow each other tens to hundreds of microseconds apart (the model's
+   small ops run between them): a worker that slept after each call needed a futex wake and a
+   context switch to start the next, and the caller the same to learn a call was done. Both first
+   watch the shared counter for up to SPIN_NS, then sleep as before. */
+#define SPIN_NS 200000
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Wait (without the lock) while *v == old, for at most SPIN_NS; whether it changed. */
+static int spin_while_ulong(const unsigned long *v, unsigned long old) {
+    const int64_t end = now_ns() + SPIN_NS;
+    for (int i = 0;; i++) {
+        if (__atomic_load_n(v, __ATOMIC_ACQUIRE) != old) return 1;
+        cpu_relax();
+        if ((i & 255) == 255 && now_ns() > end) return 0;
+    }
+}
+
+static int spin_while_positive(const int *v) {
+    const int64_t end = now_ns() + SPIN_NS;
+    for (int i = 0;; i++) {
+        if (__atomic_load_n(v, __ATOMIC_ACQUIRE) <= 0) return 1;
+        cpu_relax();
+        if ((i & 255) == 255 && now_ns() > end) return 0;
+    }
+}
+
 static void *pool_worker(void *arg) {
     const int me = (int)(intptr_t)arg;  /* task index, 1.. */
     unsigned long seen = 0;
     for (;;) {
+        spin_while_ulong(&pool.call, seen);
         pthread_mutex_lock(&pool.m);
         while (pool.call == seen || me >= pool.tasks) {
             seen = pool.call;
@@ -941,7 +982,7 @@ static void *pool_worker(void *arg) {
         pthread_mutex_unlock(&pool.m);
         fn(a);
         pthread_mutex_lock(&pool.m);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&pool.done);
         pthread_mutex_unlock(&pool.m);
     }
     return NULL;
@@ -995,11 +1036,12 @@ static void run_parallel(task_fn fn, void *args, size_t size, int t) {
     const int ready = t - 1 < pool.workers ? t : pool.workers + 1;  /* tasks the pool can take */
     pool.fn = fn, pool.args = args, pool.size = size;
     pool.tasks = ready, pool.pending = ready - 1;
-    pool.call++;
+    __atomic_add_fetch(&pool.call, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.m);
     fn(args);
     for (int i = ready; i < t; i++) fn((char *)args + (size_t)i * size);  /* workers that could not start */
+    spin_while_positive(&pool.pending);
     pthread_mutex_lock(&pool.m);
     while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.m);
     pool.tasks = 0;
