@@ -95,8 +95,6 @@ class Model:
             from .dist.placement import agree
             if device.type != "cpu":
                 raise DeltafinError("a model split across ranks runs on the CPU only so far: add --device cpu")
-            if settings.prompt_cache:
-                raise DeltafinError("--prompt-cache is not available for a model split across ranks yet")
             self.placement = agree(group, self.source, settings)
             layers, with_globals = self.placement.ranges[group.rank], group.rank == 0
             need = self.placement.weight_bytes[group.rank]
@@ -121,7 +119,8 @@ class Model:
         self.row_threads = row_threads(settings, self.streaming)
         if group is not None and group.rank == 0:
             from .dist.pipeline import FrontEngine
-            self.engine = FrontEngine(group, self.config, provider, settings, self.row_threads, layers)
+            self.engine = FrontEngine(group, self.config, provider, settings, self.row_threads, layers,
+                                      self.placement.ranges)
         else:
             self.engine = Engine(self.config, provider, settings, self.row_threads, layers)
         if self.row_threads is not None and self.row_threads > self.threads:

@@ -120,7 +120,7 @@ def cmd_make_checkpoint(args) -> int:
 
 
 # -- a model split across ranks (torchrun) ------------------------------------------------------
-DIST_COMMANDS = ("run", "bench", "serve")
+DIST_COMMANDS = ("run", "chat", "bench", "serve")
 
 
 def run_launched(args, launch: dist_launch.Launch) -> int:

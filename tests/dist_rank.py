@@ -9,8 +9,9 @@ import sys
 import torch
 
 
-def parity(model) -> dict:
-    """Logits and tokens of every kind of pass and state operation (the test runs it in one process too)."""
+def parity(model, state_file=None) -> dict:
+    """Logits and tokens of every kind of pass and state operation (the test runs it in one process
+    too); with `state_file`, a state saved there and read back too."""
     from deltafin.runtime.engine import Seq
     from deltafin.runtime.generate import generate
     from deltafin.runtime.scheduler import Scheduler
@@ -28,6 +29,14 @@ def parity(model) -> dict:
     a.restore(snap)
     out["after_restore"] = model.forward([6], a)
     del snap, b
+    if state_file is not None:
+        from deltafin.runtime.saved_state import load_state, save_state
+        saved = model.new_state()
+        model.forward(prompt, saved)
+        save_state(model, state_file, prompt, saved)
+        ids, loaded, _ = load_state(model, state_file)
+        out["after_load"] = model.forward([6], loaded)
+        out["after_saved"] = model.forward([6], saved)
     out["greedy"] = model.generate(prompt, max_new_tokens=24)
     out["greedy_plain"] = model.generate(prompt, max_new_tokens=24, speculate=False)
     out["sampled"] = model.generate(prompt, max_new_tokens=24, temperature=0.9, seed=3)
@@ -49,7 +58,8 @@ def parity(model) -> dict:
 
 def hostile(model, how: str) -> None:
     """Rank 0 sends rank 1 a control message it must refuse: a huge declared length, bytes that are
-    not JSON, or a pass naming a state that does not exist."""
+    not JSON, a pass naming a state that does not exist, or a decode state to load that is too long
+    or is not its layers'."""
     from deltafin.dist import launch
     from deltafin.dist.transport import CONTROL
     group = launch.joined()
@@ -58,6 +68,11 @@ def hostile(model, how: str) -> None:
     elif how == "json":
         group._send(torch.tensor([4], dtype=torch.int64), 1, CONTROL)
         group._send(torch.tensor([0xff, 0xfe, 0x7b, 0x7b], dtype=torch.uint8), 1, CONTROL)
+    elif how == "state":
+        group.send_message(1, {"ops": [["new", 7]], "state_in": 7, "num_tokens": 1 << 40, "tensors": []})
+    elif how == "layers":
+        group.send_message(1, {"ops": [["new", 7]], "state_in": 7, "num_tokens": 2,
+                               "tensors": [["layers.0.S", "F32", [1 << 30, 1 << 30]]]})
     else:
         group.send_message(1, {"ops": [], "seqs": [[12345, [1, 2], False, "all"]]})
 
@@ -74,7 +89,7 @@ def main(path: str, out: str) -> int:
         if out.startswith("hostile:"):
             hostile(model, out.split(":", 1)[1])
             return 0
-        torch.save({**parity(model), "placement": [(r.start, r.stop) for r in model.placement.ranges]}, out)
+        torch.save({**parity(model, out + ".state"), "placement": [(r.start, r.stop) for r in model.placement.ranges]}, out)
         return 0
     finally:
         launch.leave()

@@ -74,10 +74,16 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
     got = torch.load(out)
     ranges = [range(a, b) for a, b in got.pop("placement")]
     assert len(ranges) == world and ranges[0].start == 0 and ranges[-1].stop == deltafin.load(path).config.num_layers
-    want = parity(deltafin.load(path, device="cpu", stream="off"))
+    alone = deltafin.load(path, device="cpu", stream="off")
+    want = parity(alone, tmp_path / "alone.state")
     assert set(got) == set(want)
-    for key in ("logits", "after_rollback", "after_restore"):
+    for key in ("logits", "after_rollback", "after_restore", "after_load", "after_saved"):
         assert torch.equal(got[key], want[key]), key
+    # A state saved across ranks is one process's file, and the other way round.
+    from deltafin.runtime.saved_state import load_state
+    _, state, _ = load_state(alone, str(out) + ".state")
+    assert torch.equal(alone.forward([6], state), want["after_load"])
+    assert (tmp_path / "alone.state").read_bytes() == (tmp_path / "out.pt.state").read_bytes()
     for key in ("batch", "batch2"):
         assert all(torch.equal(g, w) for g, w in zip(got[key], want[key])), key
     for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
@@ -102,6 +108,46 @@ def test_streamed_ranks_equal_one_process_on_the_cli(tiny_kl_path):
                                               "--max-new-tokens", "16", "--stream", "on", "The river"))
     assert results[0][1] == alone
     assert "placement across 2 ranks" in results[0][2] and "rank 1: layers" in results[0][2]
+
+
+def test_prompt_cache_across_ranks(tiny_k3_path, tmp_path):
+    """--prompt-cache under a launch: two ranks save the state after the prompt, and restore it on
+    the next run, with one process's output either way; the file is one process's."""
+    cache = tmp_path / "split.state"
+    args = ("run", "--model", str(tiny_k3_path), "--device", "cpu", "--max-new-tokens", "8", "--prompt-cache",
+            str(cache), "The river bank")
+    alone, results = _alone_and_on_two_ranks(args)  # the one process saves, the ranks restore
+    assert results[0][1] == alone and "restored the state" in results[0][2]
+    cache.unlink()
+    results = _finish(_start(lambda r: _cli(*args), 2))  # the ranks save ...
+    assert [rc for rc, _, _ in results] == [0, 0] and "saved the state" in results[0][2]
+    again = subprocess.run(_cli(*args), env=dict(os.environ, DELTAFIN_THREADS="1"), cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)  # ... and one process restores
+    assert again.returncode == 0 and again.stdout == alone and "restored the state" in again.stderr
+
+
+def test_chat_under_a_launch_saves_and_loads_conversations(tiny_k3_path, tmp_path):
+    """chat on rank 0 of two (stdin and the REPL there): the replies one process gives; a conversation
+    /save-d across ranks loads in one process and continues the same."""
+    saved = tmp_path / "talk.state"
+    cmd = ["chat", "--model", str(tiny_k3_path), "--device", "cpu", "--max-new-tokens", "6"]
+    env = dict(os.environ, DELTAFIN_THREADS="1")
+    script = f"Hi there\n/save {saved}\nAnd then?\n"
+    alone = subprocess.run(_cli(*cmd), input=script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    procs = _start_stdin(lambda r: _cli(*cmd), 2)
+    try:
+        so, se = procs[0].communicate(script, timeout=120)
+        assert procs[0].returncode == 0, se
+        assert so == alone.stdout
+        assert procs[1].wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    more = subprocess.run(_cli(*cmd), input=f"/load {saved}\nAnd then?\n", env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert more.returncode == 0, more.stderr
+    assert alone.stdout.rstrip().splitlines()[-1] in more.stdout  # the same reply to the same turn
 
 
 def test_torchrun_launch(tiny_k3_path):
@@ -156,10 +202,15 @@ def test_a_lost_rank_ends_the_request_naming_it(how, tiny_kl_path):
 
 
 @pytest.mark.parametrize("how,says", [("length", "control message of 4611686018427387904 bytes"),
-                                      ("json", "not JSON"), ("pass", "cannot run (KeyError: 12345)")])
+                                      ("json", "not JSON"), ("pass", "cannot run (KeyError: 12345)"),
+                                      ("state", "state transfer this rank cannot make (ValueError: a state of "
+                                                "1099511627776 tokens)"),
+                                      ("layers", "state transfer this rank cannot make (ValueError: the state's "
+                                                 "tensors do not match")])
 def test_a_rank_refuses_a_hostile_control_message(how, says, tiny_kl_path):
     """A rank takes nothing from the wire on trust: a message longer than any pass needs is refused
-    before it is allocated, bytes that are not JSON and a pass it cannot run end it with one line."""
+    before it is allocated, bytes that are not JSON, a pass it cannot run and a decode state it cannot
+    hold (too long, or not its layers' tensors) end it with one line."""
     procs = _start(lambda r: ([sys.executable, str(RANK_SCRIPT), str(tiny_kl_path), f"hostile:{how}"] if r == 0
                               else _cli("run", "--model", str(tiny_kl_path), "--device", "cpu", "x")), 2)
     (_, _, err0), (rc, out, err) = _finish(procs)

@@ -13,6 +13,14 @@ them in the ``Mirror``: a new state, a rollback after a keep_states pass, a snap
 and a state dropped (garbage-collected). The notes travel with the next pass, in order, so the
 other ranks' parts of every state are what a single process's would be when a pass reads them.
 
+A state saved to a file (``FrontState.save``: a conversation's saved state, the prompt cache) is
+the file one process writes, the same tensor names for every layer: rank 0 asks each rank for its
+layers' part (``state_out``: the names, dtypes and shapes in a control message, then the tensors),
+checks the announcement against the rank's layers before receiving anything, and writes one file.
+Loading reads rank 0's layers and sends every other rank its part (``state_in``), which the rank
+checks against its own fresh state before receiving it. Either way a file written by one process
+is read by a split model and the other way round.
+
 For bench, rank 0 keeps running totals too (``FrontEngine.ranks_report``): its passes, the seconds
 its own layers took, and each pass's round trip (from handing the rows on until the last rank's rows
 are back), from which the other ranks' layer seconds subtract to the time spent between ranks.
@@ -26,7 +34,7 @@ import weakref
 
 import torch
 
-from ..model.state import DecodeState
+from ..model.state import DecodeState, StateFileError, read_state_tensors, write_state_file
 from ..runtime.engine import Engine, Seq, logit_rows
 from ..runtime.pass_stats import PassStats
 from .transport import Group, LinkError, RankFault
@@ -41,9 +49,14 @@ def blocks_before(cfg, layer: int) -> int:
 class Mirror:
     """The state operations since the last pass, to be replayed on every other rank."""
 
-    def __init__(self):
+    def __init__(self, engine: "FrontEngine"):
         self._ops: collections.deque = collections.deque()  # appended from any thread (finalizers)
         self._keys = itertools.count(1)
+        self._engine = weakref.ref(engine)  # saves and loads go through it
+
+    @property
+    def engine(self) -> "FrontEngine":
+        return self._engine()
 
     def adopt(self, plain: DecodeState) -> "FrontState":
         """A front state with a new key, holding `plain`'s layers; its drop is noted when it is collected."""
@@ -84,16 +97,21 @@ class FrontState(DecodeState):
         self.mirror.note("restore", self.key, snap.key)
 
     def save(self, path, header: dict) -> None:
-        raise ValueError("a decode state of a model split across ranks cannot be saved to a file yet")
+        self.check_savable()
+        write_state_file(path, self.mirror.engine.gather_state(self), self.num_tokens, header)
+
+    def loaded(self, path) -> "FrontState":
+        return self.mirror.engine.scatter_state(self, path)
 
 
 class FrontEngine(Engine):
     """The engine of rank 0: its own layers, the embedding and the head; the rest on the other ranks."""
 
-    def __init__(self, group: Group, cfg, provider, settings, row_threads, layers: range):
+    def __init__(self, group: Group, cfg, provider, settings, row_threads, layers: range, ranges: list[range]):
         super().__init__(cfg, provider, settings, row_threads, layers)
         self.group = group
-        self.mirror = Mirror()
+        self.ranges = ranges  # every rank's layers
+        self.mirror = Mirror(self)
         self.passes, self.layer_seconds, self.round_trip_seconds = 0, 0.0, 0.0
 
     def ranks_report(self) -> list[dict]:
@@ -109,6 +127,49 @@ class FrontEngine(Engine):
             return [mine] + [group.recv_message(r) for r in range(1, group.world_size)]
         except LinkError as e:
             raise group.at_fault(e) from None
+
+    def gather_state(self, state: FrontState) -> dict[str, torch.Tensor]:
+        """Every layer's state tensors of `state` (named as one process names them): rank 0's, and
+        each other rank's, asked for and checked against that rank's layers before they are read."""
+        group = self.group
+        group.check_up()
+        out = state.tensors(self.layers.start)
+        ops = self.mirror.drain()  # every rank replays the same operations first
+        try:
+            for r in range(1, group.world_size):
+                group.send_message(r, {"ops": ops, "state_out": state.key})
+            for r in range(1, group.world_size):
+                told = group.recv_message(r)
+                for name, like in _announced(told, self.ranges[r], state.num_tokens, r).items():
+                    out[name] = group.recv_tensor(r, like) if like.numel() else like
+        except LinkError as e:
+            raise group.at_fault(e) from None
+        return out
+
+    def scatter_state(self, fresh: FrontState, path) -> FrontState:
+        """`fresh` holding the state saved in `path`: rank 0's layers read here, each other rank's
+        part read here and sent to it (the rank checks it against its own layers)."""
+        group, cfg = self.group, self.cfg
+        group.check_up()
+        n = DecodeState.read_header(path)["num_tokens"]
+        names = _state_names(cfg, range(cfg.num_layers))
+        layout = DecodeState(fresh.layers)
+        mine = layout.expected(n, self.layers.start)
+        got = layout.assembled(read_state_tensors(path, mine, names), n, self.layers.start)
+        parts = []
+        for r in range(1, group.world_size):
+            parts.append(_read_raw(path, sorted(_state_names(cfg, self.ranges[r]))))
+        ops = self.mirror.drain()
+        try:
+            for r, part in enumerate(parts, 1):
+                group.send_message(r, {"ops": ops, "state_in": fresh.key, **state_announcement(part, n)})
+                for t in part.values():
+                    if t.numel():
+                        group.send_tensor(r, t)
+        except LinkError as e:
+            raise group.at_fault(e) from None
+        fresh.layers, fresh.num_tokens = got.layers, n
+        return fresh
 
     def new_state(self) -> FrontState:
         state = self.mirror.adopt(super().new_state())
@@ -143,3 +204,54 @@ class FrontEngine(Engine):
             group.fault = RankFault("rank 0 failed within a pass")
             raise
         return self.head(back[-1], list(back[:-1]), seqs, stats)
+
+
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+# The most bytes one rank's part of a decode state may announce (a long conversation's MLA caches
+# over a few layers take far less); more is refused before anything is allocated.
+MAX_STATE_PART_BYTES = 16 << 30
+
+
+def _state_names(cfg, layers: range) -> set[str]:
+    """The tensor names a saved state holds for `layers`."""
+    return {f"layers.{i}.{part}" for i in layers
+            for part in (("conv", "S") if i in cfg.kda_layers else ("ckv", "krot"))}
+
+
+def state_announcement(tensors: dict[str, torch.Tensor], num_tokens: int) -> dict:
+    """What a rank tells rank 0 before sending its part of a state."""
+    return {"num_tokens": num_tokens,
+            "tensors": [[k, DTYPE_NAMES[t.dtype], list(t.shape)] for k, t in tensors.items()]}
+
+
+def _announced(told, layers: range, num_tokens: int, rank: int) -> dict[str, torch.Tensor]:
+    """Empty tensors of the dtypes and shapes rank `rank` announced for its part of a state, after
+    checking the announcement: its layers' names, known dtypes, the state's length, a bounded size."""
+    try:
+        if told.get("num_tokens") != num_tokens:
+            raise ValueError(f"holds {told.get('num_tokens')!r} tokens, rank 0 holds {num_tokens}")
+        out, total = {}, 0
+        prefixes = {f"layers.{i}." for i in layers}
+        for name, dtype, shape in told["tensors"]:
+            if not (isinstance(name, str) and name.rsplit(".", 1)[0] + "." in prefixes and dtype in _DTYPES
+                    and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                raise ValueError(f"announced {name!r} {dtype!r} {shape!r}")
+            like = torch.empty(0, dtype=_DTYPES[dtype])
+            total += like.element_size() * int(torch.Size(shape).numel())
+            if total > MAX_STATE_PART_BYTES:
+                raise ValueError(f"announced more than {MAX_STATE_PART_BYTES} bytes")
+            out[name] = torch.empty(shape, dtype=_DTYPES[dtype])
+        return out
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise LinkError(rank, f"announced a state part this model cannot hold ({e})") from None
+
+
+def _read_raw(path, want: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a saved state file as stored (the rank they go to checks them)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {name: f.get_tensor(name) for name in want}
+    except Exception as e:
+        raise StateFileError(f"{path}: cannot read the state ({type(e).__name__}: {e})") from None

@@ -8,6 +8,9 @@ One process group of every rank, two kinds of traffic told apart by tag:
 - rows (along the chain 0 -> 1 -> ... -> N-1 -> 0): the residual stream of the pass's rows, as one
   float32 tensor whose shape both ends know from the control message. Every wait for rows, and every
   send, within a pass is bounded by ``dist_timeout``.
+- state tensors (rank 0 <-> one rank, between passes): a saved decode state's part for that rank's
+  layers, whose names, dtypes and shapes a control message announced and the receiver checked
+  against its own fresh state first (``send_tensor`` / ``recv_tensor``).
 
 A rank that fails a wait or a send within a pass files a fault report in the rendezvous store naming
 the rank it was talking to, and exits. Rank 0, when its own wait fails, names the rank at fault from
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import DeltafinError
 
-CONTROL, ROWS = 1, 2  # message tags
+CONTROL, ROWS, STATE = 1, 2, 3  # message tags
 # A control message lists a pass's sequences (their new token ids) and state operations: a few MB at
 # the most. A length beyond this is refused before anything is allocated.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -109,6 +112,16 @@ class Group:
     def recv_rows(self, src: int, shape: tuple[int, ...]) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.float32)
         self._recv(out, src, ROWS, bounded=True)
+        return out
+
+    # -- state tensors -----------------------------------------------------------------------
+    def send_tensor(self, dst: int, t: torch.Tensor) -> None:
+        self._send(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1), dst, STATE)
+
+    def recv_tensor(self, src: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of `like`'s dtype and shape (which the caller checked), on the CPU."""
+        out = torch.empty(like.shape, dtype=like.dtype)
+        self._recv(out.view(torch.uint8).reshape(-1), src, STATE, bounded=True)
         return out
 
     # -- faults ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from ..model.state import DecodeState
 from ..runtime.engine import Engine, Seq, logit_rows
 from ..runtime.pass_stats import PassStats
-from .pipeline import blocks_before
+from .pipeline import DTYPE_NAMES, blocks_before, state_announcement
 from .transport import Group, LinkError, RankFault
 
 
@@ -46,6 +46,13 @@ def serve_passes(group: Group, engine: Engine) -> int:
             raise RankFault(f"rank {group.rank}: rank 0 {e.why}; stopping") from None
         if message == "stop":
             return 0
+        if isinstance(message, dict) and ("state_out" in message or "state_in" in message):
+            try:
+                _state_transfer(group, engine, message, states)
+            except LinkError as e:
+                group.report(e)
+                raise RankFault(f"rank {group.rank}: {e}; stopping") from None
+            continue
         try:
             seqs = _pass_of(message, states, engine)
         except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -73,6 +80,42 @@ def _apply(op: list, states: dict, engine: Engine) -> None:
     else:
         raise ValueError(f"unknown state operation {kind!r} from rank 0")
 
+
+def _state_transfer(group: Group, engine: Engine, message: dict, states: dict) -> None:
+    """Rank 0 saves a state (``state_out``: send this rank's part) or loads one (``state_in``:
+    receive it, checked against a fresh state of this rank's layers before anything is received)."""
+    try:
+        for op in message["ops"]:
+            _apply(op, states, engine)
+        if "state_out" in message:
+            state = states[message["state_out"]]
+            state.check_savable()
+            tensors = state.tensors(engine.layers.start)
+            group.send_message(0, state_announcement(tensors, state.num_tokens))
+            for t in tensors.values():
+                if t.numel():
+                    group.send_tensor(0, t)
+            return
+        key, n = message["state_in"], message["num_tokens"]
+        if not (type(n) is int and 0 <= n <= MAX_STATE_TOKENS):
+            raise ValueError(f"a state of {n!r} tokens")
+        layout = engine.new_state()
+        expect = layout.expected(n, engine.layers.start)
+        order = [name for name, _, _ in message["tensors"]]  # the tensors come in the order announced
+        told = {name: (dtype, shape) for name, dtype, shape in message["tensors"]}
+        want = {name: (DTYPE_NAMES[t.dtype], list(t.shape)) for name, t in expect.items()}
+        if told != want or len(order) != len(want):
+            raise ValueError("the state's tensors do not match this rank's layers")
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise LinkError(0, f"asked for a state transfer this rank cannot make ({type(e).__name__}: {e})") from None
+    got = {name: group.recv_tensor(0, expect[name]).to(expect[name].device) if expect[name].numel() else expect[name]
+           for name in order}
+    states[key] = layout.assembled(got, n, engine.layers.start)
+
+
+# The longest state rank 0 may hand a rank (tokens): far beyond any context, far below a size that
+# could not be allocated anyway (an MLA layer's cache is ~2 kB a token).
+MAX_STATE_TOKENS = 1 << 24
 
 # Rows one pass may carry: a pass of max_batch sequences' prompt pieces stays far below it; a message
 # asking for more is refused before its rows are allocated.

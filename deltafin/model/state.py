@@ -134,10 +134,11 @@ class DecodeState:
         """Bytes the state's tensors hold (what keeping it in memory costs)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every state tensor by a stable name (MLA caches cut to their length)."""
+    def tensors(self, first: int = 0) -> dict[str, torch.Tensor]:
+        """Every state tensor by a stable name (MLA caches cut to their length); `first`: the model
+        layer this state's first layer is (a rank of a split model holds a range of them)."""
         out = {}
-        for i, st in enumerate(self.layers):
+        for i, st in enumerate(self.layers, first):
             if isinstance(st, KDAState):
                 out[f"layers.{i}.conv"], out[f"layers.{i}.S"] = st.conv, st.S
             else:
@@ -146,17 +147,39 @@ class DecodeState:
 
     def save(self, path: str | Path, header: dict) -> None:
         """Write the state and ``header`` (JSON-serializable) atomically to a safetensors file."""
-        from safetensors.torch import save_file
+        self.check_savable()
+        write_state_file(path, self.tensors(), self.num_tokens, header)
+
+    def check_savable(self) -> None:
         if self._pass_start is not None:
             raise RuntimeError("save() right after a keep_states pass: roll back (or run a plain pass) first")
-        meta = {**header, "format": STATE_FORMAT, "version": STATE_VERSION, "num_tokens": self.num_tokens}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: t.detach().cpu().contiguous() for k, t in self.tensors().items()}, str(tmp),
-                  metadata={_HEADER_KEY: json.dumps(meta)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+    def expected(self, num_tokens: int, first: int = 0) -> dict[str, torch.Tensor]:
+        """For a fresh state of this layout: the tensors (name -> an empty tensor of the dtype, shape
+        and device) a saved state of `num_tokens` tokens holds for these layers."""
+        expect = {}
+        for i, st in enumerate(self.layers, first):
+            if isinstance(st, KDAState):
+                expect[f"layers.{i}.conv"], expect[f"layers.{i}.S"] = st.conv, st.S
+            else:
+                expect[f"layers.{i}.ckv"] = st.ckv.new_empty((num_tokens, *st.ckv.shape[1:]))
+                expect[f"layers.{i}.krot"] = st.krot.new_empty((num_tokens, *st.krot.shape[1:]))
+        return expect
+
+    def assembled(self, got: dict[str, torch.Tensor], num_tokens: int, first: int = 0) -> "DecodeState":
+        """A state of this layout from tensors named as ``expected`` names them (checked there)."""
+        layers = []
+        for i, st in enumerate(self.layers, first):
+            if isinstance(st, KDAState):
+                layers.append(KDAState(conv=got[f"layers.{i}.conv"], S=got[f"layers.{i}.S"]))
+            else:
+                layers.append(MLAState(ckv=got[f"layers.{i}.ckv"], krot=got[f"layers.{i}.krot"], length=num_tokens))
+        return DecodeState(layers=layers, num_tokens=num_tokens)
+
+    def loaded(self, path: str | Path) -> "DecodeState":
+        """The state saved in `path`, read into this (fresh) state's layout (see ``load``); a split
+        model's state reads its own layers and hands the others theirs."""
+        return DecodeState.load(path, like=self)
 
     @staticmethod
     def read_header(path: str | Path) -> dict:
@@ -191,44 +214,9 @@ class DecodeState:
         tensors land on the device and in the dtype of ``like``. Check the header's own fields
         (``read_header``) before calling this.
         """
-        from safetensors import safe_open
-        path = Path(path)
         n = cls.read_header(path)["num_tokens"]
-        expect = {}
-        for i, st in enumerate(like.layers):
-            if isinstance(st, KDAState):
-                expect[f"layers.{i}.conv"], expect[f"layers.{i}.S"] = st.conv, st.S
-            else:
-                expect[f"layers.{i}.ckv"] = st.ckv.new_empty((n, *st.ckv.shape[1:]))
-                expect[f"layers.{i}.krot"] = st.krot.new_empty((n, *st.krot.shape[1:]))
-        got = {}
-        try:
-            with safe_open(str(path), "pt") as f:
-                names = set(f.keys())
-                if names != set(expect):
-                    missing, extra = sorted(set(expect) - names)[:3], sorted(names - set(expect))[:3]
-                    raise StateFileError(f"{path}: the state's layers do not match this model "
-                                         f"(missing {missing}, unexpected {extra})")
-                for name, ref in expect.items():
-                    sl = f.get_slice(name)
-                    shape, dtype = list(sl.get_shape()), sl.get_dtype()
-                    want = _SAFETENSORS_DTYPES.get(ref.dtype)
-                    if shape != list(ref.shape) or dtype != want:
-                        raise StateFileError(f"{path}: tensor '{name}' is {dtype}{shape}; this model's state "
-                                             f"needs {want}{list(ref.shape)}")
-                for name, ref in expect.items():
-                    got[name] = f.get_tensor(name).to(ref.device, ref.dtype)
-        except StateFileError:
-            raise
-        except Exception as e:
-            raise StateFileError(f"{path}: cannot read the state ({type(e).__name__}: {e})") from None
-        layers = []
-        for i, st in enumerate(like.layers):
-            if isinstance(st, KDAState):
-                layers.append(KDAState(conv=got[f"layers.{i}.conv"], S=got[f"layers.{i}.S"]))
-            else:
-                layers.append(MLAState(ckv=got[f"layers.{i}.ckv"], krot=got[f"layers.{i}.krot"], length=n))
-        return cls(layers=layers, num_tokens=n)
+        expect = like.expected(n)
+        return like.assembled(read_state_tensors(path, expect, set(expect)), n)
 
     def max_abs_diff(self, other: "DecodeState") -> float:
         """Largest difference over every state tensor (inf when the shapes do not match)."""
@@ -247,3 +235,47 @@ class DecodeState:
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_state_file(path: str | Path, tensors: dict[str, torch.Tensor], num_tokens: int, header: dict) -> None:
+    """A saved state: `tensors` (named as ``DecodeState.tensors`` names them) and ``header``
+    (JSON-serializable), written atomically to a safetensors file."""
+    from safetensors.torch import save_file
+    meta = {**header, "format": STATE_FORMAT, "version": STATE_VERSION, "num_tokens": num_tokens}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(tmp),
+              metadata={_HEADER_KEY: json.dumps(meta)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_state_tensors(path: str | Path, expect: dict[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors `expect` names from a saved state (each checked for dtype and shape against
+    `expect` before any is read, landing on its device and dtype); `names`: every tensor the file
+    must hold (a state of a whole model: more than `expect` when the caller holds only some layers)."""
+    from safetensors import safe_open
+    path = Path(path)
+    got = {}
+    try:
+        with safe_open(str(path), "pt") as f:
+            have = set(f.keys())
+            if have != names:
+                missing, extra = sorted(names - have)[:3], sorted(have - names)[:3]
+                raise StateFileError(f"{path}: the state's layers do not match this model "
+                                     f"(missing {missing}, unexpected {extra})")
+            for name, ref in expect.items():
+                sl = f.get_slice(name)
+                shape, dtype = list(sl.get_shape()), sl.get_dtype()
+                want = _SAFETENSORS_DTYPES.get(ref.dtype)
+                if shape != list(ref.shape) or dtype != want:
+                    raise StateFileError(f"{path}: tensor '{name}' is {dtype}{shape}; this model's state "
+                                         f"needs {want}{list(ref.shape)}")
+            for name, ref in expect.items():
+                got[name] = f.get_tensor(name).to(ref.device, ref.dtype)
+    except StateFileError:
+        raise
+    except Exception as e:
+        raise StateFileError(f"{path}: cannot read the state ({type(e).__name__}: {e})") from None
+    return got

@@ -72,7 +72,7 @@ def load_state(model, path: str | Path) -> tuple[list[int], DecodeState, dict]:
     if (not isinstance(ids, list) or len(ids) != meta["num_tokens"]
             or not all(type(t) is int and 0 <= t < model.config.vocab_size for t in ids)):
         raise StateFileError(f"{path}: malformed header (token_ids do not match num_tokens or the vocabulary)")
-    return ids, DecodeState.load(path, like=model.new_state()), meta
+    return ids, model.new_state().loaded(path), meta
 
 
 def restore_or_build(model, path: str | Path, prefix: list[int], say) -> DecodeState:
