@@ -9,7 +9,8 @@ The raw bandwidth is probed only when the model streams (in RAM a decode token r
 disk), by the same command on the same files with the same access pattern and settings: every
 streamed layer's spine extents and ``experts_per_token`` randomly chosen experts per MoE layer,
 read with ``io_workers`` workers in ``read_mode``, all the probe's tokens queued at once so the
-workers always have reads in flight (decoding also reads ahead), and only the reads timed. The
+workers always have reads in flight (decoding also reads ahead), and only the reads timed; up to 4
+tokens, and at most 4 GB (``PROBE_MAX_BYTES``: a K3-shaped token is ~10 GB), layer by layer. The
 probe runs twice, immediately before and immediately after the decode measurement; both are
 reported with their spread, which tells the disk's drift from a real gain. ``io_efficiency`` is
 the time the bytes one token reads from disk would take at the probes' mean bandwidth divided by
@@ -86,15 +87,24 @@ def checkpoint_files(source) -> list[str]:
     return sorted(files)
 
 
-def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, evict: list[str] = ()) -> dict:
-    """Read what `tokens` decode passes read (streamed spines + random experts), reads only timed.
+# The most a raw-read probe reads: enough for a steady figure (seconds on a slow disk), far less than
+# the 4 tokens of a K3-shaped model (the 18 GB slice reads ~10 GB a token: two probes of 4 tokens
+# took over a minute of a bench run on a 1.36 GB/s disk).
+PROBE_MAX_BYTES = 4 * GB
+
+
+def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, evict: list[str] = (),
+                     max_bytes: int = PROBE_MAX_BYTES) -> dict:
+    """Read what `tokens` decode passes read (streamed spines + random experts), reads only timed;
+    layer by layer, at most `max_bytes` (at least one layer): ``tokens`` in the result is how many
+    tokens' worth that was.
 
     Every token's reads are queued at once, so ``io_workers`` reads stay in flight until the end.
     ``evict``: files whose cached pages are dropped first, so the bytes come off the disk."""
     cfg = source.config
     rng = random.Random(seed)
     layers = range(min(settings.pin_layers, cfg.num_layers), cfg.num_layers)
-    spines = [spine_layout(source, i) for i in layers]
+    spines = {i: spine_layout(source, i) for i in layers}
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
     k = min(cfg.experts_per_token, cfg.num_experts) if moe else 0
     # Which experts each token reads, chosen (and laid out) before any timing.
@@ -111,11 +121,19 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
         jobs = [(r, scratch.mem, s) for lay in layouts for r, s in zip(lay.runs, lay.starts)]
         return [(run, scratch.mem, run.offset % ALIGN) for run, _, _ in chunked(jobs, chunk)]
 
-    spine_jobs = pieces(spines, SPINE_CHUNK)
-    jobs = []
+    jobs, nbytes = [], 0
     for experts in picks:
-        jobs += spine_jobs + pieces(experts, EXPERT_CHUNK)
-    nbytes = tokens * sum(lay.nbytes for lay in spines) + sum(lay.nbytes for p in picks for lay in p)
+        chosen = iter(experts)  # k per MoE layer, in layer order
+        for i in range(cfg.num_layers):
+            part = [spines[i]] if i in spines else []
+            mine = [next(chosen) for _ in range(k)] if cfg.is_moe(i) else []
+            jobs += pieces(part, SPINE_CHUNK) + pieces(mine, EXPERT_CHUNK)
+            nbytes += sum(lay.nbytes for lay in part + mine)
+            if nbytes >= max_bytes:
+                break
+        if nbytes >= max_bytes:
+            break
+    whole = sum(lay.nbytes for lay in spines.values()) + (sum(lay.nbytes for lay in picks[0]) if picks else 0)
     files = Files(settings.read_mode)
     pool = ReadPool(files, settings.io_workers)
     try:
@@ -127,7 +145,7 @@ def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0,
         pool.shutdown()
         files.close()
     return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / GB if seconds > 0 else 0.0,
-            "cache_drop": method, "tokens": tokens}
+            "cache_drop": method, "tokens": round(nbytes / whole, 3) if whole else 0.0}
 
 
 def _tensors(w) -> list:

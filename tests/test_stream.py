@@ -355,3 +355,21 @@ def test_bench_warmup_tokens_are_decoded_but_not_timed(tiny_k3_path, capsys):
     assert r["disk_bytes_per_token"] < r["io_split"]["spine_bytes_per_token"]
     with pytest.raises(ValueError, match="--warmup-tokens"):
         _bench_json(capsys, "--model", tiny_k3_path, "--warmup-tokens", "-1")
+
+
+def test_raw_read_probe_stops_at_its_byte_cap(tiny_k3_path):
+    """The disk probe reads layer by layer up to its cap (a K3-sized token is ~10 GB): what it read
+    is what it reports, and a token's worth is the spines plus top-k experts of every MoE layer."""
+    from deltafin.bench import measure_raw_read
+    from deltafin.checkpoint.sizes import ModelSizes
+    from deltafin.io.sources import open_source
+    from deltafin.settings import Settings
+    source = open_source(tiny_k3_path)
+    settings = Settings.resolve({"io_workers": 2})
+    whole = measure_raw_read(source, settings, tokens=2)
+    assert whole["tokens"] == 2.0
+    sizes = ModelSizes.of(source)
+    one = sum(sizes.spine_bytes) + 4 * sum(sizes.expert_bytes)  # top-4
+    assert whole["bytes"] == pytest.approx(2 * one, rel=0.05)
+    capped = measure_raw_read(source, settings, tokens=2, max_bytes=one // 2)
+    assert one // 2 <= capped["bytes"] < one and 0.4 < capped["tokens"] < 1
