@@ -269,3 +269,33 @@ def test_device_over_host_ram_over_disk(request, fixture):
     # the RAM slots went to experts the device does not hold (its copies of the device's went first)
     assert not any(in_ram[i] & on_device.get(i, set()) for i in in_ram)
     assert sum(len(v) for v in in_ram.values()) >= moe
+
+
+def test_host_ram_cache_under_a_device_gives_memory_back(tiny_k3_path):
+    """Under a device the host-RAM cache still follows its target: when pressure lowers it (what the
+    memory watcher does), it lets go of what it holds at once, and decoding goes on with the same
+    logits, reading the rest from disk again."""
+    source = open_source(tiny_k3_path)
+    ids = torch.randint(5, 500, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    settings = Settings.resolve({"device": "cpu", "ram_budget": "auto"})
+    want, _ = _logits(source, RAMProvider(source), settings, ids)
+    sizes = ModelSizes.of(source)
+    budget = sizes.globals_bytes + sum(sizes.spine_bytes) + 2 * sum(sizes.expert_bytes)
+    provider = DeviceProvider(source, settings, plan(sizes, budget, "cpu"))
+    try:
+        cache = provider._host.cache
+        provider._host.watcher.close()  # the test moves the target itself
+        eng = Engine(source.config, provider, settings)
+        state = eng.new_state()
+        out = [eng.forward(ids[:6], state)] + [eng.forward([t], state) for t in ids[6:18]]
+        assert cache.held_bytes() > 0
+        cache.set_target(0, "memory pressure")
+        assert cache.held_bytes() == 0 and cache.residency()["experts_held"] == 0
+        read = []
+        for t in ids[18:]:
+            out.append(eng.forward([t], state))
+            read.append(eng.last_pass.bytes_read)
+        assert (torch.cat(out) - want).abs().max().item() < 1e-4
+        assert all(b > 0 for b in read) and cache.held_bytes() == 0  # from disk now, nothing kept
+    finally:
+        provider.close()
