@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from .runtime.engine import Engine
 from .runtime.generate import generate
 from .runtime.grammar import Constraint
 from .runtime.pass_stats import PassObserver, PassStats
+from .runtime.prompt_piece import activation_bytes, prompt_piece
 from .runtime.sampling import SamplingParams
 from .runtime.thread_policy import ThreadPolicy
 from .settings import Settings
@@ -207,6 +209,30 @@ class Model:
     @property
     def last_pass(self) -> PassStats:
         return self.engine.last_pass
+
+    def prompt_piece(self, prompt_tokens: int, context: int) -> int:
+        """Prompt rows per pass for a prompt of `prompt_tokens` after which the state holds `context`
+        tokens: as many as the free memory holds the pass's activations for (runtime.prompt_piece);
+        says so on stderr when a prompt goes in pieces."""
+        room = self._activation_room()
+        piece = prompt_piece(self.config, prompt_tokens, context, room)
+        if piece < prompt_tokens:
+            need = activation_bytes(self.config, prompt_tokens, context)
+            print(f"deltafin: a prompt of {prompt_tokens} tokens goes in passes of {piece} (in one pass its "
+                  f"activations would take ~{need / 1e9:.1f} GB; {room / 1e9:.1f} GB free for them)", file=sys.stderr)
+        return piece
+
+    def _activation_room(self) -> int | None:
+        """Free memory where a pass's activations live, less headroom (None: unknown)."""
+        if self.device.type == "cuda":
+            from .io.device import HEADROOM_FRACTION, HEADROOM_MIN
+            free, total = torch.cuda.mem_get_info(self.device)
+            return max(0, free - max(HEADROOM_MIN, int(HEADROOM_FRACTION * total)))
+        if self.device.type != "cpu":
+            return None
+        from .io.memory import MemoryBudget, read_memory
+        r = read_memory()
+        return None if r.free is None else max(0, r.free - MemoryBudget(None).headroom(r))
 
     def residency_now(self) -> dict | None:
         """What the RAM cache or the device holds at this moment (None: a model wholly in RAM)."""

@@ -596,7 +596,7 @@ def _decode(model, prompts: list[list[int]], tokens: int, piece: int | None = No
     EOS; the prompts run together, `piece` tokens of each per prefill pass (all at once when None),
     then one token of each per pass."""
     params = SamplingParams(max_new_tokens=tokens, speculate=False)
-    runs = [Decoding(model, p, params, eos_token_ids=[]) for p in prompts]
+    runs = [Decoding(model, p, params, eos_token_ids=[], prefill_chunk=piece or len(p)) for p in prompts]
     while not runs[0].done:  # all of them end together
         for d, logits in zip(runs, model.forward_batch([d.next_pass(max_prompt=piece) for d in runs])):
             d.take(logits)

@@ -336,3 +336,34 @@ def test_ngram_drafter_indexes_a_growing_context():
     assert drafter(context, 2) == [3, 1]
     context += [4, 1, 2]
     assert drafter(context, 2) == [4, 1]  # the newest occurrence of "1 2" wins
+
+
+def test_prompt_pieces_follow_the_room(tiny_k3_path, capsys):
+    """A prompt whose activations do not fit the room goes in pieces (said on stderr), with the same
+    tokens as one pass; the bound grows with rows and with the context MLA attends over."""
+    import deltafin
+    from deltafin.runtime.prompt_piece import MIN_PIECE, activation_bytes, prompt_piece
+    m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    cfg = m.config
+    assert activation_bytes(cfg, 64, 64) < activation_bytes(cfg, 128, 64) < activation_bytes(cfg, 128, 4096)
+    assert prompt_piece(cfg, 300, 300, None) == 300  # room unknown: one pass
+    assert prompt_piece(cfg, 300, 300, 1 << 40) == 300
+    room = 4 * activation_bytes(cfg, 50, 300)  # half of it holds ~100 rows
+    piece = prompt_piece(cfg, 300, 300, room)
+    assert MIN_PIECE <= piece < 300 and activation_bytes(cfg, piece, 300) <= room / 2
+    assert prompt_piece(cfg, 300, 300, 1) == MIN_PIECE
+    prompt = list(range(5, 305))
+    want = m.generate(prompt, max_new_tokens=6, speculate=False)
+    m._activation_room = lambda: room
+    passes = []
+
+    class Count(deltafin.runtime.pass_stats.PassObserver):
+        def on_pass(self, stats):
+            passes.append(stats.tokens)
+
+    with m.observe(Count()):
+        got = m.generate(prompt, max_new_tokens=6, speculate=False)
+    assert got == want
+    pieces = [piece] * (300 // piece) + ([300 % piece] if 300 % piece else [])
+    assert passes[:len(pieces)] == pieces and all(n == 1 for n in passes[len(pieces):])
+    assert f"a prompt of 300 tokens goes in passes of {piece}" in capsys.readouterr().err

@@ -79,8 +79,9 @@ class Decoding:
 
     ``params`` (a ``SamplingParams``; default greedy) says how tokens are picked and when generation
     stops; ``None`` for its ``max_new_tokens`` or ``speculate`` means the model's settings. The prompt is
-    prefilled after whatever ``state`` already holds (a fresh state if none is given), in one pass,
-    or in pieces of ``prefill_chunk`` tokens when that is > 0. The state is returned in
+    prefilled after whatever ``state`` already holds (a fresh state if none is given), in pieces of
+    ``prefill_chunk`` tokens when that is > 0, else in the pieces the model's ``prompt_piece`` says
+    the free memory holds (one pass for any prompt that fits; runtime.prompt_piece). The state is returned in
     ``Generation.state``. ``held_ids`` are the token ids that ``state`` already holds (a reused
     prefix): they change nothing in the computation, but give the drafter and the detokenizer the
     same context as a full prefill would, so the output is the same text. ``on_prefill(state)`` is
@@ -164,7 +165,9 @@ class Decoding:
         self.eos = frozenset(config.eos_token_ids if eos_token_ids is None else (int(t) for t in eos_token_ids))
         self.vocab = config.vocab_size
         self.prompt, self.max_new, self.state = prompt, max_new, state
-        self.prefill_chunk = prefill_chunk or len(prompt)
+        # No piece size given (one generation alone): the most the free memory holds the pass for.
+        piece = getattr(model, "prompt_piece", None)
+        self.prefill_chunk = prefill_chunk or (piece(len(prompt), held + len(prompt)) if piece else len(prompt))
         self.params = p
         self.rng: torch.Generator | None = None
         if not p.greedy:
