@@ -34,7 +34,8 @@ import weakref
 
 import torch
 
-from ..model.state import DecodeState, StateFileError, read_state_tensors, write_state_file
+from ..model.state import STATE_DTYPES, DecodeState, StateFileError, read_state_tensors, state_tensor_names, \
+    write_state_file
 from ..runtime.engine import Engine, Seq, logit_rows
 from ..runtime.pass_stats import PassStats
 from .transport import Group, LinkError, RankFault
@@ -152,13 +153,13 @@ class FrontEngine(Engine):
         group, cfg = self.group, self.cfg
         group.check_up()
         n = DecodeState.read_header(path)["num_tokens"]
-        names = _state_names(cfg, range(cfg.num_layers))
+        names = state_tensor_names(cfg.kda_layers, range(cfg.num_layers))
         layout = DecodeState(fresh.layers)
         mine = layout.expected(n, self.layers.start)
         got = layout.assembled(read_state_tensors(path, mine, names), n, self.layers.start)
         parts = []
         for r in range(1, group.world_size):
-            parts.append(_read_raw(path, sorted(_state_names(cfg, self.ranges[r]))))
+            parts.append(_read_raw(path, sorted(state_tensor_names(cfg.kda_layers, self.ranges[r]))))
         ops = self.mirror.drain()
         try:
             for r, part in enumerate(parts, 1):
@@ -206,23 +207,16 @@ class FrontEngine(Engine):
         return self.head(back[-1], list(back[:-1]), seqs, stats)
 
 
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+_DTYPES = {v: k for k, v in STATE_DTYPES.items()}
 # The most bytes one rank's part of a decode state may announce (a long conversation's MLA caches
 # over a few layers take far less); more is refused before anything is allocated.
 MAX_STATE_PART_BYTES = 16 << 30
 
 
-def _state_names(cfg, layers: range) -> set[str]:
-    """The tensor names a saved state holds for `layers`."""
-    return {f"layers.{i}.{part}" for i in layers
-            for part in (("conv", "S") if i in cfg.kda_layers else ("ckv", "krot"))}
-
-
 def state_announcement(tensors: dict[str, torch.Tensor], num_tokens: int) -> dict:
     """What a rank tells rank 0 before sending its part of a state."""
     return {"num_tokens": num_tokens,
-            "tensors": [[k, DTYPE_NAMES[t.dtype], list(t.shape)] for k, t in tensors.items()]}
+            "tensors": [[k, STATE_DTYPES[t.dtype], list(t.shape)] for k, t in tensors.items()]}
 
 
 def _announced(told, layers: range, num_tokens: int, rank: int) -> dict[str, torch.Tensor]:

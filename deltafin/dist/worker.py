@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from ..model.state import DecodeState
+from ..model.state import STATE_DTYPES, DecodeState
 from ..runtime.engine import Engine, Seq, logit_rows
 from ..runtime.pass_stats import PassStats
-from .pipeline import DTYPE_NAMES, blocks_before, state_announcement
+from .pipeline import blocks_before, state_announcement
 from .transport import Group, LinkError, RankFault
 
 
@@ -103,7 +103,7 @@ def _state_transfer(group: Group, engine: Engine, message: dict, states: dict) -
         expect = layout.expected(n, engine.layers.start)
         order = [name for name, _, _ in message["tensors"]]  # the tensors come in the order announced
         told = {name: (dtype, shape) for name, dtype, shape in message["tensors"]}
-        want = {name: (DTYPE_NAMES[t.dtype], list(t.shape)) for name, t in expect.items()}
+        want = {name: (STATE_DTYPES[t.dtype], list(t.shape)) for name, t in expect.items()}
         if told != want or len(order) != len(want):
             raise ValueError("the state's tensors do not match this rank's layers")
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

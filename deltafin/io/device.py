@@ -243,8 +243,7 @@ class DeviceProvider:
             self._host = StreamProvider(source, settings, held=placement.spine_layers,
                                         new_buffer=self._copier.buffer)
         # Per MoE layer, whether host-served experts of small passes are computed on the host.
-        mode = settings.cpu_experts if self.device.type != "cpu" else "off"
-        self._cpu_experts = mode
+        self._cpu_experts = settings.cpu_experts if self.device.type != "cpu" else "off"
         self._host_compute: dict[int, bool] = {}
         self.host_choices: dict[int, dict] = {}  # auto's measurements, per layer
         self._spine_copy = None  # event of the last copy out of a streamer spine buffer
@@ -357,7 +356,6 @@ class DeviceProvider:
             if self.host_choices:
                 out["host_compute_layers"] = sorted(i for i, c in self.host_choices.items() if c["host"])
                 out["host_choices"] = self.host_choices
-        if self._host is not None:
             host = self._host.residency()
             if host:
                 out["host"] = host
@@ -405,11 +403,11 @@ class _Arriving:
                 p._slots.offer(i, e, w)
             elif e in admitted:
                 p._slots.put(i, e, w)
-        after = set(p._slots.held.get(self.i, {}))
+        after = set(p._slots.held.get(i, {}))
         for e in after - before:
-            p._host.above(self.i, e, True)
+            p._host.above(i, e, True)
         for e in before - after:
-            p._host.above(self.i, e, False)
+            p._host.above(i, e, False)
         return {**self.held, **moved, **stay}
 
 
@@ -429,11 +427,10 @@ def _time_host_product(w) -> float:
     x = torch.zeros(1, w1.shape[1], dtype=torch.float32)
     ids = torch.zeros(1, 1, dtype=torch.long)
     one = torch.ones(1, 1, dtype=torch.float32)
-    best = float("inf")
     for _ in range(2):
         t0 = time.perf_counter()
         if experts_cpu.routed(lambda g, u: g * u, x, ids, one, {0: w}) is None:
             return float("inf")  # no native product for it here
-        best = time.perf_counter() - t0
-    return best
+        seconds = time.perf_counter() - t0
+    return seconds
 

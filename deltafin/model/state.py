@@ -234,7 +234,15 @@ class DecodeState:
         return worst
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# The dtypes a state's tensors may have, by their safetensors names (also the names a split model's
+# ranks announce a state's parts by).
+STATE_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def state_tensor_names(kda_layers, layers: range) -> set[str]:
+    """The tensor names a saved state holds for `layers` (``DecodeState.tensors`` names them so), given
+    which layers of the model are KDA layers (the others are MLA layers)."""
+    return {f"layers.{i}.{part}" for i in layers for part in (("conv", "S") if i in kda_layers else ("ckv", "krot"))}
 
 
 def write_state_file(path: str | Path, tensors: dict[str, torch.Tensor], num_tokens: int, header: dict) -> None:
@@ -268,7 +276,7 @@ def read_state_tensors(path: str | Path, expect: dict[str, torch.Tensor], names:
             for name, ref in expect.items():
                 sl = f.get_slice(name)
                 shape, dtype = list(sl.get_shape()), sl.get_dtype()
-                want = _SAFETENSORS_DTYPES.get(ref.dtype)
+                want = STATE_DTYPES.get(ref.dtype)
                 if shape != list(ref.shape) or dtype != want:
                     raise StateFileError(f"{path}: tensor '{name}' is {dtype}{shape}; this model's state "
                                          f"needs {want}{list(ref.shape)}")
