@@ -29,6 +29,7 @@ def test_priority_flag_over_env_over_default():
     ({"DELTAFIN_MAX_BATCH": "0"}, "'max_batch' must be >= 1"),
     ({"DELTAFIN_MAX_BATCH": "eight"}, "DELTAFIN_MAX_BATCH: invalid value 'eight'"),
     ({"DELTAFIN_PREFILL_CHUNK": "-4"}, "'prefill_chunk' must be >= 1"),
+    ({"DELTAFIN_CPU_EXPERTS": "maybe"}, "DELTAFIN_CPU_EXPERTS: invalid value 'maybe' (allowed: auto, on, off)"),
 ])
 def test_invalid_values_name_the_variable_and_the_allowed_values(env, needle):
     with pytest.raises(SettingsError) as e:
