@@ -48,6 +48,24 @@ def _decoded_logits(model, ids, prompt: int = 6):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_spines_from_ram_are_copied_ahead(request, fixture):
+    """The device holds the first spine only, the host-RAM cache the others: once cached, each
+    streamed spine crosses to the device while the layer before it runs (copied ahead), and the
+    logits are the CPU's."""
+    path = request.getfixturevalue(fixture)
+    ids = torch.randint(5, 500, (14,), generator=torch.Generator().manual_seed(4)).tolist()
+    want, _ = _decoded_logits(deltafin.load(path, device="cpu", stream="off"), ids)
+    sizes = ModelSizes.of(deltafin.load(path, device="cpu", stream="off").source)
+    budget = (sizes.globals_bytes + sizes.spine_bytes[0]) / 1e9
+    m = deltafin.load(path, device="cuda", stream="on", gpu_budget=str(budget), ram_budget="auto")
+    got, _ = _decoded_logits(m, ids)
+    assert (got - want).abs().max().item() <= 1e-3
+    before = m.residency_now()["spines_copied_ahead"]
+    m.engine.forward([ids[0]], m.engine.new_state())
+    assert m.residency_now()["spines_copied_ahead"] - before == len(sizes.spine_bytes) - 1  # all but the held one
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
 @pytest.mark.parametrize("cpu_experts", ["on", "off", "auto"])
 def test_cuda_over_host_ram_cache_with_host_experts_matches_cpu(request, fixture, cpu_experts):
     """The device holds every spine and two experts per layer, the pinned host-RAM cache the rest;

@@ -120,6 +120,15 @@ class SpineReader:
         weights = self._decoded(b)
         return weights, self._keep(b, weights)
 
+    def in_ram(self, j: int) -> dict | None:
+        """Layer j's spine if it is in RAM for good (pinned or cached): weights that stay valid until
+        the cache gives them up (nothing is counted)."""
+        if j < self.pin_layers:
+            return self._pinned[j]
+        if self._cache is not None and j in self.streamable:
+            return self._cache.spine(j)
+        return None
+
     def in_memory(self, j: int) -> dict | None:
         """Layer j's spine if it is in memory now (pinned, cached, or its read-ahead complete)."""
         if j < self.pin_layers:

@@ -175,6 +175,11 @@ class StreamProvider:
             self.cache.above(i, e, held)
 
     # -- introspection -----------------------------------------------------------------------
+    def spine_in_ram(self, i: int) -> dict | None:
+        """Layer i's spine if RAM holds it for good (pinned or cached; not a read-ahead buffer, which
+        is reused): what a device provider may copy ahead of the layer."""
+        return self._spines.in_ram(i)
+
     def spine_buffers(self) -> list[AlignedBuffer]:
         """The spine read-ahead buffers now (the engine's spine weights view them)."""
         return self._spines.buffers()
