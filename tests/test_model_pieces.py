@@ -14,7 +14,7 @@ from deltafin.model.layers import attn_res
 from deltafin.model.mla import MLAttention
 from deltafin.model.state import Rows
 from deltafin.kernels.grouped import ExpertStack
-from deltafin.model.moe import MoE, chosen_experts
+from deltafin.model.moe import ExpertRows, MoE, chosen_experts
 from deltafin.model.ops import situ_glu
 from deltafin.io.ram import done
 
@@ -245,6 +245,20 @@ def test_latent_moe_matches_loop():
         hs = torch.tensor(situ_vec((xt @ w["shared_gate_proj"].t()).tolist(), (xt @ w["shared_up_proj"].t()).tolist()))
         want = routed + hs @ w["shared_down_proj"].t()
         assert (got[t] - want).abs().max() < 1e-4
+
+
+def test_expert_rows_found_once_equal_each_experts_nonzero():
+    """A device pass finds every expert's rows and slots from one read-back of the routing: the
+    same rows, in the same order, as a per-expert ``nonzero`` (so the sums add in the same order)."""
+    gen = torch.Generator().manual_seed(5)
+    for T, k, E in [(1, 8, 32), (5, 4, 16), (64, 6, 8)]:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        rows = ExpertRows(ids)
+        for e in range(E):
+            want = (ids == e).nonzero(as_tuple=True)
+            got = rows.of(e)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(rows.host_ids, ids)
 
 
 @pytest.mark.parametrize("codec", ["mxfp4", "int8", "bf16"])

@@ -65,6 +65,34 @@ def chosen_experts(ids) -> list[int]:
     return sorted(set(ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids))
 
 
+class ExpertRows:
+    """Each chosen expert's rows and top-k slots of a pass routed on a device, found once on the host
+    from the routing read back (the provider read it back to choose what to fetch): the experts'
+    products are then queued without a read-back each. One per expert (``nonzero`` on device ids)
+    waited, from the first expert on, for every copy of the layer's experts, so the host queued the
+    next layer only once they had all crossed and the copy stream stood idle meanwhile."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.host_ids = ids.cpu()
+        flat = self.host_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
+        chosen, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        k = ids.shape[1]
+        starts = counts.cumsum(0) - counts
+        self._where = {e: (s, s + n) for e, s, n in zip(chosen.tolist(), starts.tolist(), counts.tolist())}
+        self._rows_slots = torch.stack([order // k, order % k]).to(ids.device)
+
+    def of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) of expert e, on the device."""
+        a, b = self._where.get(e, (0, 0))
+        return self._rows_slots[0, a:b], self._rows_slots[1, a:b]
+
+
+def _fetched_stack(pending) -> bool:
+    """Whether the fetch gave every expert stacked and in place (nothing to wait for or copy)."""
+    return isinstance(pending, Future) and pending.done() and isinstance(pending.result(), Stacked)
+
+
 def _device(w) -> torch.device:
     """Where an expert's weights (w1, w3, w2: tensors or stored QWeights) lie."""
     first = w[0]
@@ -92,6 +120,7 @@ class MoE(Bindable):
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
         pending = fetch(ids, x, x if residual is None else residual)  # reads start now ...
+        rows = ExpertRows(ids) if ids.device.type != "cpu" and not _fetched_stack(pending) else None
         both = self._routed_and_shared(x, ids, weights, pending)
         if both is not None:
             return both[0].to(x.dtype) + both[1]
@@ -102,7 +131,7 @@ class MoE(Bindable):
         if isinstance(experts, Stacked) and experts.applies(ids.numel()):
             y = grouped_mlp(c, z, ids, weights, experts, lambda g, u: glu(c, g, u))
         else:
-            y = self._per_expert(z, ids, weights, experts)
+            y = self._per_expert(z, ids, weights, experts, rows)
         y = y.to(x.dtype)
         if c.latent_size:
             if c.latent_norm:
@@ -124,7 +153,7 @@ class MoE(Bindable):
         return experts_cpu.routed_and_shared(lambda g, u: glu(c, g, u), x, ids, weights, experts,
                                              (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj))
 
-    def _per_expert(self, z, ids, weights, experts) -> torch.Tensor:
+    def _per_expert(self, z, ids, weights, experts, rows: ExpertRows | None) -> torch.Tensor:
         c = self.cfg
         if experts_cpu.applies(z, experts):
             y = experts_cpu.routed(lambda g, u: glu(c, g, u), z, ids, weights, experts)
@@ -132,11 +161,11 @@ class MoE(Bindable):
                 return y
         host = {} if isinstance(experts, Stacked) else {e: w for e, w in experts.items() if _device(w) != z.device}
         if host:
-            return self._split(z, ids, weights, experts, host)
+            return self._split(z, ids, weights, experts, host, rows)
         y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for e in chosen_experts(ids) if isinstance(experts, Stacked) else sorted(experts):
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            self._add(y, z, rows, slot, weights, experts[e])
+            self._add(y, z, *(rows.of(e) if rows is not None else (ids == e).nonzero(as_tuple=True)),
+                      weights, experts[e])
         return y
 
     def _add(self, y, z, rows, slot, weights, w) -> None:
@@ -146,18 +175,17 @@ class MoE(Bindable):
         # each token picks an expert at most once, so `rows` has no repeats
         y[rows] += out.float() * weights[rows, slot].unsqueeze(-1)
 
-    def _split(self, z, ids, weights, experts, host: dict) -> torch.Tensor:
+    def _split(self, z, ids, weights, experts, host: dict, rows: ExpertRows) -> torch.Tensor:
         """The routed sum with the experts in `host` computed where their weights lie (host memory, see
         io.device ``cpu_experts``): the rows go down, the host's sum comes back and is added; the
         device's experts are queued first, so the device computes them while the host computes."""
         c = self.cfg
         z_h = z.to("cpu", torch.float32)  # waits for z; the routing was read back already
-        ids_h, weights_h = ids.cpu(), weights.to("cpu", torch.float32)
+        ids_h, weights_h = rows.host_ids, weights.to("cpu", torch.float32)
         y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for e in sorted(experts):
-            if e not in host:  # rows found on the host: no read-back per expert
-                rows, slot = (ids_h == e).nonzero(as_tuple=True)
-                self._add(y, z, rows.to(z.device), slot.to(z.device), weights, experts[e])
+            if e not in host:
+                self._add(y, z, *rows.of(e), weights, experts[e])
         mask = torch.isin(ids_h, torch.tensor(sorted(host)))
         t, k = mask.nonzero(as_tuple=True)
         pair_ids, pair_w = ids_h[t, k].unsqueeze(1), weights_h[t, k].unsqueeze(1)
@@ -166,7 +194,6 @@ class MoE(Bindable):
         if out is None:
             out = torch.zeros(len(t), z.shape[1], dtype=torch.float32)
             for e in sorted(host):
-                rows, slot = (pair_ids == e).nonzero(as_tuple=True)
-                self._add(out, z_h[t], rows, slot, pair_w, host[e])
+                self._add(out, z_h[t], *(pair_ids == e).nonzero(as_tuple=True), pair_w, host[e])
         y_h = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32).index_add_(0, t, out)
         return y + y_h.to(z.device, non_blocking=True)
