@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import expert_codec
-from .checkpoint.layout import (EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, global_tensors, layer_spine_tensors,
+from .checkpoint.layout import (EXPERT_WEIGHTS, expert_tensors, global_tensors, layer_spine_tensors,
                                 nbytes)
 from .checkpoint.policy import PLAIN, PROTECTED, ROLES, SpinePolicy, load_policy, tensor_codec, tensor_roles
 from .checkpoint.source import GLOBAL_KEYS
@@ -127,13 +127,16 @@ class Sensitivity:
         -> spine bytes saved per token."""
         saved = 0
         for role, codec in role_codecs.items():
+            row = codec == ROW_INT8  # int8 with one scale per output row, for comparison
             for s in self.slots[role]:
-                c, g = tensor_codec(s.rel, s.shape, codec, group_size)
+                c, g = tensor_codec(s.rel, s.shape, "int8" if row else codec, group_size)
                 if c == PLAIN:
                     continue
+                if row:
+                    g = 0
                 weights = self._weights[s.layer]
                 w = weights[s.slot]
-                q = quantize(w, c, g or group_size)
+                q = quantize(w, c, g)
                 swapped.append((weights, s.slot, w))
                 weights[s.slot] = q
                 saved += w.numel() * w.element_size() - q.nbytes
@@ -142,6 +145,7 @@ class Sensitivity:
     def expert_bytes(self, codec: str = PLAIN) -> int:
         """Routed-expert bytes one decode token reads (top-k per MoE layer) with experts in `codec`."""
         cfg = self.cfg
+        codec = EXPERT_STORED.get(codec, codec)
         return sum(cfg.experts_per_token * sum(nbytes(t) for t in expert_tensors(cfg, i, 0, codec).values())
                    for i in range(cfg.num_layers) if cfg.is_moe(i))
 
@@ -152,11 +156,11 @@ class Sensitivity:
         try:
             if spine is not None:
                 self._swap_roles({r: spine.role_codec(r) for r in self.slots}, spine.group_size, swapped)
-            group = {"int4": EXPERT_INT4_GROUP}.get(codec, MXFP4_GROUP)
+            weight_codec, group = EXPERT_WEIGHTS[EXPERT_STORED.get(codec, codec)]
             for layer in self._experts:
                 for e, ws in layer.items():
                     swapped.append((layer, e, ws))
-                    layer[e] = tuple(quantize(w, codec, group) for w in ws)
+                    layer[e] = tuple(quantize(w, weight_codec, group) for w in ws)
             return kl_and_top1(self.reference, self._logits())
         finally:
             _restore(swapped)
@@ -175,6 +179,11 @@ def role_codecs_of(policy: SpinePolicy, codec: str | None) -> dict[str, str]:
     return {r: (PLAIN if r in PROTECTED else codec) for r in ROLES}
 
 
+# int8 with one scale per output row (what int8 stores held before grouped scales): a probe only.
+ROW_INT8 = "int8-row"
+SPINE_PROBES = ("int8", ROW_INT8, "int6", "int4")
+
+
 def sensitivity(path: str | Path, policy: str | SpinePolicy = "moe4", codec: str | None = None, prompts: int = 8,
                 length: int = 32, seed: int = 0, device: str = "cpu") -> dict:
     """Per role (and for all roles together) bytes saved per token, mean KL and top-1 vs the bf16 spine.
@@ -183,8 +192,8 @@ def sensitivity(path: str | Path, policy: str | SpinePolicy = "moe4", codec: str
     int4), floors included: a measurement, not a storable policy.
     """
     pol = load_policy(policy)
-    if codec not in (None, "int8", "int6", "int4"):
-        raise ValueError(f"probe codec must be int8, int6 or int4, got {codec!r}")
+    if codec not in (None, *SPINE_PROBES):
+        raise ValueError(f"probe codec must be one of {', '.join(SPINE_PROBES)}, got {codec!r}")
     s = Sensitivity(path, prompts, length, seed, device)
     wanted = role_codecs_of(pol, codec)
     rows = []
@@ -206,7 +215,9 @@ def sensitivity(path: str | Path, policy: str | SpinePolicy = "moe4", codec: str
     }
 
 
-EXPERT_PROBES = ("int8", "int4", "mxfp4")
+EXPERT_PROBES = ("int8", ROW_INT8, "int4", "mxfp4")
+# Each expert probe as the store codec convert --experts writes for it (int8: grouped).
+EXPERT_STORED = {"int8": "int8g", ROW_INT8: "int8"}
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltafin.kernels import cpu_native, intq, linear, quantize
-from deltafin.kernels.int8 import int8_dequantize
+from deltafin.kernels.int8 import int8_dequantize, int8_quantize
 from deltafin.kernels.mxfp4 import mxfp4_dequantize
 from deltafin.model import ops
 
@@ -331,6 +331,65 @@ def test_qlinear_int8_falls_back_to_torch_without_library(monkeypatch):
     with pytest.raises(RuntimeError, match="not built"):
         cpu_native.int8_gemv(x, codes, scale)
     assert torch.equal(linear.qlinear(x, q), x @ int8_dequantize(codes, scale).T)
+
+
+def _random_grouped_int8(out: int, n: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes with float16 group scales [out, n/group] spanning several orders of magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out, n), generator=g, dtype=torch.int8)
+    scale = (torch.rand(out, n // group, generator=g) * torch.logspace(-4, 1, out).unsqueeze(1)).half()
+    return codes, scale
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("out,n,group", [(1, 32, 32), (5, 96, 32), (13, 256, 64), (67, 1024, 128), (9, 2048, 32)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_grouped_int8_gemv_matches_reference(out, n, group, m, use_simd):
+    """Group scales: every weight decodes to int8_dequantize's value, so the product is the
+    dequantized one up to float32 summation order; the thread split changes no bit."""
+    codes, scale = _random_grouped_int8(out, n, group, seed=out * n + m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    y = cpu_native.int8_gemv(x, codes, scale, use_simd=use_simd)
+    _assert_int8_close(y, x, codes, scale)
+    for threads in (2, 3):
+        assert torch.equal(cpu_native.int8_gemv(x, codes, scale, threads=threads, use_simd=use_simd), y)
+
+
+@native
+@SIMD
+def test_grouped_int8_items_and_transposed_items_match_the_dequantized_products(use_simd):
+    g = torch.Generator().manual_seed(3)
+    ws = [_random_grouped_int8(48, 256, 32, seed=i) for i in range(3)]
+    xs = [torch.randn(m, 256, generator=g) for m in (1, 4, 2)]
+    y = cpu_native.dense_gemv_items(xs, [w for w, _ in ws], [s for _, s in ws], use_simd=use_simd)
+    want = torch.cat([cpu_native.int8_gemv(x, w, s, use_simd=use_simd) for x, (w, s) in zip(xs, ws)])
+    assert torch.equal(y, want)
+    # Transposed: W [depth 48, n 256], its group scales along n (the product's output side).
+    xt = [torch.randn(m, 48, generator=g) for m in (1, 3, 1)]
+    yt = cpu_native.dense_gemv_t_items(xt, [w for w, _ in ws], [s for _, s in ws], use_simd=use_simd)
+    at = 0
+    for x, (w, s) in zip(xt, ws):
+        full = int8_dequantize(w, s)
+        got, at = yt[at:at + x.shape[0]], at + x.shape[0]
+        assert ((got - x @ full).abs() <= 1e-5 * (x.abs() @ full.abs()) + 1e-30).all()
+
+
+def test_grouped_int8_quantize_rounds_within_half_a_scale_and_refuses_bad_groups():
+    w = torch.randn(6, 128, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 2, 128)
+    codes, scale = int8_quantize(w, 32)
+    assert codes.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (6, 4)
+    err = (int8_dequantize(codes, scale) - w).abs()
+    assert (err <= scale.float().repeat_interleave(32, dim=1) / 2 * (1 + 1e-6)).all()
+    # Finer than one scale per row on weights whose range varies along the row.
+    assert err.mean() < (int8_dequantize(*int8_quantize(w)) - w).abs().mean() / 2
+    q = quantize(w, "int8", 64)
+    assert q.group_size == 64 and torch.equal(linear.dequantize(q), int8_dequantize(*int8_quantize(w, 64)))
+    for bad in (16, 48, 100, -32):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            int8_quantize(w, bad)
+    with pytest.raises(ValueError, match="weight_scale"):
+        cpu_native.int8_gemv(torch.zeros(1, 128), codes, scale.float())
 
 
 # ---------------------------------------------------------------- int4 / int6

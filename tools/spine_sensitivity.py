@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from deltafin.checkpoint.policy import NAMED
-from deltafin.sensitivity import (EXPERT_PROBES, bytes_report, expert_sensitivity, format_bytes_report,
+from deltafin.sensitivity import (EXPERT_PROBES, SPINE_PROBES, bytes_report, expert_sensitivity, format_bytes_report,
                                   format_expert_table, format_table, sensitivity, to_json)
 
 
@@ -39,8 +39,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--policy", default="moe4", help=f"named policy ({', '.join(NAMED)}) or JSON file")
-    p.add_argument("--codec", choices=("int8", "int6", "int4"), default=None,
-                   help="probe every unprotected role at this codec instead of the policy's")
+    p.add_argument("--codec", choices=SPINE_PROBES, default=None,
+                   help="probe every unprotected role at this codec instead of the policy's (int8-row: int8 "
+                        "with one scale per output row, as stores before grouped int8)")
     p.add_argument("--prompts", type=int, default=8, help="prompts of seeded random token ids")
     p.add_argument("--length", type=int, default=32, help="tokens per prompt")
     p.add_argument("--seed", type=int, default=0)

@@ -37,7 +37,7 @@ from ..kernels.linear import quantize
 from . import expert_codec
 from ..files import CheckpointError, confine, fsync_dir, pread_exact, writer_lock
 from .hf import DTYPES, TensorInfo
-from .layout import EXPERT_INT4_GROUP, MXFP4_GROUP, expert_tensors, nbytes
+from .layout import EXPERT_WEIGHTS, expert_tensors, nbytes
 from .policy import NAMED, PolicyError, SpinePolicy, load_policy, stored_nbytes, tensor_roles
 from .source import HFSource
 from .store import (ALIGN, CHECKSUM, FORMAT, MANIFEST, PAGE, PLAIN, VERSION, StoreError, check_files,
@@ -83,7 +83,7 @@ def _estimated_parts(codec: str, group: int, info: TensorInfo) -> list[int]:
     if codec == PLAIN:
         return [info.nbytes]
     rows, cols = info.shape
-    if codec == "int8":
+    if codec == "int8" and not group:
         return [rows * cols, rows * 4]
     scales = rows * (cols // group) * 2
     return [stored_nbytes(codec, rows, cols, group) - scales, scales]
@@ -265,7 +265,7 @@ def _expert_job(source: HFSource, i: int, codec: str) -> Job:
         cursor = off + n
     span = round_up(cursor, PAGE)
     rel_file = expert_file(i)
-    group = {"int4": EXPERT_INT4_GROUP, "mxfp4": MXFP4_GROUP}.get(codec, 0)
+    weight_codec, group = EXPERT_WEIGHTS.get(codec, (codec, 0))
 
     def expert_bytes(e: int, view: memoryview) -> int:
         """Put expert e's stored tensors at their places in `view`; return the source bytes read."""
@@ -284,7 +284,7 @@ def _expert_job(source: HFSource, i: int, codec: str) -> Job:
             info = infos[f"{expert_prefix(e)}{w}.weight"]
             raw = pread_exact(source.fd(info.file), info.nbytes, info.offset, info.file)
             weight = torch.frombuffer(raw, dtype=DTYPES[info.dtype][0]).reshape(info.shape)
-            for suffix, t in quantize(weight, codec, group or 32).to_tensors(f"{w}.").items():
+            for suffix, t in quantize(weight, weight_codec, group).to_tensors(f"{w}.").items():
                 off, n = places[suffix]
                 data = _tensor_bytes(t)
                 if data.nbytes != n:  # the layout and the quantizer disagree: a bug, never a bad file

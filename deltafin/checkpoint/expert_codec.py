@@ -8,7 +8,8 @@ on a Kimi Linear checkpoint they are published in bf16, on K3 in MXFP4. ``deltaf
 |-----------|------------------------------------------------------|--------------------|
 | keep      | as published (the default)                           | bf16 2, MXFP4 0.53 |
 | bf16      | as published, said explicitly (bf16 checkpoints only)| 2                  |
-| int8      | int8 per output row + fp32 row scale (kernels/int8)  | ~1                 |
+| int8      | int8, fp16 scale per 32 inputs (kernels/int8; store  | 1.0625             |
+|           | codec "int8g"; older stores' "int8": fp32 per row)   |                    |
 | int4      | int4, fp16 scale per 32 inputs (kernels/intq)        | ~0.56              |
 | mxfp4     | MXFP4, E8M0 scale per 32 inputs (kernels/mxfp4)      | ~0.53              |
 
@@ -23,7 +24,7 @@ manifest against before any expert is read.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .layout import EXPERT_INT4_GROUP, MXFP4_GROUP
+from .layout import EXPERT_WEIGHTS
 from .policy import PolicyError
 
 PLAIN = "plain"
@@ -45,7 +46,7 @@ def describe(cfg: ModelConfig, codec: str) -> str:
     """A codec as people say it: "bf16" / "MXFP4" for the published experts, else the codec's name."""
     if codec == PLAIN:
         return "MXFP4" if cfg.expert_format == "mxfp4" else "bf16"
-    return "MXFP4" if codec == "mxfp4" else codec
+    return {"mxfp4": "MXFP4", "int8": "int8 (a scale per row)", "int8g": "int8"}.get(codec, codec)
 
 
 def resolve(cfg: ModelConfig, asked: str | None) -> str:
@@ -58,7 +59,8 @@ def resolve(cfg: ModelConfig, asked: str | None) -> str:
         return have
     if asked not in CHOICES:
         raise PolicyError(f"unknown expert codec {asked!r}; --experts takes one of {', '.join(CHOICES)}")
-    want = PLAIN if asked == "bf16" else asked
+    # --experts int8 is grouped int8 (a float16 scale per 32 inputs); stores of per-row int8 stay readable.
+    want = PLAIN if asked == "bf16" else "int8g" if asked == "int8" else asked
     if have == "mxfp4":
         if want == "mxfp4":
             return have
@@ -67,7 +69,7 @@ def resolve(cfg: ModelConfig, asked: str | None) -> str:
         raise PolicyError(f"this checkpoint publishes its routed experts in MXFP4 (~0.53 bytes per weight); storing "
                           f"them as {asked} {why}. Leave --experts out (or say --experts keep) to keep them as "
                           "they are")
-    group = {"int4": EXPERT_INT4_GROUP, "mxfp4": MXFP4_GROUP}.get(want)
+    group = EXPERT_WEIGHTS.get(want, (None, 0))[1]
     widths = (cfg.expert_width, cfg.moe_intermediate_size)
     if group and any(w % group for w in widths):
         raise PolicyError(f"--experts {asked} needs expert widths divisible by {group}; this model's are "

@@ -2,8 +2,10 @@
 
 A *role* names what a spine tensor does (``kda.qkv``, ``moe.shared``, ``lm_head`` ...). Every
 tensor name ``layout.py`` can produce has exactly one role (``role_of``). A *policy* maps roles
-to codecs: ``plain`` (kept exactly as published; ``bf16`` is accepted as a synonym), ``int8``
-(per output channel), ``int6`` or ``int4`` (symmetric, group-wise along the input dimension).
+to codecs: ``plain`` (kept exactly as published; ``bf16`` is accepted as a synonym), ``int8``,
+``int6`` or ``int4`` (symmetric, group-wise along the input dimension; int8 with a float16 scale
+per group, as llama.cpp's Q8_0 at group 32, or one float32 scale per output channel where no
+group of at least 32 fits, which is also how stores written before grouped int8 hold it).
 Roles a policy does not name are kept plain.
 
 Rules every policy obeys (a policy that breaks one is rejected, naming the role):
@@ -19,8 +21,8 @@ Rules every policy obeys (a policy that breaks one is rejected, naming the role)
   other tensor of a role (A_log, dt_bias) is kept plain.
 
 The group size of a policy (a power of two in 16..256, so the fused GPU kernels apply) is halved
-for a weight whose input width it does not divide, down to 16; a weight that still does not fit
-is stored as int8. The store records the codec of every tensor, and the reader takes the group
+for a weight whose input width it does not divide, down to 16 (int8: 32); a weight that still does
+not fit is stored as int8 with one scale per output channel. The store records the codec of every tensor, and the reader takes the group
 size from the stored tensors' shapes, so no reader needs the policy.
 
 A policy file is JSON: ``{"name": "mine", "group_size": 32, "roles": {"moe.shared": "int4", ...}}``.
@@ -42,6 +44,7 @@ CODECS = (PLAIN, "int8", "int6", "int4")
 CODEC_BITS = {PLAIN: 16, "int8": 8, "int6": 6, "int4": 4}
 GROUP_SIZES = (16, 32, 64, 128, 256)
 MIN_GROUP = 16
+INT8_MIN_GROUP = 32  # the native int8 kernels' steps (kernels/int8.py GROUP_MULTIPLE)
 
 ROLES: dict[str, str] = {
     "kda.qkv": "KDA q/k/v projections",
@@ -180,9 +183,9 @@ def _pack_multiple(codec: str) -> int:
 
 def fit_group(codec: str, in_features: int, group_size: int) -> int:
     """The group size a weight of width in_features gets: group_size halved until it divides the
-    width (and the codec can pack it), at least MIN_GROUP; 0 when none fits."""
+    width (and the codec can pack it), at least MIN_GROUP (int8: INT8_MIN_GROUP); 0 when none fits."""
     g = group_size
-    while g >= MIN_GROUP:
+    while g >= (INT8_MIN_GROUP if codec == "int8" else MIN_GROUP):
         if in_features % g == 0 and in_features % _pack_multiple(codec) == 0:
             return g
         g //= 2
@@ -193,8 +196,8 @@ def stored_nbytes(codec: str, rows: int, cols: int, group_size: int = 0, plain_b
     """Bytes a [rows, cols] weight occupies in `codec` (scales included, alignment padding not)."""
     if codec == PLAIN:
         return rows * cols * plain_bytes_per_elem
-    if codec == "int8":
-        return rows * cols + rows * 4  # int8 codes + one fp32 scale per row
+    if codec == "int8":  # codes + one fp32 scale per row, or one fp16 scale per group
+        return rows * cols + (rows * (cols // group_size) * 2 if group_size else rows * 4)
     if codec in ("int4", "int6"):
         packed = cols // 2 if codec == "int4" else cols * 3 // 4
         return rows * packed + rows * (cols // group_size) * 2  # fp16 scale per group
@@ -203,12 +206,10 @@ def stored_nbytes(codec: str, rows: int, cols: int, group_size: int = 0, plain_b
 
 def tensor_codec(rel: str, shape, codec: str, group_size: int) -> tuple[str, int]:
     """(codec, group size) a tensor gets when its role asks for `codec`: plain for anything but a
-    2-D projection; a group-wise codec whose group cannot fit the width falls back to int8 (group
-    size 0 = none)."""
+    2-D projection; a group-wise codec whose group cannot fit the width falls back to int8, and
+    int8 to one scale per row (group size 0)."""
     if codec == PLAIN or not is_spine_projection(rel) or len(shape) != 2:
         return PLAIN, 0
-    if codec == "int8":
-        return codec, 0
     g = fit_group(codec, shape[1], group_size)
     return (codec, g) if g else ("int8", 0)
 
@@ -269,7 +270,7 @@ def _int8_everywhere() -> dict[str, str]:
 
 
 NAMED: dict[str, SpinePolicy] = {
-    # Exactly the int8 spine: every projection int8 per output channel.
+    # Exactly the int8 spine: every projection int8, a scale per 32 inputs.
     "int8": SpinePolicy("int8", 32, _int8_everywhere()),
     # The MLP side (dense MLP, shared experts, latent down/up) int4; attention and lm_head int8.
     "moe4": SpinePolicy("moe4", 32, {**_int8_everywhere(), **{r: "int4" for r in MLP_ROLES}}),

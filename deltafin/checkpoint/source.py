@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..kernels.linear import QWeight
 from ..model.layers import sanitize
 from .hf import HFCheckpoint, TensorInfo, bytes_to_tensor, pread_exact
-from .layout import expert_tensors, full_name, global_tensors, layer_spine_tensors
+from .layout import EXPERT_WEIGHTS, expert_tensors, full_name, global_tensors, layer_spine_tensors
 
 GLOBAL_KEYS = {
     "model.embed_tokens.weight": "embed",
@@ -47,7 +47,8 @@ def decode_expert(cfg: ModelConfig, e: int, tensors: dict, codec: str = "plain")
     p = f"block_sparse_moe.experts.{e}."
     if codec == "plain":
         return tuple(tensors[p + w + ".weight"] for w in ("w1", "w3", "w2"))
-    return tuple(QWeight.from_tensors(tensors, p + w + ".", codec) for w in ("w1", "w3", "w2"))
+    weight_codec = EXPERT_WEIGHTS.get(codec, (codec, 0))[0]
+    return tuple(QWeight.from_tensors(tensors, p + w + ".", weight_codec) for w in ("w1", "w3", "w2"))
 
 
 def decode_globals(tensors: dict) -> dict:

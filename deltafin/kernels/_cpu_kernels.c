@@ -11,7 +11,10 @@
    int8 layout (see int8.py): codes int8 [out, in], scale float32 [out, 1], W = codes * scale.
    The gemv sums codes * x in float32 and applies the row's scale once, after the sum: every
    code converts to float32 exactly, so the result differs from dequantize-then-matmul only by
-   summation order and one rounding of the scale product.
+   summation order and one rounding of the scale product. Grouped int8: the same codes with one
+   float16 scale per group of `group` inputs (a multiple of 32), [out, in/group]; each weight is
+   decoded as the float32 product code * scale, exact (8 by 11 significant bits), so the gemv
+   differs from dequantize-then-matmul only by summation order.
 
    int4 / int6 layout (see intq.py): packed uint8, scale float16 [out, in/group]. int4 holds
    element 2j of a row in the low nibble of byte j and 2j+1 in its high nibble; int6 holds every
@@ -48,7 +51,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 14
+#define KERNELS_ABI 15
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -89,11 +92,11 @@ struct job {
     const uint8_t *packed;   /* MXFP4 [out, n/2] */
     const uint8_t *scale;    /* MXFP4 [out, n/32] */
     const int8_t *codes;     /* int8 [out, n] */
-    const float *row_scale;  /* int8 [out] */
+    const float *row_scale;  /* int8 [out]; NULL for grouped int8 (half_scale, group) and bf16 */
     const uint16_t *bf16;    /* bf16 bits [out, n] */
-    const uint16_t *half_scale;  /* int4/int6: float16 bits [out, n/group] */
+    const uint16_t *half_scale;  /* int4/int6 and grouped int8: float16 bits [out, n/group] */
     const int32_t *lane_group;   /* int4/int6 AVX-512, groups not aligned to steps: [steps, 16] */
-    int64_t group, steps, x_stride;  /* int4/int6: group size; AVX-512 steps per row; x row stride */
+    int64_t group, steps, x_stride;  /* int4/int6, grouped int8: group size; AVX-512 steps per row; x row stride */
     int bits;                    /* int4/int6: 4 or 6 */
     void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
@@ -171,10 +174,19 @@ static float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* Element k of row r of a dense weight (int8 codes or bf16 bits), as float. */
+static float half_to_float(uint16_t h);
+
+/* The float16 scale of the group holding element k of row r of a grouped int8 weight. */
+static inline uint16_t int8_group_scale(const struct job *jb, int64_t r, int64_t k) {
+    return jb->half_scale[r * (jb->n / jb->group) + k / jb->group];
+}
+
+/* Element k of row r of a dense weight (int8 codes, times the group's scale for grouped int8, or
+   bf16 bits), as float. */
 static inline float dense_weight(const struct job *jb, int64_t r, int64_t k) {
     const int64_t at = r * jb->n + k;
-    return jb->codes ? (float)jb->codes[at] : bf16_to_float(jb->bf16[at]);
+    if (!jb->codes) return bf16_to_float(jb->bf16[at]);
+    return jb->half_scale ? (float)jb->codes[at] * half_to_float(int8_group_scale(jb, r, k)) : (float)jb->codes[at];
 }
 
 /* int8 and bf16 (one element per weight; int8 applies its row scale after the sum). */
@@ -199,7 +211,7 @@ static void dense_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r
                 float sum = 0.0f;
                 for (int k = 0; k < DENSE_STEP; k++) sum += acc[i][k];
                 for (int64_t k = body; k < n; k++) sum += dense_weight(jb, r, k) * xi[k];
-                y[(m0 + i) * jb->out + r] = jb->codes ? sum * jb->row_scale[r] : sum;
+                y[(m0 + i) * jb->out + r] = jb->row_scale ? sum * jb->row_scale[r] : sum;
             }
         }
     }
@@ -274,7 +286,7 @@ static void intq_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1
 /* ------------------------------------------------------------------ AVX-512 */
 
 #ifdef KERNELS_X86
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 __attribute__((target("avx512f,f16c")))
 
 /* The 16 E2M1 values times the group's factor: vpermps then decodes 16 codes in one step. */
 #define E2M1_VECTOR() \
@@ -347,6 +359,9 @@ int8_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R,
         __m512 w[ROW_BLOCK];
         for (int k = 0; k < R; k++)
             w[k] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * n + k0))));
+        if (jb->half_scale)  /* grouped: a step lies in one group; code * scale is exact */
+            for (int k = 0; k < R; k++)
+                w[k] = _mm512_mul_ps(w[k], _mm512_set1_ps(_cvtsh_ss(int8_group_scale(jb, r + k, k0))));
         for (int i = 0; i < MB; i++) {
             const __m512 xv = _mm512_loadu_ps(x + i * n + k0);
             for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(w[k], xv, acc[k][i]);
@@ -356,8 +371,8 @@ int8_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R,
     for (int k = 0; k < R; k++)
         for (int i = 0; i < MB; i++) {
             float sum = _mm512_reduce_add_ps(acc[k][i]);
-            for (int64_t j = body; j < n; j++) sum += (float)c[k * n + j] * x[i * n + j];
-            y[(m0 + i) * jb->out + r + k] = sum * jb->row_scale[r + k];
+            for (int64_t j = body; j < n; j++) sum += dense_weight(jb, r + k, j) * x[i * n + j];
+            y[(m0 + i) * jb->out + r + k] = jb->row_scale ? sum * jb->row_scale[r + k] : sum;
         }
 }
 
@@ -656,6 +671,10 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
             for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
                 __m256 wl, wh;
                 dense_load16_avx2(jb, r * n + k0, &wl, &wh);
+                if (jb->half_scale) {  /* grouped int8: a step lies in one group; exact products */
+                    const __m256 sv = _mm256_set1_ps(half_to_float(int8_group_scale(jb, r, k0)));
+                    wl = _mm256_mul_ps(wl, sv), wh = _mm256_mul_ps(wh, sv);
+                }
                 for (int64_t i = 0; i < mb; i++) {
                     const float *xk = jb->x + (m0 + i) * n + k0;
                     lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(wl, _mm256_loadu_ps(xk)));
@@ -670,7 +689,7 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
                 float sum = 0.0f;
                 for (int k = 0; k < DENSE_STEP; k++) sum += acc[k];
                 for (int64_t k = body; k < n; k++) sum += dense_weight(jb, r, k) * xi[k];
-                y[(m0 + i) * jb->out + r] = jb->codes ? sum * jb->row_scale[r] : sum;
+                y[(m0 + i) * jb->out + r] = jb->row_scale ? sum * jb->row_scale[r] : sum;
             }
         }
     }
@@ -679,7 +698,7 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
 #endif
 
 #ifdef KERNELS_X86
-#define AVX2_FMA __attribute__((target("avx2,fma")))
+#define AVX2_FMA __attribute__((target("avx2,fma,f16c")))
 /* Blocks of the AVX2+FMA dense gemvs, each within the 16 vector registers: every (output row, row of x)
    pair takes 2 accumulators (the 16 lanes of a step, summed apart as the portable code sums them).
    One row of x: 4 output rows (8 accumulators) share each load of x. Several rows of x: 2 output
@@ -726,6 +745,10 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
             } else {
                 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
                 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+                if (jb->half_scale) {  /* grouped: a step lies in one group; code * scale is exact */
+                    const __m256 sv = _mm256_set1_ps(_cvtsh_ss(int8_group_scale(jb, r + k, k0)));
+                    lo = _mm256_mul_ps(lo, sv), hi = _mm256_mul_ps(hi, sv);
+                }
             }
             for (int i = 0; i < MB; i++) {
                 acc[k][i][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i * n + k0), acc[k][i][0]);
@@ -742,7 +765,7 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
             float sum = 0.0f;
             for (int j = 0; j < DENSE_STEP; j++) sum += lanes[j];
             for (int64_t j = body; j < n; j++) sum += dense_weight(jb, r + k, j) * x[i * n + j];
-            y[(m0 + i) * jb->out + r + k] = BF16 ? sum : sum * jb->row_scale[r + k];
+            y[(m0 + i) * jb->out + r + k] = jb->row_scale ? sum * jb->row_scale[r + k] : sum;
         }
 }
 
@@ -897,7 +920,7 @@ static int have_avx512(void) { return simd_level() == 2; }
 static int have_avx2(void) { return simd_level() >= 1; }
 static int have_avx2_fma(void) {
 #ifdef KERNELS_X86
-    return have_avx2() && __builtin_cpu_supports("fma");
+    return have_avx2() && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
@@ -1209,11 +1232,20 @@ int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int6
     return run_rows(&jb, fn, threads);
 }
 
-/* int8: y [m, out] = x [m, n] @ W^T, y[i, r] = scale[r] * sum_k codes[r, k] * x[i, k].
-   use_simd = 0 forces the portable code. Returns 0. */
-int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const float *scale,
-                  int64_t out, int64_t n, float *y, int threads, int use_simd) {
-    struct job jb = {.x = x, .codes = codes, .row_scale = scale, .y = y, .m = m, .out = out, .n = n};
+/* Point a job at int8 scales: float32 row scales (group 0) or float16 bits per group of `group`. */
+static void int8_scales(struct job *jb, const void *scale, int64_t group) {
+    if (group) jb->half_scale = (const uint16_t *)scale, jb->group = group;
+    else jb->row_scale = (const float *)scale;
+}
+
+/* int8: y [m, out] = x [m, n] @ W^T, y[i, r] = scale[r] * sum_k codes[r, k] * x[i, k] (group 0),
+   or sum_k codes[r, k] * scale[r, k / group] * x[i, k] (grouped; group a multiple of 32 dividing n).
+   use_simd = 0 forces the portable code. Returns 0, -2 for a group that does not fit. */
+int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const void *scale,
+                  int64_t out, int64_t n, int64_t group, float *y, int threads, int use_simd) {
+    if (group < 0 || (group && (group % 32 || n % group))) return -2;
+    struct job jb = {.x = x, .codes = codes, .y = y, .m = m, .out = out, .n = n};
+    int8_scales(&jb, scale, group);
     rows_fn fn = dense_gemv_rows_portable;
 #ifdef KERNELS_X86
     if (use_simd && have_avx512()) fn = int8_gemv_rows_avx512;
@@ -1309,14 +1341,14 @@ static rows_fn dense_rows_fn(int is_int8, int use_simd) {
 
 /* Fill jobs[i] for the dense items; NULL when out of memory. */
 static struct job *dense_jobs(const float *const *x, const int64_t *m, const void *const *w,
-                              const float *const *scale, float *const *y, int64_t count, int64_t out,
-                              int64_t n, int is_int8, int64_t *weights) {
+                              const void *const *scale, float *const *y, int64_t count, int64_t out,
+                              int64_t n, int is_int8, int64_t group, int64_t *weights) {
     struct job *jobs = malloc((size_t)count * sizeof *jobs);
     if (!jobs) return NULL;
     *weights = 0;
     for (int64_t i = 0; i < count; i++) {
         jobs[i] = (struct job){.x = x[i], .y = y[i], .m = m[i], .out = out, .n = n};
-        if (is_int8) jobs[i].codes = (const int8_t *)w[i], jobs[i].row_scale = scale[i];
+        if (is_int8) jobs[i].codes = (const int8_t *)w[i], int8_scales(&jobs[i], scale[i], group);
         else jobs[i].bf16 = (const uint16_t *)w[i];
         *weights += out * n * (m[i] > 0 ? m[i] : 1);
     }
@@ -1325,13 +1357,15 @@ static struct job *dense_jobs(const float *const *x, const int64_t *m, const voi
 
 /* Many dense products of one weight shape in one call (a MoE layer's chosen experts, a layer's
    projections of one input): item i computes y[i] [m[i], out] = x[i] [m[i], n] @ W_i^T, W_i int8
-   (codes w[i] and row scales scale[i], int8.py's layout) or bf16 bits (is_int8 = 0), each exactly
-   as int8_gemv_f32 / bf16_gemv_f32 computes it alone. Returns 0, or -1 when out of memory. */
-int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *const *w, const float *const *scale,
-                         float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int threads,
-                         int use_simd) {
+   (codes w[i] and scales scale[i], int8.py's layout: row scales for group 0, else float16 per group)
+   or bf16 bits (is_int8 = 0), each exactly as int8_gemv_f32 / bf16_gemv_f32 computes it alone.
+   Returns 0, -1 when out of memory, -2 for a group that does not fit. */
+int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *const *w, const void *const *scale,
+                         float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int64_t group,
+                         int threads, int use_simd) {
+    if (group < 0 || (group && (group % 32 || n % group))) return -2;
     int64_t weights;
-    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, &weights);
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, &weights);
     if (!jobs) return -1;
     const int rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
     free(jobs);
@@ -1340,7 +1374,8 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
 
 /* Transposed dense products: y [m, n] = x [m, depth] @ W for W [depth, n] (a weight applied from
    its input side, as attention absorbs a key projection into the query). Columns c0..c1-1.
-   int8: y[i, c] = sum_d (x[i, d] * scale[d]) * codes[d, c]; bf16: sum_d x[i, d] * W[d, c]. */
+   int8: y[i, c] = sum_d (x[i, d] * scale[d]) * codes[d, c], grouped int8: sum_d x[i, d] * (codes[d, c] *
+   scale[d, c / group]); bf16: sum_d x[i, d] * W[d, c]. */
 static void dense_gemv_t_cols_portable(const struct job *jb, int64_t c0, int64_t c1) {
     const int64_t n = jb->n;
     float *y = (float *)jb->y;
@@ -1348,7 +1383,7 @@ static void dense_gemv_t_cols_portable(const struct job *jb, int64_t c0, int64_t
         float *yi = y + i * n;
         for (int64_t c = c0; c < c1; c++) yi[c] = 0.0f;
         for (int64_t d = 0; d < jb->depth; d++) {
-            const float a = jb->x[i * jb->depth + d] * (jb->codes ? jb->row_scale[d] : 1.0f);
+            const float a = jb->x[i * jb->depth + d] * (jb->row_scale ? jb->row_scale[d] : 1.0f);
             for (int64_t c = c0; c < c1; c++) yi[c] += a * dense_weight(jb, d, c);
         }
     }
@@ -1383,9 +1418,13 @@ static AVX2_FMA void dense_gemv_t_cols_avx2(const struct job *jb, int64_t c0, in
         for (int64_t c = c0; c < body; c += T_COLS) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t d = 0; d < jb->depth; d++) {
-                const __m256 a = _mm256_set1_ps(xi[d] * (jb->codes ? jb->row_scale[d] : 1.0f));
+                const __m256 a = _mm256_set1_ps(xi[d] * (jb->row_scale ? jb->row_scale[d] : 1.0f));
                 __m256 w[4];
                 dense_load32_avx2(jb, d * n + c, w);
+                if (jb->half_scale) {  /* grouped: 32 columns from a multiple of 32 lie in one group */
+                    const __m256 sv = _mm256_set1_ps(_cvtsh_ss(int8_group_scale(jb, d, c)));
+                    for (int q = 0; q < 4; q++) w[q] = _mm256_mul_ps(w[q], sv);
+                }
                 for (int q = 0; q < 4; q++) acc[q] = _mm256_fmadd_ps(a, w[q], acc[q]);
             }
             for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + i * n + c + 8 * q, acc[q]);
@@ -1404,11 +1443,12 @@ static AVX2_FMA void dense_gemv_t_cols_avx2(const struct job *jb, int64_t c0, in
    and per-row scales, int8.py's layout, rows being W_i's depth) or bf16 bits. Summed in float32;
    the order differs from dequantize-then-matmul, so results agree to float32 rounding. Returns 0,
    or -1 when out of memory. */
-int dense_gemv_t_items_f32(const float *const *x, const int64_t *m, const void *const *w, const float *const *scale,
-                           float *const *y, int64_t count, int64_t depth, int64_t n, int is_int8, int threads,
-                           int use_simd) {
+int dense_gemv_t_items_f32(const float *const *x, const int64_t *m, const void *const *w, const void *const *scale,
+                           float *const *y, int64_t count, int64_t depth, int64_t n, int is_int8, int64_t group,
+                           int threads, int use_simd) {
+    if (group < 0 || (group && (group % 32 || n % group))) return -2;
     int64_t weights;
-    struct job *jobs = dense_jobs(x, m, w, scale, y, count, n, n, is_int8, &weights);
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, n, n, is_int8, group, &weights);
     if (!jobs) return -1;
     for (int64_t i = 0; i < count; i++) jobs[i].depth = depth;
     rows_fn fn = dense_gemv_t_cols_portable;

@@ -26,13 +26,13 @@ from collections.abc import Iterator
 
 import torch
 
-from .int8 import int8_check_shapes
+from .int8 import GROUP_MULTIPLE as INT8_GROUP_MULTIPLE, int8_check_shapes
 from .intq import BITS, intq_check_shapes
 from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 14
+ABI = 15
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -73,14 +73,14 @@ def _library() -> ctypes.CDLL | None:
         lib.mxfp4_gemv_items_f32.restype = _int
         lib.mxfp4_dequant.argtypes = [_p, _p, _i64, _i64, _p, _int, _int, _int]
         lib.mxfp4_dequant.restype = _int
-        lib.int8_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
+        lib.int8_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _i64, _p, _int, _int]
         lib.int8_gemv_f32.restype = _int
         lib.intq_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _i64, _int, _p, _int, _int]
         lib.intq_gemv_f32.restype = _int
         lib.bf16_gemv_f32.argtypes = [_p, _i64, _p, _i64, _i64, _p, _int, _int]
         lib.bf16_gemv_f32.restype = _int
         for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
-            items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _int, _int]
+            items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _i64, _int, _int]
             items.restype = _int
         lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
                                       _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
@@ -247,13 +247,15 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
               threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
     """y [M, out] float32 = x [M, in] @ W^T for an int8 weight (int8.py's layout).
 
-    y[m, r] = scale[r] * sum_k codes[r, k] * x[m, k], summed in float32 with the row's scale
-    applied once, after the sum; this matches int8_dequantize-then-matmul to float32 rounding.
+    Row scales: y[m, r] = scale[r] * sum_k codes[r, k] * x[m, k], summed in float32 with the row's
+    scale applied once, after the sum; this matches int8_dequantize-then-matmul to float32 rounding.
+    Group scales: every weight is decoded to the float32 value int8_dequantize gives (exactly), so
+    this matches dequantize-then-matmul up to float32 summation order.
     x is converted to contiguous float32 first if it is not. use_simd=False runs the portable C
     code even where AVX-512 is present.
     """
     _lib_or_raise()  # "not built" before any complaint about the arguments
-    out, n = int8_check_shapes(codes, scale)
+    out, n, _ = int8_check_shapes(codes, scale)
     if codes.device.type != "cpu" or scale.device.type != "cpu":
         raise ValueError(f"the native int8 kernel needs CPU tensors, got {codes.device} and {scale.device}")
     return dense_gemv(_input(x, n), codes.contiguous(), scale.contiguous(), threads, use_simd)
@@ -329,11 +331,12 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, thr
     out, n = w.shape
     y = torch.empty(x.shape[0], out, dtype=torch.float32)
     if w.dtype == torch.int8 and scale is not None:
-        if not (scale.dtype == torch.float32 and scale.numel() == out and scale.is_contiguous() and scale.is_cpu):
-            raise ValueError(f"dense_gemv: int8 codes [{out}, {n}] need float32 row scales [{out}, 1], got "
-                             f"{scale.dtype} {tuple(scale.shape)}")
-        rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), scale.data_ptr(), out, n, y.data_ptr(),
-                               _threads(threads), int(use_simd)) if y.numel() else 0
+        group = _int8_group(out, n, scale)
+        if group is None:
+            raise ValueError(f"dense_gemv: int8 codes [{out}, {n}] need float32 row scales [{out}, 1] or float16 "
+                             f"group scales [{out}, groups], got {scale.dtype} {tuple(scale.shape)}")
+        rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), scale.data_ptr(), out, n, group,
+                               y.data_ptr(), _threads(threads), int(use_simd)) if y.numel() else 0
     elif w.dtype == torch.bfloat16 and scale is None:
         rc = lib.bf16_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(), _threads(threads),
                                int(use_simd)) if y.numel() else 0
@@ -345,18 +348,32 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, thr
     return y
 
 
+def _int8_group(out: int, n: int, scale: torch.Tensor) -> int | None:
+    """The group size int8 scales imply (0: per row), or None if the kernels cannot take them (the
+    cheap checks of the per-token path: contiguous CPU float32 [out, 1] or float16 [out, n / group])."""
+    if not (scale.is_contiguous() and scale.is_cpu and scale.dim() == 2 and scale.shape[0] == out):
+        return None
+    if scale.dtype == torch.float32 and scale.shape[1] == 1:
+        return 0
+    if scale.dtype == torch.float16 and scale.shape[1] and n % scale.shape[1] == 0:
+        group = n // scale.shape[1]
+        return group if group % INT8_GROUP_MULTIPLE == 0 else None
+    return None
+
+
 def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
-                 x_width: int, y_width: int) -> tuple[torch.Tensor, list, int]:
+                 x_width: int, y_width: int) -> tuple[torch.Tensor, list, int, int]:
     """Checks the items (one weight shape and kind, contiguous CPU tensors, float32 x [M, x_width])
     and returns y float32 [sum of M, y_width] (item i's rows after item i-1's), the ctypes arrays
-    (x, rows, weights, scales, y) and the kind (1 int8, 0 bf16). The checks are what keeps a wrong
-    pointer out of C; they run for every item of every call, so they use torch's cheapest queries."""
+    (x, rows, weights, scales, y), the kind (1 int8, 0 bf16) and the int8 group size (0: row
+    scales). The checks are what keeps a wrong pointer out of C; they run for every item of every call, so they use torch's cheapest queries."""
     count = len(ws)
     if not count == len(xs) == len(scales) or count == 0:
         raise ValueError("dense items need one x and one scale (None for bf16) per weight, and at least one")
     w0, s0 = ws[0], scales[0]
+    group = 0
     if w0.dtype == torch.int8 and s0 is not None:
-        int8_check_shapes(w0, s0)
+        _, _, group = int8_check_shapes(w0, s0)
         kind, scale_shape = 1, s0.shape
     elif w0.dtype == torch.bfloat16 and s0 is None and w0.dim() == 2:
         kind, scale_shape = 0, None
@@ -366,7 +383,7 @@ def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[to
     shape, dtype = w0.shape, w0.dtype
     for x, w, s in zip(xs, ws, scales):
         if w.shape != shape or w.dtype != dtype or (s is None) != (kind == 0) or \
-                (s is not None and (s.shape != scale_shape or s.dtype != torch.float32)):
+                (s is not None and (s.shape != scale_shape or s.dtype != s0.dtype)):
             raise ValueError(f"dense items need weights of one shape and kind: {tuple(w.shape)} {w.dtype} "
                              f"and {tuple(shape)} {dtype}")
         if x.dim() != 2 or x.shape[1] != x_width or x.dtype != torch.float32:
@@ -386,7 +403,7 @@ def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[to
         return (ctype * count)(*values)
     args = [array(_p, [x.data_ptr() for x in xs]), array(_i64, rows), array(_p, [w.data_ptr() for w in ws]),
             array(_p, [0 if s is None else s.data_ptr() for s in scales]), array(_p, ys)]
-    return y, args, kind
+    return y, args, kind, group
 
 
 def dense_gemv_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -413,10 +430,13 @@ def _dense_call(transposed: bool, xs, ws, scales, threads: int | None, use_simd:
     if not ws or ws[0].dim() != 2:
         raise ValueError("dense items need at least one weight, each 2-D")
     rows, cols = ws[0].shape[0], ws[0].shape[-1]
-    y, args, kind = _dense_items(xs, ws, scales, rows if transposed else cols, cols if transposed else rows)
+    y, args, kind, group = _dense_items(xs, ws, scales, rows if transposed else cols, cols if transposed else rows)
     fn = lib.dense_gemv_t_items_f32 if transposed else lib.dense_gemv_items_f32
-    if y.numel() and fn(*args, len(ws), rows, cols, kind, _threads(threads), int(use_simd)):
+    rc = fn(*args, len(ws), rows, cols, kind, group, _threads(threads), int(use_simd)) if y.numel() else 0
+    if rc == -1:
         raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
+    if rc != 0:
+        raise RuntimeError(f"dense gemv failed with code {rc}")
     return y
 
 

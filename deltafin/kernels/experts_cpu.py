@@ -22,7 +22,7 @@ from itertools import accumulate
 import torch
 
 from . import cpu_native
-from .linear import QWeight, native_dense
+from .linear import QWeight, dense_kind, native_dense
 
 
 def applies(z: torch.Tensor, experts) -> bool:
@@ -77,12 +77,12 @@ def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.
         out = _mxfp4_pairs(glu, x, w, counts)
     else:
         dense = [[native_dense(m) for m in ws] for ws in w]
-        if not all(d is not None for ds in dense for d in ds) or len({d[0].dtype for ds in dense for d in ds}) != 1:
+        if not all(d is not None for ds in dense for d in ds) or len({dense_kind(d) for ds in dense for d in ds}) != 1:
             return None
         xs = list(x.split(counts))  # each expert's rows
         if shared is not None:  # one more item of each call: the shared expert over every row of z
             extra = [native_dense(m) for m in shared]
-            if any(d is None or (d[0].shape, d[0].dtype) != (r[0].shape, r[0].dtype) for d, r in zip(extra, dense[0])):
+            if any(d is None or (d[0].shape, dense_kind(d)) != (r[0].shape, dense_kind(r)) for d, r in zip(extra, dense[0])):
                 return None
             xs, dense = xs + [z.contiguous()], dense + [extra]
         out = _dense_pairs(glu, xs, dense)

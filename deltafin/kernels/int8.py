@@ -1,26 +1,52 @@
-"""int8 weights: per-output-row symmetric quantization.
+"""int8 weights: symmetric quantization, one scale per output row or per group of inputs.
 
 Layout, for a weight W of shape [out, in]:
 
 - ``weight``: int8 [out, in], codes in -127..127 (-128 is never written).
-- ``weight_scale``: float32 [out, 1], scale = max|W[r, :]| / 127 (0 for an all-zero row).
+- ``weight_scale``, one of:
 
-W[r, c] = weight[r, c] * weight_scale[r]. Rounding is to nearest, so |error| <= scale / 2.
+  per row: float32 [out, 1], scale = max|W[r, :]| / 127 (0 for an all-zero row);
+  W[r, c] = weight[r, c] * weight_scale[r].
+
+  grouped (group size g, a multiple of GROUP_MULTIPLE dividing in): float16 [out, in/g],
+  scale = max|W[r, group]| / 127, rounded *up* to the next float16 (so no code is clipped);
+  W[r, c] = weight[r, c] * weight_scale[r, c // g]. The product of a code (8 significant bits)
+  and a float16 scale (11) is exact in float32. At g = 32 this is 1.0625 bytes a weight, as
+  llama.cpp's Q8_0; a group follows the weights' local range, so it rounds finer than a row.
+
+The scale's dtype and shape say which: a store written before grouped scales existed stays
+readable. Rounding is to nearest, so |error| <= scale / 2.
 """
 from __future__ import annotations
 
 import torch
 
+from .intq import round_up_to_fp16
+
 QMAX = 127
+# A grouped scale covers a multiple of this many inputs (the native kernels' steps).
+GROUP_MULTIPLE = 32
 
 
-def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (codes int8 [out, in], scale float32 [out, 1])."""
+def int8_quantize(w: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (codes int8 [out, in], scale: float32 [out, 1] for group_size 0, else
+    float16 [out, in/group_size])."""
     if w.dim() != 2:
         raise ValueError(f"int8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     w = w.float()
     if not torch.isfinite(w).all():
         raise ValueError("cannot quantize a weight holding NaN or infinity")
+    out, n = w.shape
+    if group_size:
+        _check_group(n, group_size)
+        g = w.view(out, n // group_size, group_size)
+        scale = round_up_to_fp16(g.abs().amax(dim=-1) / QMAX)
+        if not torch.isfinite(scale).all():
+            raise ValueError("int8: weights too large for float16 group scales")
+        sf = scale.float().unsqueeze(-1)
+        safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+        codes = torch.round(g / safe).clamp_(-QMAX, QMAX).view(out, n).to(torch.int8)
+        return codes, scale
     scale = w.abs().amax(dim=1, keepdim=True) / QMAX
     # An all-zero row keeps scale 0; dividing by 1 there gives codes 0.
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -28,16 +54,32 @@ def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def int8_check_shapes(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+def _check_group(n: int, group_size: int) -> None:
+    if group_size <= 0 or group_size % GROUP_MULTIPLE or n % group_size:
+        raise ValueError(f"int8: a group size must be a positive multiple of {GROUP_MULTIPLE} dividing the "
+                         f"input width {n}, got {group_size}")
+
+
+def int8_check_shapes(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
+    """Validate a codes/scale pair; returns (out, in, group size: 0 for row scales)."""
     if codes.dim() != 2 or codes.dtype != torch.int8:
         raise ValueError(f"int8 weight must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
-    if tuple(scale.shape) != (codes.shape[0], 1) or scale.dtype != torch.float32:
-        raise ValueError(f"int8 weight_scale must be float32 {(codes.shape[0], 1)}, "
-                         f"got {scale.dtype} {tuple(scale.shape)}")
-    return codes.shape[0], codes.shape[1]
+    out, n = codes.shape
+    if scale.dtype == torch.float32 and tuple(scale.shape) == (out, 1):
+        return out, n, 0
+    if scale.dtype == torch.float16 and scale.dim() == 2 and scale.shape[0] == out and scale.shape[1] > 0 \
+            and n % scale.shape[1] == 0:
+        group = n // scale.shape[1]
+        _check_group(n, group)
+        return out, n, group
+    raise ValueError(f"int8 weight_scale must be float32 {(out, 1)} (per row) or float16 [{out}, groups] "
+                     f"with groups dividing {n}, got {scale.dtype} {tuple(scale.shape)}")
 
 
 def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    int8_check_shapes(codes, scale)
-    return (codes.float() * scale).to(dtype)
+    out, n, group = int8_check_shapes(codes, scale)
+    if not group:
+        return (codes.float() * scale).to(dtype)
+    w = codes.float().view(out, n // group, group) * scale.float().unsqueeze(-1)
+    return w.view(out, n).to(dtype)

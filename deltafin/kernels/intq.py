@@ -54,7 +54,7 @@ def check_layout(codec: str, out_features: int, in_features: int, group_size: in
         raise ValueError(f"{codec}: empty weight shape {(out_features, in_features)}")
 
 
-def _round_up_to_fp16(s: torch.Tensor) -> torch.Tensor:
+def round_up_to_fp16(s: torch.Tensor) -> torch.Tensor:
     """Smallest float16 >= s (s >= 0, float32)."""
     h = s.to(torch.float16)
     low = h.float() < s
@@ -72,7 +72,7 @@ def intq_quantize(w: torch.Tensor, codec: str, group_size: int) -> tuple[torch.T
     if not torch.isfinite(w).all():
         raise ValueError("cannot quantize a weight holding NaN or infinity")
     g = w.view(out, n // group_size, group_size)
-    scale = _round_up_to_fp16(g.abs().amax(dim=-1) / qmax(codec))
+    scale = round_up_to_fp16(g.abs().amax(dim=-1) / qmax(codec))
     if not torch.isfinite(scale).all():
         raise ValueError(f"{codec}: weights too large for float16 group scales")
     sf = scale.float().unsqueeze(-1)

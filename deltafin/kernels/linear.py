@@ -6,6 +6,7 @@
 |-------|-------------------------------------------------------------------|--------------|
 | bf16  | weight bf16 [out, in]                                             | 0 (none)     |
 | int8  | weight int8 [out, in], weight_scale fp32 [out, 1]                  | 0 (per row)  |
+| int8  | weight int8 [out, in], weight_scale fp16 [out, in/g] (grouped)      | g            |
 | int4  | weight_packed uint8 [out, in/2], weight_scale fp16 [out, in/g]     | g            |
 | int6  | weight_packed uint8 [out, in*3/4], weight_scale fp16 [out, in/g]   | g            |
 | mxfp4 | weight_packed uint8 [out, in/2], weight_scale uint8 E8M0 [out, in/32] | 32        |
@@ -118,7 +119,8 @@ def _shape_of(codec: str, t: dict[str, torch.Tensor]) -> tuple[tuple[int, int], 
             raise ValueError(f"bf16 weight must be 2-D, got shape {tuple(w.shape)}")
         return (w.shape[0], w.shape[1]), 0
     if codec == "int8":
-        return int8_check_shapes(t["weight"], t["weight_scale"]), 0
+        out, n, g = int8_check_shapes(t["weight"], t["weight_scale"])
+        return (out, n), g
     if codec == "mxfp4":
         return mxfp4_check_shapes(t["weight_packed"], t["weight_scale"]), MXFP4_GROUP
     out, n, g = intq.intq_check_shapes(t["weight_packed"], t["weight_scale"], codec)
@@ -140,16 +142,19 @@ def _validate(q: QWeight) -> None:
                          f"but its tensors hold shape {shape} group {group}")
 
 
-def quantize(w: torch.Tensor, codec: str, group_size: int = 32) -> QWeight:
-    """Encode a 2-D float weight [out, in]. group_size applies to int4/int6; mxfp4 needs 32."""
+def quantize(w: torch.Tensor, codec: str, group_size: int | None = None) -> QWeight:
+    """Encode a 2-D float weight [out, in]. group_size applies to int4/int6 (default 32) and int8
+    (default 0: one scale per row); mxfp4 needs 32."""
+    if group_size is None:
+        group_size = 0 if codec == "int8" else 32
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
     shape = (w.shape[0], w.shape[1])
     if codec == "bf16":
         return QWeight(codec, shape, 0, {"weight": w.to(torch.bfloat16).contiguous()})
     if codec == "int8":
-        codes, scale = int8_quantize(w)
-        return QWeight(codec, shape, 0, {"weight": codes, "weight_scale": scale})
+        codes, scale = int8_quantize(w, group_size)
+        return QWeight(codec, shape, group_size, {"weight": codes, "weight_scale": scale})
     if codec in intq.BITS:
         packed, scale = intq.intq_quantize(w, codec, group_size)
         return QWeight(codec, shape, group_size, {"weight_packed": packed, "weight_scale": scale})
@@ -162,12 +167,21 @@ def quantize(w: torch.Tensor, codec: str, group_size: int = 32) -> QWeight:
 
 
 def native_dense(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The (weight, scale) a native dense product reads: an int8 QWeight's codes and row scales, or a
+    """The (weight, scale) a native dense product reads: an int8 QWeight's codes and scales, or a
     bf16 tensor and None; None for any other weight (or one not contiguous on the CPU). A QWeight's
     answer is kept on it (its tensors never change): a decode token asks ~200 times."""
     if isinstance(w, QWeight):
         return w.derived("_native_dense", lambda: _native_dense_of(w))
     return _native_dense_of(w)
+
+
+def dense_kind(dense: tuple) -> tuple:
+    """What the items of one native dense call share besides their shape (``native_dense``'s
+    (weight, scale)): the weight's dtype and, for int8, its scaling (per row, or the group size)."""
+    w, s = dense
+    if s is None:
+        return w.dtype, None
+    return w.dtype, s.dtype, 0 if s.dtype == torch.float32 else w.shape[1] // s.shape[1]
 
 
 def _native_dense_of(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:

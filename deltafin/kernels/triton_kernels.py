@@ -51,7 +51,7 @@ _MAGIC = 8388608.0  # 2^23
 def supports(codec: str, group_size: int) -> bool:
     """Whether a kernel exists for this codec and group size."""
     if codec == "int8":
-        return True
+        return group_size == 0  # row scales; grouped int8 decodes through torch on CUDA for now
     if codec in CODEC_IDS:
         # Tiles must be powers of two; one step spans whole groups.
         return 16 <= group_size <= 256 and group_size & (group_size - 1) == 0

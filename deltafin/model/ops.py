@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_native
-from ..kernels.linear import native_dense, qlinear
+from ..kernels.linear import dense_kind, native_dense, qlinear
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
     if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1:
         dense = [native_dense(w) for w in ws]
         if (x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS and all(d is not None for d in dense)
-                and len({(d[0].shape, d[0].dtype) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
+                and len({(d[0].shape, dense_kind(d)) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
                 and all(o.shape == x.shape and o.dtype == x.dtype and o.device == x.device for o in xs)
                 and cpu_native.available()):
             rows = [o.reshape(-1, x.shape[-1]).contiguous() for o in xs]
