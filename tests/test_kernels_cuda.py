@@ -12,7 +12,9 @@ from deltafin.kernels import QWeight, dequantize, qlinear, quantize  # noqa: E40
 from deltafin.kernels import triton_kernels  # noqa: E402
 
 DEV = "cuda"
-CASES = [("int8", 32, 1040), ("int4", 32, 1024), ("int4", 128, 1024), ("int6", 32, 1024), ("int6", 16, 1024),
+# int8: row scales (group 0), or float16 scales per 32 / 128 inputs (the GEMV kernel at any row count)
+CASES = [("int8", 0, 1040), ("int8", 32, 1024), ("int8", 128, 1024), ("int4", 32, 1024), ("int4", 128, 1024),
+         ("int6", 32, 1024), ("int6", 16, 1024),
          ("mxfp4", 32, 1024)]
 
 

@@ -42,6 +42,7 @@ GEMV_MAX_ROWS = 4  # the CUDA-core kernel multiplies each weight once per row; p
 # int4 the tensor-core kernel won (0.80 vs 0.68 TB/s), so int4 always uses it.
 GEMV_CODECS = ("int8", "int6", "mxfp4")
 CODEC_IDS = {"int4": 0, "int6": 1, "mxfp4": 2, "int8": 3}
+GROUPED_INT8: tl.constexpr = tl.constexpr(4)  # int8 codes with float16 group scales (GEMV kernel only)
 # Codes per int32 word (int6: per 3 words) in the GEMV kernel; the input width must divide by it.
 _PER_ENTRY = {"int4": 8, "int6": 16, "mxfp4": 8, "int8": 4}
 _BK_MAX_DOT = 128  # inputs per step of the grouped tensor-core kernel (larger tiles spill registers)
@@ -51,7 +52,8 @@ _MAGIC = 8388608.0  # 2^23
 def supports(codec: str, group_size: int) -> bool:
     """Whether a kernel exists for this codec and group size."""
     if codec == "int8":
-        return group_size == 0  # row scales; grouped int8 decodes through torch on CUDA for now
+        # Row scales; grouped (float16 per group of a multiple of 32 dividing the width): the GEMV kernel.
+        return group_size == 0 or group_size % 32 == 0
     if codec in CODEC_IDS:
         # Tiles must be powers of two; one step spans whole groups.
         return 16 <= group_size <= 256 and group_size & (group_size - 1) == 0
@@ -92,7 +94,7 @@ def _float_code(u, OFFSET: tl.constexpr):
 @triton.jit
 def _word_code(a, J: tl.constexpr, CODEC: tl.constexpr):
     """Code J of each int32 word as fp32: int8 byte, int4 nibble, or twice the MXFP4 value."""
-    if CODEC == 3:
+    if CODEC == 3 or CODEC == GROUPED_INT8:
         # Flipping the sign bit of a two's complement byte gives code + 128.
         f = _float_code(((a >> (8 * J)) & 255) ^ 128, 128)
     elif CODEC == 0:
@@ -209,7 +211,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride
                     acc = _gemv_accumulate(acc, _word_code(a, j, CODEC) * s, x_ptr, stride_xm, M, e, k_end, j,
                                            P, RF)
     out = tl.sum(acc, axis=2)
-    if CODEC == 3:
+    if CODEC == 3:  # row scales, applied after the sum (grouped int8 scaled each code above)
         out = out * tl.load(s_ptr + rows, mask=mask_n, other=0.0)[None, :]
     m = tl.arange(0, RF)
     tl.store(y_ptr + tl.program_id(1) * stride_ys + m[:, None] * stride_ym + rows[None, :],
@@ -451,11 +453,13 @@ def qlinear_triton(x: torch.Tensor, codec: str, tensors: dict[str, torch.Tensor]
     # One slice writes y directly; several write fp32 partial sums that are added in order.
     y = torch.empty((n_split, m, n), dtype=torch.float32 if n_split > 1 else x.dtype, device=x.device)
     common = (x, None, s, y, m, n, k, k_split, x.stride(0))
-    gemv = method == "gemv" or (method == "auto" and m <= GEMV_MAX_ROWS and codec in GEMV_CODECS)
+    grouped_int8 = codec == "int8" and group_size > 0  # no tensor-core kernel: the GEMV one at any row count
+    gemv = method == "gemv" or grouped_int8 or (method == "auto" and m <= GEMV_MAX_ROWS and codec in GEMV_CODECS)
     if gemv:
         wq = w.view(torch.int32)
         args = common[:1] + (wq,) + common[2:] + (wq.stride(0), s.stride(0), y.stride(1), y.stride(0))
-        consts = dict(CODEC=CODEC_IDS[codec], G=max(group_size, 1), P=_PER_ENTRY[codec], RF=_next_pow2(m))
+        consts = dict(CODEC=GROUPED_INT8.value if grouped_int8 else CODEC_IDS[codec], G=max(group_size, 1),
+                      P=_PER_ENTRY[codec], RF=_next_pow2(m))
         tuned, plain = _gemv_tuned, _gemv_kernel
     else:
         split_x = x.dtype != torch.bfloat16
