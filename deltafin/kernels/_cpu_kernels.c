@@ -351,17 +351,28 @@ int8_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R,
     const int8_t *c = jb->codes + r * n;
     const float *x = jb->x + m0 * n;
     const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
-    __m512 acc[ROW_BLOCK][X_BLOCK];
-    for (int k = 0; k < R; k++)
+    __m512 acc[ROW_BLOCK][X_BLOCK], sv[ROW_BLOCK];
+    for (int k = 0; k < R; k++) {
+        sv[k] = _mm512_setzero_ps();
         for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    }
+    /* Grouped: each row's scale is widened once per group (steps_left counts down its steps). */
+    const int64_t groups = jb->half_scale ? n / jb->group : 0, group_steps = jb->half_scale ? jb->group / INT8_STEP : 0;
+    const uint16_t *hs = jb->half_scale ? jb->half_scale + r * groups : NULL;
+    int64_t steps_left = 0;
     for (int64_t k0 = 0; k0 < body; k0 += INT8_STEP) {
         if (next_codes) _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
         __m512 w[ROW_BLOCK];
         for (int k = 0; k < R; k++)
             w[k] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * n + k0))));
-        if (jb->half_scale)  /* grouped: a step lies in one group; code * scale is exact */
-            for (int k = 0; k < R; k++)
-                w[k] = _mm512_mul_ps(w[k], _mm512_set1_ps(_cvtsh_ss(int8_group_scale(jb, r + k, k0))));
+        if (hs) {  /* a step lies in one group; code * scale is exact */
+            if (steps_left == 0) {
+                for (int k = 0; k < R; k++) sv[k] = _mm512_set1_ps(_cvtsh_ss(hs[k * groups]));
+                hs++, steps_left = group_steps;
+            }
+            steps_left--;
+            for (int k = 0; k < R; k++) w[k] = _mm512_mul_ps(w[k], sv[k]);
+        }
         for (int i = 0; i < MB; i++) {
             const __m512 xv = _mm512_loadu_ps(x + i * n + k0);
             for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(w[k], xv, acc[k][i]);
@@ -730,7 +741,21 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
     __m256 acc[ROW_BLOCK][X_BLOCK_AVX2][2];  /* R x MB of them used */
     for (int k = 0; k < R; k++)
         for (int i = 0; i < MB; i++) acc[k][i][0] = acc[k][i][1] = _mm256_setzero_ps();
+    /* Grouped int8: each row's scale is widened once per group (steps_left counts down its steps). */
+    const int64_t groups = !BF16 && jb->half_scale ? n / jb->group : 0;
+    const int64_t group_steps = groups ? jb->group / DENSE_STEP : 0;
+    const uint16_t *hs = groups ? jb->half_scale + r * groups : NULL;
+    __m256 sv[ROW_BLOCK];
+    for (int k = 0; k < R; k++) sv[k] = _mm256_setzero_ps();
+    int64_t steps_left = 0;
     for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
+        if (hs) {
+            if (steps_left == 0) {
+                for (int k = 0; k < R; k++) sv[k] = _mm256_set1_ps(_cvtsh_ss(hs[k * groups]));
+                hs++, steps_left = group_steps;
+            }
+            steps_left--;
+        }
         if (next_w && ((k0 * R * elem) & 63) == 0) {  /* R * 16 * elem bytes of the next rows per step */
             _mm_prefetch(next_w + k0 * R * elem, _MM_HINT_T1);
             if (R * DENSE_STEP * elem > 64) _mm_prefetch(next_w + k0 * R * elem + 64, _MM_HINT_T1);
@@ -745,10 +770,7 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
             } else {
                 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
                 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-                if (jb->half_scale) {  /* grouped: a step lies in one group; code * scale is exact */
-                    const __m256 sv = _mm256_set1_ps(_cvtsh_ss(int8_group_scale(jb, r + k, k0)));
-                    lo = _mm256_mul_ps(lo, sv), hi = _mm256_mul_ps(hi, sv);
-                }
+                if (hs) lo = _mm256_mul_ps(lo, sv[k]), hi = _mm256_mul_ps(hi, sv[k]);  /* exact products */
             }
             for (int i = 0; i < MB; i++) {
                 acc[k][i][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i * n + k0), acc[k][i][0]);
@@ -1417,12 +1439,14 @@ static AVX2_FMA void dense_gemv_t_cols_avx2(const struct job *jb, int64_t c0, in
         const float *xi = jb->x + i * jb->depth;
         for (int64_t c = c0; c < body; c += T_COLS) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            /* grouped: the 32 columns from a multiple of 32 lie in one group, column group cg of each row */
+            const int64_t groups = jb->half_scale ? n / jb->group : 0, cg = jb->half_scale ? c / jb->group : 0;
             for (int64_t d = 0; d < jb->depth; d++) {
                 const __m256 a = _mm256_set1_ps(xi[d] * (jb->row_scale ? jb->row_scale[d] : 1.0f));
                 __m256 w[4];
                 dense_load32_avx2(jb, d * n + c, w);
-                if (jb->half_scale) {  /* grouped: 32 columns from a multiple of 32 lie in one group */
-                    const __m256 sv = _mm256_set1_ps(_cvtsh_ss(int8_group_scale(jb, d, c)));
+                if (groups) {
+                    const __m256 sv = _mm256_set1_ps(_cvtsh_ss(jb->half_scale[d * groups + cg]));
                     for (int q = 0; q < 4; q++) w[q] = _mm256_mul_ps(w[q], sv);
                 }
                 for (int q = 0; q < 4; q++) acc[q] = _mm256_fmadd_ps(a, w[q], acc[q]);
