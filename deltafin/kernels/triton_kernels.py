@@ -42,7 +42,7 @@ GEMV_MAX_ROWS = 4  # the CUDA-core kernel multiplies each weight once per row; p
 # int4 the tensor-core kernel won (0.80 vs 0.68 TB/s), so int4 always uses it.
 GEMV_CODECS = ("int8", "int6", "mxfp4")
 CODEC_IDS = {"int4": 0, "int6": 1, "mxfp4": 2, "int8": 3}
-GROUPED_INT8: tl.constexpr = tl.constexpr(4)  # int8 codes with float16 group scales (GEMV kernel only)
+GROUPED_INT8 = 4  # the GEMV kernel's CODEC for int8 codes with float16 group scales (the kernels test CODEC == 4)
 # Codes per int32 word (int6: per 3 words) in the GEMV kernel; the input width must divide by it.
 _PER_ENTRY = {"int4": 8, "int6": 16, "mxfp4": 8, "int8": 4}
 _BK_MAX_DOT = 128  # inputs per step of the grouped tensor-core kernel (larger tiles spill registers)
@@ -94,7 +94,7 @@ def _float_code(u, OFFSET: tl.constexpr):
 @triton.jit
 def _word_code(a, J: tl.constexpr, CODEC: tl.constexpr):
     """Code J of each int32 word as fp32: int8 byte, int4 nibble, or twice the MXFP4 value."""
-    if CODEC == 3 or CODEC == GROUPED_INT8:
+    if CODEC == 3 or CODEC == 4:  # int8, row or group scales
         # Flipping the sign bit of a two's complement byte gives code + 128.
         f = _float_code(((a >> (8 * J)) & 255) ^ 128, 128)
     elif CODEC == 0:
@@ -458,7 +458,7 @@ def qlinear_triton(x: torch.Tensor, codec: str, tensors: dict[str, torch.Tensor]
     if gemv:
         wq = w.view(torch.int32)
         args = common[:1] + (wq,) + common[2:] + (wq.stride(0), s.stride(0), y.stride(1), y.stride(0))
-        consts = dict(CODEC=GROUPED_INT8.value if grouped_int8 else CODEC_IDS[codec], G=max(group_size, 1),
+        consts = dict(CODEC=GROUPED_INT8 if grouped_int8 else CODEC_IDS[codec], G=max(group_size, 1),
                       P=_PER_ENTRY[codec], RF=_next_pow2(m))
         tuned, plain = _gemv_tuned, _gemv_kernel
     else:
