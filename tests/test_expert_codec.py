@@ -185,14 +185,13 @@ def test_a_store_keeps_its_experts_when_a_spine_is_added(tiny_kl_path, tmp_path)
         convert(tiny_kl_path, store, spine="mixed", policy="moe4", experts="bf16", progress=False)
 
 
-def test_a_store_of_per_row_int8_experts_stays_readable(tiny_kl_path, tmp_path, monkeypatch):
+def test_a_store_of_per_row_int8_experts_stays_readable(tiny_kl_path, tmp_path):
     """Stores written before grouped int8 hold int8 experts with one float32 scale per row (store
-    codec "int8"): they load, and compute what their dequantized experts compute."""
-    from deltafin.checkpoint import expert_codec
-    monkeypatch.setattr(expert_codec, "resolve", lambda cfg, asked: "int8")
-    old = convert(tiny_kl_path, tmp_path / "old", spine="int8", experts="int8", progress=False)
-    monkeypatch.undo()
+    codec "int8", what --experts int8-row writes, beside the int8-row spine policy): they load, and
+    compute what their dequantized experts compute."""
+    old = convert(tiny_kl_path, tmp_path / "old", spine="mixed", policy="int8-row", experts="int8-row", progress=False)
     st = StoreSource(old)
+    assert st.spine_codec == "mixed" and st.read_spine(1)["self_attn.o_proj"].group_size == 0
     assert st.expert_codec == "int8" and verify(old) == []
     layer = next(i for i in range(st.config.num_layers) if st.config.is_moe(i))
     w1 = st.read_expert(layer, 0)[0]

@@ -10,6 +10,7 @@ on a Kimi Linear checkpoint they are published in bf16, on K3 in MXFP4. ``deltaf
 | bf16      | as published, said explicitly (bf16 checkpoints only)| 2                  |
 | int8      | int8, fp16 scale per 32 inputs (kernels/int8; store  | 1.0625             |
 |           | codec "int8g"; older stores' "int8": fp32 per row)   |                    |
+| int8-row  | int8, fp32 scale per output row (store codec "int8") | ~1.0               |
 | int4      | int4, fp16 scale per 32 inputs (kernels/intq)        | ~0.56              |
 | mxfp4     | MXFP4, E8M0 scale per 32 inputs (kernels/mxfp4)      | ~0.53              |
 
@@ -28,7 +29,7 @@ from .layout import EXPERT_WEIGHTS
 from .policy import PolicyError
 
 PLAIN = "plain"
-CHOICES = ("keep", "bf16", "int8", "int4", "mxfp4")  # what --experts accepts
+CHOICES = ("keep", "bf16", "int8", "int8-row", "int4", "mxfp4")  # what --experts accepts
 LOSSLESS = (PLAIN,)  # codecs that give the published weights back exactly
 
 
@@ -46,7 +47,7 @@ def describe(cfg: ModelConfig, codec: str) -> str:
     """A codec as people say it: "bf16" / "MXFP4" for the published experts, else the codec's name."""
     if codec == PLAIN:
         return "MXFP4" if cfg.expert_format == "mxfp4" else "bf16"
-    return {"mxfp4": "MXFP4", "int8": "int8 (a scale per row)", "int8g": "int8"}.get(codec, codec)
+    return {"mxfp4": "MXFP4", "int8": "int8-row", "int8g": "int8"}.get(codec, codec)
 
 
 def resolve(cfg: ModelConfig, asked: str | None) -> str:
@@ -60,12 +61,13 @@ def resolve(cfg: ModelConfig, asked: str | None) -> str:
     if asked not in CHOICES:
         raise PolicyError(f"unknown expert codec {asked!r}; --experts takes one of {', '.join(CHOICES)}")
     # --experts int8 is grouped int8 (a float16 scale per 32 inputs); stores of per-row int8 stay readable.
-    want = PLAIN if asked == "bf16" else "int8g" if asked == "int8" else asked
+    want = {"bf16": PLAIN, "int8": "int8g", "int8-row": "int8"}.get(asked, asked)
     if have == "mxfp4":
         if want == "mxfp4":
             return have
         why = ("would only add bytes: the MXFP4 values hold no more precision than MXFP4 gives"
-               if want in (PLAIN, "int8") else "would round again what was already rounded once, for no fewer bytes")
+               if want in (PLAIN, "int8", "int8g")
+               else "would round again what was already rounded once, for no fewer bytes")
         raise PolicyError(f"this checkpoint publishes its routed experts in MXFP4 (~0.53 bytes per weight); storing "
                           f"them as {asked} {why}. Leave --experts out (or say --experts keep) to keep them as "
                           "they are")

@@ -272,6 +272,9 @@ def _int8_everywhere() -> dict[str, str]:
 NAMED: dict[str, SpinePolicy] = {
     # Exactly the int8 spine: every projection int8, a scale per 32 inputs.
     "int8": SpinePolicy("int8", 32, _int8_everywhere()),
+    # int8 with one scale per output row (no int8 group is below 32), what the int8 spine was before
+    # group scales: ~6 % fewer bytes, for a RAM cache that holds less than the model.
+    "int8-row": SpinePolicy("int8-row", 16, _int8_everywhere()),
     # The MLP side (dense MLP, shared experts, latent down/up) int4; attention and lm_head int8.
     "moe4": SpinePolicy("moe4", 32, {**_int8_everywhere(), **{r: "int4" for r in MLP_ROLES}}),
     # Smaller still: attention and lm_head int6 as well (the decay projections keep their int8 floor).
