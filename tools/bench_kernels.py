@@ -29,11 +29,12 @@ from deltafin.kernels import intq
 
 # name, [out, in], codecs worth measuring at that shape
 K3_SHAPES = [
-    ("kda_qkvg_proj", (12288, 7168), ("bf16", "int8", "int6", "int4", "mxfp4")),
-    ("o_proj", (7168, 12288), ("bf16", "int8", "int6", "int4", "mxfp4")),
-    ("expert_w1", (3072, 3584), ("mxfp4", "int4", "int8")),
-    ("expert_w2", (3584, 3072), ("mxfp4", "int4", "int8")),
+    ("kda_qkvg_proj", (12288, 7168), ("bf16", "int8", "int8g", "int6", "int4", "mxfp4")),
+    ("o_proj", (7168, 12288), ("bf16", "int8", "int8g", "int6", "int4", "mxfp4")),
+    ("expert_w1", (3072, 3584), ("mxfp4", "int4", "int8", "int8g")),
+    ("expert_w2", (3584, 3072), ("mxfp4", "int4", "int8", "int8g")),
 ]
+TOOL_CODECS = (*CODECS, "int8g")  # int8g: grouped int8 (linear's "int8" with group scales)
 L2_BYTES = 64 << 20  # H100/H200 class; rotating over 4x this keeps the weight out of L2
 
 
@@ -42,10 +43,12 @@ def random_qweight(codec: str, shape: tuple[int, int], group: int, device: str) 
     out, n = shape
     if codec == "bf16":
         return QWeight(codec, shape, 0, {"weight": torch.randn(out, n, device=device).bfloat16()})
-    if codec == "int8":
-        return QWeight(codec, shape, 0, {
+    if codec in ("int8", "int8g"):  # int8g: int8 with a float16 scale per group (--group)
+        grouped = codec == "int8g"
+        return QWeight("int8", shape, group if grouped else 0, {
             "weight": torch.randint(-127, 128, (out, n), dtype=torch.int8, device=device),
-            "weight_scale": torch.rand(out, 1, device=device) * 1e-3})
+            "weight_scale": (torch.rand(out, n // group, device=device) * 1e-3).half() if grouped
+            else torch.rand(out, 1, device=device) * 1e-3})
     if codec == "mxfp4":
         return QWeight(codec, shape, 32, {
             "weight_packed": torch.randint(0, 256, (out, n // 2), dtype=torch.uint8, device=device),
@@ -146,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", default="1", help="comma-separated row counts of x (decode: 1)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--codecs", default=",".join(CODECS), help="subset of codecs to run")
+    ap.add_argument("--codecs", default=",".join(TOOL_CODECS), help="subset of codecs to run")
     ap.add_argument("--shapes", default="", help="OUTxIN,... instead of the K3 shapes (all codecs each)")
-    ap.add_argument("--group", type=int, default=32, help="group size for int4/int6")
+    ap.add_argument("--group", type=int, default=32, help="group size for int4/int6 and int8g")
     ap.add_argument("--iters", type=int, default=None, help="timed calls (default: 100 cuda, 2 cpu)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 3 cuda, 1 cpu)")
     args = ap.parse_args(argv)
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     wanted = set(args.codecs.split(","))
     if args.shapes:
-        shapes = [(s, tuple(int(v) for v in s.lower().split("x")), CODECS) for s in args.shapes.split(",")]
+        shapes = [(s, tuple(int(v) for v in s.lower().split("x")), TOOL_CODECS) for s in args.shapes.split(",")]
     else:
         shapes = K3_SHAPES
     dtype = getattr(torch, args.dtype)
