@@ -244,6 +244,11 @@ def test_mismatched_tensors_are_rejected():
         QWeight.from_tensors({"p.weight_packed": named["p.weight_packed"]}, "p.", "int4")
     with pytest.raises(ValueError, match="weight_scale"):
         QWeight.from_tensors({**named, "p.weight_scale": named["p.weight_scale"][:4]}, "p.", "int4")
+    # int8 scales that are neither per row nor groups of a multiple of 32: named by the weight
+    g = quantize(_weight(8, 64), "int8", 32).to_tensors("layer.o_proj.")
+    for bad in (g["layer.o_proj.weight_scale"].float(), g["layer.o_proj.weight_scale"].repeat(1, 2)):
+        with pytest.raises(ValueError, match=r"^layer\.o_proj: int8"):
+            QWeight.from_tensors({**g, "layer.o_proj.weight_scale": bad}, "layer.o_proj.", "int8")
     with pytest.raises(ValueError, match="declared shape"):
         QWeight("int4", (8, 32), 32, q.tensors)
     with pytest.raises(ValueError, match="does not match"):

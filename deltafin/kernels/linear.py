@@ -108,7 +108,10 @@ class QWeight:
             found[name] = tensors[prefix + name]
         if codec == "mxfp4":
             found["weight_scale"] = scale_bits(found["weight_scale"])
-        shape, group = _shape_of(codec, found)
+        try:
+            shape, group = _shape_of(codec, found)
+        except ValueError as e:  # name the weight: a store's damaged tensor is found by it
+            raise ValueError(f"{prefix.rstrip('.') or 'weight'}: {e}") from None
         return cls(codec, shape, group, found)
 
 
