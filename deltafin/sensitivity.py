@@ -26,7 +26,8 @@ import torch
 from .checkpoint import expert_codec
 from .checkpoint.layout import (EXPERT_WEIGHTS, expert_tensors, global_tensors, layer_spine_tensors,
                                 nbytes)
-from .checkpoint.policy import PLAIN, PROTECTED, ROLES, SpinePolicy, load_policy, tensor_codec, tensor_roles
+from .checkpoint.policy import (PLAIN, PROTECTED, ROLES, ROW_INT8, SpinePolicy, load_policy, tensor_codec,
+                                tensor_roles)
 from .checkpoint.source import GLOBAL_KEYS
 from .kernels.linear import quantize
 from .model.layers import sanitize
@@ -127,13 +128,10 @@ class Sensitivity:
         -> spine bytes saved per token."""
         saved = 0
         for role, codec in role_codecs.items():
-            row = codec == ROW_INT8  # int8 with one scale per output row, for comparison
             for s in self.slots[role]:
-                c, g = tensor_codec(s.rel, s.shape, "int8" if row else codec, group_size)
+                c, g = tensor_codec(s.rel, s.shape, codec, group_size)
                 if c == PLAIN:
                     continue
-                if row:
-                    g = 0
                 weights = self._weights[s.layer]
                 w = weights[s.slot]
                 q = quantize(w, c, g)
@@ -145,7 +143,7 @@ class Sensitivity:
     def expert_bytes(self, codec: str = PLAIN) -> int:
         """Routed-expert bytes one decode token reads (top-k per MoE layer) with experts in `codec`."""
         cfg = self.cfg
-        codec = EXPERT_STORED.get(codec, codec)
+        codec = expert_codec.stored(codec)
         return sum(cfg.experts_per_token * sum(nbytes(t) for t in expert_tensors(cfg, i, 0, codec).values())
                    for i in range(cfg.num_layers) if cfg.is_moe(i))
 
@@ -156,7 +154,7 @@ class Sensitivity:
         try:
             if spine is not None:
                 self._swap_roles({r: spine.role_codec(r) for r in self.slots}, spine.group_size, swapped)
-            weight_codec, group = EXPERT_WEIGHTS[EXPERT_STORED.get(codec, codec)]
+            weight_codec, group = EXPERT_WEIGHTS[expert_codec.stored(codec)]
             for layer in self._experts:
                 for e, ws in layer.items():
                     swapped.append((layer, e, ws))
@@ -179,8 +177,6 @@ def role_codecs_of(policy: SpinePolicy, codec: str | None) -> dict[str, str]:
     return {r: (PLAIN if r in PROTECTED else codec) for r in ROLES}
 
 
-# int8 with one scale per output row (what int8 stores held before grouped scales): a probe only.
-ROW_INT8 = "int8-row"
 SPINE_PROBES = ("int8", ROW_INT8, "int6", "int4")
 
 
@@ -215,9 +211,7 @@ def sensitivity(path: str | Path, policy: str | SpinePolicy = "moe4", codec: str
     }
 
 
-EXPERT_PROBES = ("int8", ROW_INT8, "int4", "mxfp4")
-# Each expert probe as the store codec convert --experts writes for it (int8: grouped).
-EXPERT_STORED = {"int8": "int8g", ROW_INT8: "int8"}
+EXPERT_PROBES = ("int8", "int8-row", "int4", "mxfp4")  # as --experts names them
 
 
 @dataclass

@@ -61,8 +61,7 @@ def experts_message(source) -> str:
     name = expert_codec.describe(cfg, codec)
     if codec == expert_codec.published(cfg):
         return f"{name} experts (as published)"
-    asked = {"int8g": "int8", "int8": "int8-row"}.get(codec, codec)  # what convert --experts was given
-    return (f"{name} experts: LOSSY (converted with --experts {asked}; the source's are "
+    return (f"{name} experts: LOSSY (converted with --experts {expert_codec.asked_for(codec)}; the source's are "
             f"{expert_codec.describe(cfg, expert_codec.PLAIN)})")
 
 

@@ -118,6 +118,11 @@ def test_vectors_stay_plain_and_groups_fit_the_width():
     assert fit_group("int4", 40, 32) == 0
     assert tensor_codec("x.up_proj.weight", (8, 40), "int4", 32) == ("int8", 0)  # no group fits: int8
     assert tensor_codec("x.up_proj.weight", (8, 48), "int4", 32) == ("int4", 16)
+    # int8: the policy's group where one of at least 32 fits, else one scale per row; int8-row: per row
+    assert tensor_codec("x.up_proj.weight", (8, 96), "int8", 64) == ("int8", 32)
+    assert tensor_codec("x.up_proj.weight", (8, 48), "int8", 32) == ("int8", 0)
+    assert tensor_codec("x.up_proj.weight", (8, 96), "int8-row", 32) == ("int8", 0)
+    assert layer_codecs(NAMED["int8-row"], cfg, 1)["self_attn.q_proj.weight"] == ("int8", 0)
 
 
 def _policy_file(tmp_path, d) -> Path:

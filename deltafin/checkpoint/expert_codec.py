@@ -47,7 +47,22 @@ def describe(cfg: ModelConfig, codec: str) -> str:
     """A codec as people say it: "bf16" / "MXFP4" for the published experts, else the codec's name."""
     if codec == PLAIN:
         return "MXFP4" if cfg.expert_format == "mxfp4" else "bf16"
-    return {"mxfp4": "MXFP4", "int8": "int8-row", "int8g": "int8"}.get(codec, codec)
+    return "MXFP4" if codec == "mxfp4" else asked_for(codec)
+
+
+# --experts names whose store codec is named otherwise: int8 is grouped int8 (a float16 scale per 32
+# inputs, store codec int8g); int8-row is the per-row int8 older stores hold (store codec int8).
+_STORED = {"bf16": PLAIN, "int8": "int8g", "int8-row": "int8"}
+
+
+def stored(asked: str) -> str:
+    """The store codec ``--experts asked`` writes."""
+    return _STORED.get(asked, asked)
+
+
+def asked_for(codec: str) -> str:
+    """The ``--experts`` name that writes store codec `codec`."""
+    return next((a for a, c in _STORED.items() if c == codec), codec)
 
 
 def resolve(cfg: ModelConfig, asked: str | None) -> str:
@@ -60,8 +75,7 @@ def resolve(cfg: ModelConfig, asked: str | None) -> str:
         return have
     if asked not in CHOICES:
         raise PolicyError(f"unknown expert codec {asked!r}; --experts takes one of {', '.join(CHOICES)}")
-    # --experts int8 is grouped int8 (a float16 scale per 32 inputs); stores of per-row int8 stay readable.
-    want = {"bf16": PLAIN, "int8": "int8g", "int8-row": "int8"}.get(asked, asked)
+    want = stored(asked)
     if have == "mxfp4":
         if want == "mxfp4":
             return have

@@ -5,7 +5,8 @@ tensor name ``layout.py`` can produce has exactly one role (``role_of``). A *pol
 to codecs: ``plain`` (kept exactly as published; ``bf16`` is accepted as a synonym), ``int8``,
 ``int6`` or ``int4`` (symmetric, group-wise along the input dimension; int8 with a float16 scale
 per group, as llama.cpp's Q8_0 at group 32, or one float32 scale per output channel where no
-group of at least 32 fits, which is also how stores written before grouped int8 hold it).
+group of at least 32 fits, which is also how stores written before grouped int8 hold it), ``int8-row``
+(int8 with one scale per output row everywhere).
 Roles a policy does not name are kept plain.
 
 Rules every policy obeys (a policy that breaks one is rejected, naming the role):
@@ -22,8 +23,9 @@ Rules every policy obeys (a policy that breaks one is rejected, naming the role)
 
 The group size of a policy (a power of two in 16..256, so the fused GPU kernels apply) is halved
 for a weight whose input width it does not divide, down to 16 (int8: 32); a weight that still does
-not fit is stored as int8 with one scale per output channel. The store records the codec of every tensor, and the reader takes the group
-size from the stored tensors' shapes, so no reader needs the policy.
+not fit is stored as int8 with one scale per output channel. The store records the codec of every
+tensor, and the reader takes the group size from the stored tensors' shapes, so no reader needs the
+policy.
 
 A policy file is JSON: ``{"name": "mine", "group_size": 32, "roles": {"moe.shared": "int4", ...}}``.
 """
@@ -39,9 +41,11 @@ from .layout import global_tensors, layer_spine_tensors, nbytes
 
 PLAIN = "plain"  # the store's name for "as stored in the source" (store.PLAIN)
 KEEP_NAMES = (PLAIN, "bf16")
-CODECS = (PLAIN, "int8", "int6", "int4")
+# int8 with one float32 scale per output row (what int8 was before group scales): ~6 % fewer bytes
+ROW_INT8 = "int8-row"
+CODECS = (PLAIN, "int8", ROW_INT8, "int6", "int4")
 # Stored bits per weight element (scales aside): how fine a codec is.
-CODEC_BITS = {PLAIN: 16, "int8": 8, "int6": 6, "int4": 4}
+CODEC_BITS = {PLAIN: 16, "int8": 8, ROW_INT8: 8, "int6": 6, "int4": 4}
 GROUP_SIZES = (16, 32, 64, 128, 256)
 MIN_GROUP = 16
 INT8_MIN_GROUP = 32  # the native int8 kernels' steps (kernels/int8.py GROUP_MULTIPLE)
@@ -207,9 +211,11 @@ def stored_nbytes(codec: str, rows: int, cols: int, group_size: int = 0, plain_b
 def tensor_codec(rel: str, shape, codec: str, group_size: int) -> tuple[str, int]:
     """(codec, group size) a tensor gets when its role asks for `codec`: plain for anything but a
     2-D projection; a group-wise codec whose group cannot fit the width falls back to int8, and
-    int8 to one scale per row (group size 0)."""
+    int8 to one scale per row (group size 0), which ROW_INT8 asks for."""
     if codec == PLAIN or not is_spine_projection(rel) or len(shape) != 2:
         return PLAIN, 0
+    if codec == ROW_INT8:
+        return "int8", 0
     g = fit_group(codec, shape[1], group_size)
     return (codec, g) if g else ("int8", 0)
 
@@ -272,9 +278,9 @@ def _int8_everywhere() -> dict[str, str]:
 NAMED: dict[str, SpinePolicy] = {
     # Exactly the int8 spine: every projection int8, a scale per 32 inputs.
     "int8": SpinePolicy("int8", 32, _int8_everywhere()),
-    # int8 with one scale per output row (no int8 group is below 32), what the int8 spine was before
-    # group scales: ~6 % fewer bytes, for a RAM cache that holds less than the model.
-    "int8-row": SpinePolicy("int8-row", 16, _int8_everywhere()),
+    # int8 with one scale per output row, what the int8 spine was before group scales: ~6 % fewer
+    # bytes, for a RAM cache that holds less than the model.
+    ROW_INT8: SpinePolicy(ROW_INT8, 32, {r: ROW_INT8 for r in _int8_everywhere()}),
     # The MLP side (dense MLP, shared experts, latent down/up) int4; attention and lm_head int8.
     "moe4": SpinePolicy("moe4", 32, {**_int8_everywhere(), **{r: "int4" for r in MLP_ROLES}}),
     # Smaller still: attention and lm_head int6 as well (the decay projections keep their int8 floor).
