@@ -225,9 +225,9 @@ class Model:
     def _activation_room(self) -> int | None:
         """Free memory where a pass's activations live, less headroom (None: unknown)."""
         if self.device.type == "cuda":
-            from .io.device import HEADROOM_FRACTION, HEADROOM_MIN
+            from .io.device import device_headroom
             free, total = torch.cuda.mem_get_info(self.device)
-            return max(0, free - max(HEADROOM_MIN, int(HEADROOM_FRACTION * total)))
+            return max(0, free - device_headroom(total))
         if self.device.type != "cpu":
             return None
         from .io.memory import MemoryBudget, read_memory

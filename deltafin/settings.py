@@ -65,8 +65,9 @@ class Settings:
                             "cache. Printed at start")
     cpu_experts: str = _knob("auto", "with a CUDA / MPS device that streams: compute the routed experts the host serves "
                              "(its RAM cache, or the disk) on the host's cores, so their weights never cross to the "
-                             "device (on), or copy them to the device (off); auto = per MoE layer, whichever its "
-                             "first such expert measured faster (the copy, or the host's product of one row). Only "
+                             "device (on), or copy them to the device (off); auto = per MoE layer, from its first pass "
+                             "with such experts: the host's products of all of them against the time the copy "
+                             "stream would be busy meanwhile (their copies and the spine it copies ahead). Only "
                              "passes of up to 8 rows: a prompt's experts are always copied",
                              choices=("auto", "on", "off"))
     prefetch: str = _knob("off", "when streaming, read a MoE layer's likely experts before its router runs, at the "

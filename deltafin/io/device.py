@@ -78,6 +78,13 @@ def _move(w, device, non_blocking: bool = False):
     return w.to(device, non_blocking=non_blocking, copy=True)
 
 
+def _move_all(w, device, non_blocking: bool = False):
+    """``_move`` of `w`, or of each value of a dict."""
+    if isinstance(w, dict):
+        return {k: _move(x, device, non_blocking) for k, x in w.items()}
+    return _move(w, device, non_blocking)
+
+
 # Small weights that are not matrix products (norm weights, biases, gate taps, depth-mix queries)
 # are converted to float32 wherever they are used; a held one on CUDA is kept in float32 instead (the
 # same values: widening is exact), which saves a conversion kernel per use and pass.
@@ -104,6 +111,11 @@ HEADROOM_MIN = 2 * GiB
 HEADROOM_FRACTION = 0.04
 
 
+def device_headroom(total: int) -> int:
+    """Bytes of a device of `total` bytes left free under an automatic budget."""
+    return max(HEADROOM_MIN, int(HEADROOM_FRACTION * total))
+
+
 def device_budget(settings, device: torch.device) -> tuple[int, str]:
     """(budget bytes, how it was set) for weights on `device`."""
     given = settings.gpu_budget_bytes()
@@ -117,7 +129,7 @@ def device_budget(settings, device: torch.device) -> tuple[int, str]:
     else:
         import psutil
         free = total = psutil.virtual_memory().available
-    headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * total))
+    headroom = device_headroom(total)
     return max(0, free - headroom), (f"auto: {free / GB:.1f} GB free - {headroom / GB:.1f} GB headroom")
 
 
@@ -201,12 +213,10 @@ class _Copier:
         stream waits for the copy from here on, or (`now` False: a copy ahead of its use) from
         ``use(event)`` on."""
         if self.stream is None:
-            return ({k: _move(x, self.device) for k, x in w.items()} if isinstance(w, dict)
-                    else _move(w, self.device)), None
+            return _move_all(w, self.device), None
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            moved = ({k: _move(x, self.device, True) for k, x in w.items()} if isinstance(w, dict)
-                     else _move(w, self.device, True))
+            moved = _move_all(w, self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         if now:

@@ -131,14 +131,9 @@ class SpineReader:
 
     def in_memory(self, j: int) -> dict | None:
         """Layer j's spine if it is in memory now (pinned, cached, or its read-ahead complete)."""
-        if j < self.pin_layers:
-            return self._pinned[j]
-        if j not in self.streamable:
-            return None
-        if self._cache is not None:
-            w = self._cache.spine(j)
-            if w is not None:
-                return w
+        w = self.in_ram(j)
+        if w is not None or j not in self.streamable:
+            return w
         for b in self._bufs:
             if b.layer == j and b.batch is not None and b.batch.done() and not b.batch.failed():
                 return self._decoded(b)

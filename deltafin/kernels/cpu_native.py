@@ -366,7 +366,8 @@ def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[to
     """Checks the items (one weight shape and kind, contiguous CPU tensors, float32 x [M, x_width])
     and returns y float32 [sum of M, y_width] (item i's rows after item i-1's), the ctypes arrays
     (x, rows, weights, scales, y), the kind (1 int8, 0 bf16) and the int8 group size (0: row
-    scales). The checks are what keeps a wrong pointer out of C; they run for every item of every call, so they use torch's cheapest queries."""
+    scales). The checks are what keeps a wrong pointer out of C; they run for every item of every
+    call, so they use torch's cheapest queries."""
     count = len(ws)
     if not count == len(xs) == len(scales) or count == 0:
         raise ValueError("dense items need one x and one scale (None for bf16) per weight, and at least one")

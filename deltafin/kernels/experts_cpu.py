@@ -82,7 +82,8 @@ def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.
         xs = list(x.split(counts))  # each expert's rows
         if shared is not None:  # one more item of each call: the shared expert over every row of z
             extra = [native_dense(m) for m in shared]
-            if any(d is None or (d[0].shape, dense_kind(d)) != (r[0].shape, dense_kind(r)) for d, r in zip(extra, dense[0])):
+            if any(d is None or (d[0].shape, dense_kind(d)) != (r[0].shape, dense_kind(r))
+                   for d, r in zip(extra, dense[0])):
                 return None
             xs, dense = xs + [z.contiguous()], dense + [extra]
         out = _dense_pairs(glu, xs, dense)
