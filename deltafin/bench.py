@@ -61,8 +61,9 @@ import sys
 import time
 from pathlib import Path
 
+from . import gpu_figures
 from .checkpoint import expert_codec
-from .checkpoint.sizes import ModelSizes
+from .checkpoint.sizes import ModelSizes, summarize as size_summary
 from .io.reader import ALIGN, EXPERT_CHUNK, SPINE_CHUNK, URGENT, AlignedBuffer, Files, ReadPool, chunked, drop_file_cache, \
     expert_layout, spine_layout
 from .profile import SOURCES, PassRecorder, summarize
@@ -412,6 +413,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         out["provider_resident_bytes"] = resident
     if model.device.type == "cuda":
         out.update(device_figures(model, d, s_per_tok, raw, settings))
+        if not model.streaming:
+            out.update(resident_pass_figures(model, prompts, piece, prefills, out["prefill_tok_s"]))
     out["dist"] = dist_figures(model, d, decode_seconds, ranks_before, ranks_after) if split else None
     return out
 
@@ -527,6 +530,32 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None, settings:
         "residency": model.residency_now(),
         # One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass).
         "decode_graph": model.graph_stats(),
+    }
+
+
+def resident_pass_figures(model, prompts: list[list[int]], piece: int, prefills: int, prefill_tok_s: float) -> dict:
+    """A model resident on CUDA: the prompt's share of the bf16 matrix peak and the kernels each kind
+    of pass launches per layer (gpu_figures), counted over the same prompts decoded again."""
+    cfg = model.config
+    peak = gpu_figures.measure_matmul_peak(model.device)
+    T = len(prompts[0])
+    flops_per_token = gpu_figures.prefill_flops(cfg, size_summary(model.source)["active_params"], T) / T
+    decoded = 4
+    prefill = gpu_figures.count_launches(lambda: _decode(model, prompts, 1, piece))
+    both = gpu_figures.count_launches(lambda: _decode(model, prompts, 1 + decoded, piece))
+
+    def per_layer(count: float, passes: int) -> float:
+        return count / passes / cfg.num_layers
+    return {
+        "matmul_peak_tflops": peak,
+        "prefill_tflops": prefill_tok_s * flops_per_token / 1e12,
+        "prefill_mfu": prefill_tok_s * flops_per_token / (peak * 1e12),
+        "launches_per_layer": {
+            "prefill": per_layer(prefill["launches"], prefills),
+            "decode": per_layer(both["launches"] - prefill["launches"], decoded)},
+        "kernels_per_layer": {
+            "prefill": per_layer(prefill["kernels"], prefills),
+            "decode": per_layer(both["kernels"] - prefill["kernels"], decoded)},
     }
 
 

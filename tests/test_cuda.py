@@ -87,3 +87,21 @@ def test_cuda_over_host_ram_cache_with_host_experts_matches_cpu(request, fixture
     assert res["pinned_host_buffers"] > 0 and res["host"]["cache"]["experts_held"] > 0
     if cpu_experts == "auto":
         assert res["host_choices"]  # measured, per layer
+
+
+def test_cuda_kda_prompt_matches_reference():
+    """A long prompt piece's recurrence on the device (flash-linear-attention's chunked kernel where it
+    is installed, else deltafin's chunked form) against the chunked form in float64 on the CPU."""
+    from deltafin.model.kda_recurrence import kda_chunked, kda_prompt
+    from deltafin.model.ops import l2_normalize
+    gen = torch.Generator().manual_seed(6)
+    T, H, d = 300, 4, 64
+    q = l2_normalize(torch.randn(T, H, d, generator=gen)) * d ** -0.5
+    k = l2_normalize(torch.randn(T, H, d, generator=gen))
+    v, g = torch.randn(T, H, d, generator=gen), -torch.rand(T, H, d, generator=gen) * 0.5
+    beta, S0 = torch.sigmoid(torch.randn(T, H, generator=gen)), torch.randn(H, d, d, generator=gen) * 0.1
+    o_ref, S_ref = kda_chunked(*(t.double() for t in (q, k, v, g, beta, S0)))
+    o, S = kda_prompt(*(t.cuda() for t in (q, k, v, g, beta, S0)))
+    assert o.dtype == S.dtype == torch.float32 and o.shape == (T, H, d) and S.shape == (H, d, d)
+    assert (o.cpu().double() - o_ref).abs().max().item() < 2e-3 * o_ref.abs().max().item()
+    assert (S.cpu().double() - S_ref).abs().max().item() < 2e-3 * S_ref.abs().max().item()

@@ -6,14 +6,18 @@ and scales stacked alike). One is what a provider hands the MoE layer when every
 layer is resident on one device. ``stack[e]`` gives expert e's (w1, w3, w2) as views, so the
 per-expert path still works on it.
 
-``grouped_mlp`` computes, for decode-sized inputs, every (token, chosen expert) pair's
-``w2 @ glu(w1 @ x, w3 @ x)`` and the routing-weighted sum over each token's experts without
-reading the expert ids back to the host: on CUDA two Triton launches (gate and up fused with the
-activation, then down) over the flattened expert index list, whatever the number of experts
-chosen, MXFP4 codes decoded inside them; elsewhere a torch reference that gathers the chosen
-experts' weights. Products are fp32
-sums of fp32 inputs times the stored weights, as in the per-expert path (the results differ from
-it only in summation order).
+``grouped_mlp`` computes every (token, chosen expert) pair's ``w2 @ glu(w1 @ x, w3 @ x)`` and the
+routing-weighted sum over each token's experts without reading the expert ids back to the host:
+- bf16 experts on a CUDA device with grouped GEMMs (``sorted_mlp``): the pairs sorted by expert and
+  two grouped matrix products over the sorted rows (gate and up, then down), so each chosen expert's
+  weights are read once for all of its rows, whatever their number — a prompt's thousands of rows as
+  a batch's handful. The products round their inputs to bf16 and sum in fp32, like every other bf16
+  product of the model (``ops.HalfMatmul``).
+- otherwise, for decode-sized inputs, on CUDA two Triton launches (gate and up fused with the
+  activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
+  (each pair reads its expert's weights: made for a few rows); elsewhere a torch reference that
+  gathers the chosen experts' weights. Products are fp32 sums of fp32 inputs times the stored
+  weights, as in the per-expert path (the results differ from it only in summation order).
 """
 from __future__ import annotations
 
@@ -23,17 +27,26 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
-# (token, expert) pairs up to which the grouped path is used; a long prefill chooses most experts
-# for many tokens, where the per-expert path reads each weight once for all of its tokens.
+# (token, expert) pairs up to which the Triton kernels are used; a long prefill chooses most experts
+# for many tokens, where they would read each expert's weights once per pair.
 GROUPED_MAX_PAIRS = 256
+# (token, expert) pairs from which bf16 experts on CUDA take the grouped GEMMs (``sorted_mlp``):
+# below, a few pairs mostly of distinct experts, the Triton kernels' two launches cost less than
+# the sort, the counts and the two grouped products.
+SORTED_MIN_PAIRS = 32
 
 
 class Stacked:
     """All of a layer's experts in stacked tensors (see the subclasses)."""
 
     def applies(self, pairs: int) -> bool:
-        return pairs <= GROUPED_MAX_PAIRS
+        return pairs <= GROUPED_MAX_PAIRS or self.sorted_gemm()
+
+    def sorted_gemm(self) -> bool:
+        """Whether ``sorted_mlp`` takes these experts (any number of rows)."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,9 @@ class ExpertStack(Stacked):
 
     def __len__(self) -> int:
         return self.w13.shape[0]
+
+    def sorted_gemm(self) -> bool:
+        return self.w13.dtype == torch.bfloat16 and self.w13.is_cuda and _grouped_gemm_on(self.w13.device)
 
     def __getitem__(self, e: int) -> tuple:
         inter = self.w2.shape[2]
@@ -102,6 +118,8 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                 glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) for rows z [T, H] -> fp32 [T, H]. ``glu(gate, up)``
     is the activation of the torch paths; the Triton kernels apply cfg's own (hidden_act, SiTU betas)."""
+    if ids.numel() >= SORTED_MIN_PAIRS and stack.sorted_gemm():
+        return sorted_mlp(z, ids, weights, stack, glu)
     T, k = ids.shape
     flat = ids.reshape(-1).to(torch.int32)
     x = z.float().contiguous()
@@ -116,6 +134,32 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     else:
         out = _grouped_reference(glu, x, flat, k, stack)
     return (out.view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+
+
+def sorted_mlp(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack: "ExpertStack",
+               glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``grouped_mlp`` by grouped GEMMs over the pairs sorted by expert (see the module docstring):
+    fp32 [T, H]. Everything stays on the device (the group offsets are counted there), so a
+    recorded decode graph can hold it."""
+    T, k = ids.shape
+    E, inter = stack.w13.shape[0], stack.w2.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
+    rows = order // k
+    ends = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+    x = z[rows].to(torch.bfloat16)
+    gu = F.grouped_mm(x, stack.w13.transpose(1, 2), offs=ends).float()  # [P, 2I]
+    act = glu(gu[:, :inter], gu[:, inter:]).to(torch.bfloat16)
+    out = F.grouped_mm(act, stack.w2.transpose(1, 2), offs=ends)  # [P, H]
+    scaled = out.float() * weights.reshape(-1)[order].float().unsqueeze(-1)
+    return torch.zeros(T, z.shape[1], dtype=torch.float32, device=z.device).index_add_(0, rows, scaled)
+
+
+@functools.cache
+def _grouped_gemm_on(device: torch.device) -> bool:
+    """Whether torch runs bf16 grouped GEMMs on this CUDA device (its kernels need compute
+    capability 8.0 or later)."""
+    return hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _grouped_reference(glu, x, flat, k, stack):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..kernels import cpu_native
 from .binding import Bindable
 from .ops import l2_normalize, linear, linears, products, rms_norm
-from .kda_recurrence import kda_chunked, kda_recurrent
+from .kda_recurrence import kda_prompt, kda_recurrent
 from .state import KDAState, Rows
 
 
@@ -165,7 +165,7 @@ class KDAttention(Bindable):
             o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, in_place=True, trace=trace)
             o = o.transpose(0, 1)
         else:  # one sequence (see _groups)
-            o, S = kda_chunked(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk)
+            o, S = kda_prompt(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk)
             o, S = o.unsqueeze(0), S.unsqueeze(0)
         for b, st in enumerate(states):
             if keep_states:

@@ -2,11 +2,14 @@
 
 Per head, with state S in R^{Dk x Dv} (fp32):  S <- diag(exp(g)) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q.
 ``kda_recurrent`` steps it row by row, ``kda_chunked`` is the equivalent chunked form for long prompt
-pieces, and ``kda_rollback`` steps a saved start state over a check pass's accepted rows again. The
+pieces (``kda_prompt`` runs flash-linear-attention's chunked kernels instead on CUDA where that
+package is installed: deltafin's own form stays the fallback and the reference), and ``kda_rollback`` steps a saved start state over a check pass's accepted rows again. The
 sublayer around it (projections, conv, gates) is ``kda.KDAttention``; the state classes are in
 ``state``, which this module does not import (it only reads their fields).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -66,6 +69,28 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
         S = torch.exp(G_end).transpose(1, 2) * S + torch.einsum("hid,hiv->hdv", kc * torch.exp(G_end - G), u)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs), S
+
+
+def kda_prompt(q, k, v, g, beta, S, chunk: int = 64):
+    """One sequence's long prompt piece (arguments as kda_chunked's: q already scaled, q and k
+    normalized, g the log decay): flash-linear-attention's ``chunk_kda`` on a CUDA device where it is
+    installed (one fused pass over the chunks, fp32 state in and out), else ``kda_chunked``."""
+    kernel = _fla_chunk_kda() if q.is_cuda else None
+    if kernel is None:
+        return kda_chunked(q, k, v, g, beta, S, chunk)
+    o, S = kernel(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=S[None].float(),
+                  output_final_state=True)
+    return o[0].float(), S[0].float()
+
+
+@functools.cache
+def _fla_chunk_kda():
+    """flash-linear-attention's chunked KDA kernel, or None where the package (and Triton) is not installed."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    return chunk_kda
 
 
 def kda_rollback(st, keep: int) -> None:

@@ -82,6 +82,10 @@ class ExpertRows:
         self._where = {e: (s, s + n) for e, s, n in zip(chosen.tolist(), starts.tolist(), counts.tolist())}
         self._rows_slots = torch.stack([order // k, order % k]).to(ids.device)
 
+    def chosen(self) -> list[int]:
+        """The chosen experts, sorted."""
+        return sorted(self._where)
+
     def of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, slots) of expert e, on the device."""
         a, b = self._where.get(e, (0, 0))
@@ -131,6 +135,8 @@ class MoE(Bindable):
         if isinstance(experts, Stacked) and experts.applies(ids.numel()):
             y = grouped_mlp(c, z, ids, weights, experts, lambda g, u: glu(c, g, u))
         else:
+            if rows is None and ids.device.type != "cpu":  # a stack too many rows for its grouped kernels
+                rows = ExpertRows(ids)
             y = self._per_expert(z, ids, weights, experts, rows)
         y = y.to(x.dtype)
         if c.latent_size:
@@ -163,7 +169,8 @@ class MoE(Bindable):
         if host:
             return self._split(z, ids, weights, experts, host, rows)
         y = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
-        for e in chosen_experts(ids) if isinstance(experts, Stacked) else sorted(experts):
+        stacked = isinstance(experts, Stacked)
+        for e in (rows.chosen() if rows is not None else chosen_experts(ids)) if stacked else sorted(experts):
             self._add(y, z, *(rows.of(e) if rows is not None else (ids == e).nonzero(as_tuple=True)),
                       weights, experts[e])
         return y
