@@ -334,6 +334,9 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         return disk_s_per_tok / gbps / s_per_tok if gbps > 0 else 0.0
 
     residency = (model.residency_now() or {}) if model.streaming else {}
+    # Under a device the host streamer's own record (its RAM cache) is the residency's "host" part;
+    # the rest is the device's (its budget is not the RAM's).
+    host_residency = residency.get("host", {}) if "tier" in residency else residency
     disk = disk_limit(d["tokens"] / decode_seconds, d["read_bytes_per_token"], raw)
     limit = disk["limit_tok_s"]
     ram = raw_read_summary(ram_probes) if ram_probes else None
@@ -367,10 +370,10 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "disk_bytes_per_token": d["read_bytes_per_token"],
         "spine_cache_hit_rate": d["spine_cache_hit_rate"],
         "expert_cache_hit_rate": d["expert_cache_hit_rate"],
-        "ram_budget_bytes": (residency.get("budget_bytes", 0 if settings.ram_budget_bytes() == 0 else None)
+        "ram_budget_bytes": (host_residency.get("budget_bytes", 0 if settings.ram_budget_bytes() == 0 else None)
                              if model.streaming else None),
-        "ram_cache": residency.get("cache"),
-        "expert_routing": routing_figures({}, routings.counts, residency.get("cache")) if routings else None,
+        "ram_cache": host_residency.get("cache"),
+        "expert_routing": routing_figures({}, routings.counts, host_residency.get("cache")) if routings else None,
         "limit_tok_s": limit,
         "limit_tier": "disk" if limit else None,
         "decode_vs_limit": disk["decode_vs_limit"],

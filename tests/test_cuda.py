@@ -105,3 +105,16 @@ def test_cuda_kda_prompt_matches_reference():
     assert o.dtype == S.dtype == torch.float32 and o.shape == (T, H, d) and S.shape == (H, d, d)
     assert (o.cpu().double() - o_ref).abs().max().item() < 2e-3 * o_ref.abs().max().item()
     assert (S.cpu().double() - S_ref).abs().max().item() < 2e-3 * S_ref.abs().max().item()
+
+
+def test_cuda_bench_reports_the_host_ram_budget(tiny_k3_path):
+    """Under a device, bench's RAM figures are the host streamer's (not the device budget's)."""
+    from deltafin.bench import run_bench
+    from deltafin.settings import Settings
+    sizes = ModelSizes.of(deltafin.load(tiny_k3_path, device="cpu", stream="off").source)
+    budget = str((sizes.globals_bytes + sizes.spine_bytes[0]) / 1e9)
+    for ram, held in (("0", False), ("auto", True)):
+        s = Settings.resolve({"device": "cuda", "stream": "on", "gpu_budget": budget, "ram_budget": ram})
+        r = run_bench(tiny_k3_path, tokens=3, prompt_tokens=4, settings=s)
+        assert r["ram_budget_bytes"] != r["residency"]["budget_bytes"]
+        assert (r["ram_budget_bytes"] > 0) == held

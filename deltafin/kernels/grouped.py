@@ -143,16 +143,17 @@ def sorted_mlp(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack:
     recorded decode graph can hold it."""
     T, k = ids.shape
     E, inter = stack.w13.shape[0], stack.w2.shape[2]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
-    rows = order // k
-    ends = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
-    x = z[rows].to(torch.bfloat16)
+    by_expert, order = ids.reshape(-1).sort(stable=True)  # pairs by expert, rows in order within each
+    # where each expert's pairs end (bincount would read its maximum back to the host)
+    ends = torch.searchsorted(by_expert, torch.arange(E, device=ids.device), right=True).to(torch.int32)
+    x = z[order // k].to(torch.bfloat16)
     gu = F.grouped_mm(x, stack.w13.transpose(1, 2), offs=ends).float()  # [P, 2I]
     act = glu(gu[:, :inter], gu[:, inter:]).to(torch.bfloat16)
-    out = F.grouped_mm(act, stack.w2.transpose(1, 2), offs=ends)  # [P, H]
-    scaled = out.float() * weights.reshape(-1)[order].float().unsqueeze(-1)
-    return torch.zeros(T, z.shape[1], dtype=torch.float32, device=z.device).index_add_(0, rows, scaled)
+    out = F.grouped_mm(act, stack.w2.transpose(1, 2), offs=ends)  # [P, H], pairs in expert order
+    # back in token order ([T, k, H]: pair j is token j // k), each token's k outputs summed with
+    # their routing weights in one batched product (no atomic scatter)
+    mine = out[torch.argsort(order)].view(T, k, -1)
+    return torch.bmm(weights.float().unsqueeze(1), mine.float()).squeeze(1)
 
 
 @functools.cache

@@ -122,8 +122,9 @@ class MLAttention(Bindable):
         nh, N = k_nope.shape[:2]
         q = torch.cat([q_nope, q_rot], dim=-1).transpose(0, 1).to(dtype)  # [nh, T, nope + rope]
         k = torch.cat([k_nope, krot.to(dtype).expand(nh, N, -1)], dim=-1)
-        out = F.scaled_dot_product_attention(q, k, vals, is_causal=True, scale=self.scale)  # [nh, T, dv]
-        return out.transpose(0, 1).to(q_nope.dtype)
+        # batch, heads, rows, dims: the fused kernels take only 4-D inputs (3-D ones run the unfused math)
+        out = F.scaled_dot_product_attention(q[None], k[None], vals[None], is_causal=True, scale=self.scale)[0]
+        return out.transpose(0, 1).to(q_nope.dtype)  # [T, nh, dv]
 
     def _attend_latent(self, q_lat, q_rot, st: MLAState) -> torch.Tensor:
         """T new queries with W_k absorbed (q_lat [nh, T, r]) against the cache: the attended
