@@ -21,7 +21,7 @@ LAYERS = [
     ["io"],
     ["runtime", "dist"],  # dist: a model split across ranks, under the api that builds it
     ["api", "startup", ""],  # "": the package itself (deltafin/__init__.py exports api)
-    ["serve", "chat", "bench", "inspect", "profile", "routing_stats", "sensitivity"],
+    ["serve", "chat", "bench", "gpu_figures", "inspect", "profile", "routing_stats", "sensitivity"],
     ["cli", "__main__"],
 ]
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -474,3 +474,19 @@ def test_sorted_grouped_gemm_matches_each_pair(device):
         assert got.dtype == torch.float32 and got.shape == (T, H)
         # the same roundings; another summation order may move a bf16 result by one step
         assert ((got - ref).norm() / ref.norm()).item() < 4e-3, act
+
+
+def test_stacked_and_joined_view_slot_entries_without_copies():
+    """The pass's states as one tensor only when they are consecutive entries of one buffer (a decode
+    graph's slots), also for views made under inference mode, which keep no _base."""
+    from deltafin.model.state import joined, stacked
+    with torch.inference_mode():
+        slots, pos = torch.zeros(4, 3, 2), torch.arange(10)
+        run = stacked([slots[1], slots[2]])
+        assert run.shape == (2, 3, 2)
+        run.fill_(1.0)  # writes the slots themselves
+        assert slots[:, 0, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
+        assert stacked([slots[2], slots[1]]) is None and stacked([slots[1], slots[1].clone()]) is None
+        assert stacked([slots[0], slots[2]]) is None
+        assert joined([pos[0:2], pos[2:4]]).tolist() == [0, 1, 2, 3]
+        assert joined([pos[0:2], pos[3:5]]) is None and joined([pos[0:2], pos[2:4].clone()]) is None

@@ -14,7 +14,7 @@ from ..kernels import cpu_native
 from .binding import Bindable
 from .ops import l2_normalize, linear, linears, products, rms_norm
 from .kda_recurrence import kda_prompt, kda_recurrent
-from .state import KDAState, Rows
+from .state import KDAState, Rows, stacked
 
 
 # Sequences of at most this many new tokens (decode steps, drafts, short prompt pieces) take the
@@ -141,17 +141,27 @@ class KDAttention(Bindable):
         _, B, n, _ = xin.shape
         nh, d = c.kda_num_heads, c.kda_head_dim
         xin = xin.transpose(0, 1)  # [B, 3, n, D]
-        conv0 = torch.stack([st.conv for st in states])  # [B, 3, K-1, D]
+        # In a decode graph's slots the B states are entries of one buffer per layer: stepped there as
+        # one tensor, in place (no stacking copy in, no copies back out).
+        slots = all(st.in_place for st in states)
+        conv_run = stacked([st.conv for st in states]) if slots else None
+        S_run = stacked([st.S for st in states]) if slots else None
+        conv0 = conv_run if conv_run is not None else torch.stack([st.conv for st in states])  # [B, 3, K-1, D]
         w = torch.stack([self.q_conv, self.k_conv, self.v_conv])  # [3, D, K]
         q, k, v = F.silu(causal_conv(xin, conv0, w)).unbind(1)  # each [B, n, D]
         Km1 = conv0.shape[2]
         if Km1:
             tails = torch.cat([conv0.to(xin.dtype), xin], dim=2)[:, :, -Km1:]
-            for st, tail in zip(states, tails):
-                if st.in_place:  # a recorded CUDA graph replays into the same tensors
-                    st.conv.copy_(tail)
-                else:
-                    st.conv = tail.clone()
+            if conv_run is not None:
+                if keep_states:  # the start tails, for a rollback, before the slots are overwritten
+                    conv0 = conv0.clone()
+                conv_run.copy_(tails)
+            else:
+                for st, tail in zip(states, tails):
+                    if st.in_place:  # a recorded CUDA graph replays into the same tensors
+                        st.conv.copy_(tail)
+                    else:
+                        st.conv = tail.clone()
         q = l2_normalize(q.float().view(B, n, nh, d)) * d ** -0.5
         k = l2_normalize(k.float().view(B, n, nh, d))
         v = v.float().view(B, n, nh, d)
@@ -160,18 +170,24 @@ class KDAttention(Bindable):
             # Time first: every step updates all B states at once. One sequence that keeps no drafts
             # steps its own S in place (nothing else holds it: snapshots and saved states are
             # copies); otherwise the stacked copy is stepped and S0 stays for a rollback.
-            S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
+            if S_run is not None:
+                S, S_start = S_run, S_run.clone() if keep_states else None
+            else:
+                S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
             trace = S.new_empty((n, *S.shape)) if keep_states else None  # S after each row, for a rollback
             o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, in_place=True, trace=trace)
             o = o.transpose(0, 1)
         else:  # one sequence (see _groups)
             o, S = kda_prompt(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk)
             o, S = o.unsqueeze(0), S.unsqueeze(0)
+        stepped_in_slots = S_run is not None and S is S_run
         for b, st in enumerate(states):
             if keep_states:
                 # In place (a recorded graph's slot) the start state is overwritten next: keep a copy.
-                start = S0[b].clone() if st.in_place else S0[b]
+                start = S_start[b] if stepped_in_slots else S0[b].clone() if st.in_place else S0[b]
                 st.pending = dict(S0=start, S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
+            if stepped_in_slots:
+                continue
             if st.in_place:
                 st.S.copy_(S[b])
             else:

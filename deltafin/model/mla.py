@@ -16,7 +16,7 @@ from ..kernels import cpu_native
 from ..kernels.linear import QWeight, native_dense
 from .binding import Bindable
 from .ops import HalfMatmul, linear, plain, rms_norm
-from .state import MLAState, Rows
+from .state import MLAState, Rows, joined, stacked
 
 # The latent norms use a fixed eps of 1e-6 (not rms_norm_eps), like the published implementations.
 LATENT_NORM_EPS = 1e-6
@@ -69,9 +69,19 @@ class MLAttention(Bindable):
         every = len(latent_rows) == T
         if latent_rows:
             q_lat = kv_b.absorb_query(q[:, :, :nope] if every else q[latent_rows, :, :nope])  # [nh, R, r]
-        for (st, n, _), s in zip(parts, starts):  # MLA rolls back by length: nothing extra to keep
-            st.append(ckv_new[s:s + n], kv[s:s + n, r:])
-        if not any(expand) and _native_attend_applies(x, parts, nh * (r + rope)):
+        slots = _slots_of(parts)
+        if slots is not None:  # a decode graph's slots: every sequence's new rows written in one go
+            ckv_all, krot_all, at = slots
+            B, cap = ckv_all.shape[:2]
+            index = at + torch.arange(T, device=at.device) // parts[0].n * cap  # row j is sequence j // n
+            ckv_all.view(B * cap, -1).index_copy_(0, index, ckv_new.to(ckv_all.dtype))
+            krot_all.view(B * cap, -1).index_copy_(0, index, kv[:, r:].to(krot_all.dtype))
+        else:
+            for (st, n, _), s in zip(parts, starts):  # MLA rolls back by length: nothing extra to keep
+                st.append(ckv_new[s:s + n], kv[s:s + n, r:])
+        if slots is not None:
+            latent, pieces, sizes = self._attend_slots(q_lat, q[:, :, nope:], *slots), [None], [T]  # one piece
+        elif not any(expand) and _native_attend_applies(x, parts, nh * (r + rope)):
             # Every sequence decodes one token: the attention of all of them in one native call.
             lat = cpu_native.mla_decode_attend(q_lat.transpose(0, 1).contiguous(), q[:, :, nope:].contiguous(),
                                                *zip(*(st.view() for st, _, _ in parts)), self.scale)
@@ -126,6 +136,19 @@ class MLAttention(Bindable):
         out = F.scaled_dot_product_attention(q[None], k[None], vals[None], is_causal=True, scale=self.scale)[0]
         return out.transpose(0, 1).to(q_nope.dtype)  # [T, nh, dv]
 
+    def _attend_slots(self, q_lat, q_rot, ckv, krot, at) -> torch.Tensor:
+        """_attend_latent for B sequences of n rows each whose caches are entries of one slot buffer
+        (ckv [B, cap, r], krot [B, cap, rope]; `at` [B * n] the new rows' positions): the same
+        products for all of them at once. q_lat [nh, B * n, r] -> the attended latent, same shape."""
+        nh, R, r = q_lat.shape
+        B, cap = ckv.shape[:2]
+        n = R // B
+        scores = (torch.einsum("hbtr,bcr->bhtc", q_lat.view(nh, B, n, r), ckv)
+                  + torch.einsum("bthd,bcd->bhtc", q_rot.reshape(B, n, nh, -1), krot)).float() * self.scale
+        unseen = torch.arange(cap, device=at.device)[None, None, :] > at.view(B, n)[:, :, None]  # [B, n, cap]
+        probs = torch.softmax(scores.masked_fill(unseen[:, None], float("-inf")), dim=-1).to(q_lat.dtype)
+        return torch.einsum("bhtc,bcr->hbtr", probs, ckv).reshape(nh, R, r)
+
     def _attend_latent(self, q_lat, q_rot, st: MLAState) -> torch.Tensor:
         """T new queries with W_k absorbed (q_lat [nh, T, r]) against the cache: the attended
         latent [nh, T, r], still to be multiplied by W_v."""
@@ -134,6 +157,17 @@ class MLAttention(Bindable):
                   + torch.einsum("thd,nd->htn", q_rot, krot)).float() * self.scale
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q_lat.dtype)
         return torch.einsum("htn,nr->htr", probs, ckv)
+
+
+def _slots_of(parts: list[Rows]) -> tuple | None:
+    """(ckv [B, cap, r], krot [B, cap, rope], positions [B * n]) when the pass's B sequences each
+    feed n rows from consecutive slots of a decode graph (their caches entries of one buffer, their
+    positions one device tensor), else None."""
+    if not all(st.at is not None for st, _, _ in parts) or len({n for _, n, _ in parts}) != 1:
+        return None
+    ckv, krot = stacked([st.ckv for st, _, _ in parts]), stacked([st.krot for st, _, _ in parts])
+    at = joined([st.at for st, _, _ in parts])
+    return None if ckv is None or krot is None or at is None else (ckv, krot, at)
 
 
 # The native decode attention takes a pass while no sequence's cache is larger than this many

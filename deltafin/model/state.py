@@ -84,6 +84,32 @@ def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
     return out
 
 
+def stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(ts)`` as a view, without a copy, when ts are contiguous and lie one after the
+    other in one storage (consecutive entries of a decode graph's slot buffer, runtime/decode_graph.py);
+    else None. (Views made under inference mode keep no ``_base``: the storage says it.)"""
+    first = ts[0]
+    if not all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype for t in ts):
+        return None
+    storage, step = first.untyped_storage().data_ptr(), first.numel()
+    for b, t in enumerate(ts):
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != first.storage_offset() + b * step:
+            return None
+    return first.as_strided((len(ts), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(ts)`` of 1-D contiguous tensors as a view, when each starts where the one before
+    ends in one storage (a decode graph's position slices); else None."""
+    first, at = ts[0], ts[0].storage_offset()
+    for t in ts:
+        if t.dim() != 1 or t.stride(0) != 1 or t.dtype != first.dtype \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != at:
+            return None
+        at += t.shape[0]
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
+
+
 class Rows(NamedTuple):
     """One sequence's share of a layer's rows in a batched pass: its layer state and row count."""
     state: "KDAState | MLAState"

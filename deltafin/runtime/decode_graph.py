@@ -31,6 +31,9 @@ What recording needs, and how it gets it:
   one memory pool.
 - Capacity. A sequence longer than the buffers doubles every slot's MLA caches (outside any graph),
   which drops the recorded graphs; they are recorded again at the new capacity as passes need them.
+  Each layer's slots are entries of one stacked buffer, so the layers step the pass's B states as one
+  tensor in place (``state.stacked``: no stacking copies in, no copies back out, one batched MLA
+  attention); more sequences than slots double the slots, which drops the graphs too.
 
 The first pass of a batch size at a capacity runs eagerly through the same code (which also warms up
 cuBLAS and the Triton autotuners: neither may run inside a recording) and the graph is recorded
@@ -189,30 +192,26 @@ class DecodeGraphs:
 
     # -- state slots -----------------------------------------------------------------------------
     def _fit(self, need: int, batch: int) -> None:
-        """Slots for `batch` sequences whose MLA caches hold `need` rows (a larger capacity replaces
-        every slot's buffers and drops the recorded graphs)."""
-        if need > self.capacity:
-            for slot in range(len(self.slots)):
-                self._release(slot)
-            self.capacity = max(MIN_CAPACITY, 1 << (need - 1).bit_length())
-            count = len(self.slots)
-            # A pool whose graphs are all gone is freed: the next recording starts a new one.
-            self.slots, self._owners, self.graphs, self._pool = [], [], {}, None
-        else:
-            count = 0
-        while len(self.slots) < max(batch, count):
-            self.slots.append(self._new_slot())
-            self._owners.append(None)
-
-    def _new_slot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
+        """Slots for `batch` sequences whose MLA caches hold `need` rows. Each layer's slots are one
+        stacked buffer (slot i is entry i), so a pass over slots 0..B-1 reads and writes every state
+        of a layer as one tensor; a larger capacity or more slots replace every buffer (the count
+        doubling) and drop the recorded graphs."""
+        if need <= self.capacity and batch <= len(self.slots):
+            return
+        for slot in range(len(self.slots)):
+            self._release(slot)
+        self.capacity = max(self.capacity, MIN_CAPACITY, 1 << (need - 1).bit_length())
+        count = max(batch, 2 * len(self.slots) if batch > len(self.slots) else len(self.slots))
+        stacks = []
         for st in self.engine.new_state().layers:
             if isinstance(st, KDAState):
-                out.append((st.conv, st.S))
+                stacks.append((st.conv.new_zeros((count, *st.conv.shape)), st.S.new_zeros((count, *st.S.shape))))
             else:
-                out.append((st.ckv.new_zeros((self.capacity, st.ckv.shape[1])),
-                            st.krot.new_zeros((self.capacity, st.krot.shape[1]))))
-        return out
+                stacks.append((st.ckv.new_zeros((count, self.capacity, st.ckv.shape[1])),
+                               st.krot.new_zeros((count, self.capacity, st.krot.shape[1]))))
+        self.slots = [[(a[i], b[i]) for a, b in stacks] for i in range(count)]
+        # A pool whose graphs are all gone is freed: the next recording starts a new one.
+        self._owners, self.graphs, self._pool = [None] * count, {}, None
 
     def _owner(self, slot: int):
         ref = self._owners[slot]

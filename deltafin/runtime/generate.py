@@ -91,7 +91,8 @@ class Decoding:
     Decoding is greedy when ``temperature`` is 0. With ``temperature > 0`` tokens are sampled
     (``top_k`` > 0 keeps the k most likely, ``top_p`` < 1 keeps the smallest set whose probability
     reaches top_p) from a ``torch.Generator`` seeded with ``seed``: the same seed gives the same
-    output. Sampling never speculates (``speculate`` is ignored), which keeps it trivially exact.
+    output (on a CUDA device the draw runs there, from a generator of that device: the same seed gives
+    the same output on it, but not the CPU's). Sampling never speculates (``speculate`` is ignored), which keeps it trivially exact.
 
     Greedy decoding speculates with n-gram drafts when ``speculate`` is on; the output is the same
     token for token. ``drafter(context, max_len)`` replaces the n-gram drafter (its proposals only
@@ -171,7 +172,9 @@ class Decoding:
         self.params = p
         self.rng: torch.Generator | None = None
         if not p.greedy:
-            self.rng = torch.Generator()
+            # Draws run where the logits are (see _sample): on a CUDA device with its own generator.
+            device = getattr(model, "device", None)
+            self.rng = torch.Generator(device) if device is not None and device.type == "cuda" else torch.Generator()
             if p.seed is None:
                 self.rng.seed()  # fresh entropy for this call only; the global generator is untouched
             else:
@@ -429,11 +432,12 @@ def _logprobs(rows: torch.Tensor, picks: list[int], k: int) -> list:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rng: torch.Generator) -> int:
-    # On the CPU in fp32 so that one seed gives one output on every device. Shifting the largest
-    # logit to 0 before dividing keeps a tiny temperature finite (below fp32's smallest normal it
-    # would round to 0): the other logits go to -inf and the draw becomes the argmax, the limit
-    # of sampling as the temperature goes to 0.
-    x = logits.detach().float().cpu()
+    # In fp32 on the generator's device: a CUDA device's logits stay there (the vocabulary's sort for
+    # top_p, 163,840 entries for K3, costs milliseconds on the host) and only the id comes back;
+    # elsewhere on the CPU. Shifting the largest logit to 0 before dividing keeps a tiny temperature
+    # finite (below fp32's smallest normal it would round to 0): the other logits go to -inf and the
+    # draw becomes the argmax, the limit of sampling as the temperature goes to 0.
+    x = logits.detach().float().to(rng.device)
     x = (x - x.max()) / max(temperature, torch.finfo(torch.float32).tiny)
     if 0 < top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
