@@ -166,6 +166,34 @@ def test_check_passes_in_slots_roll_back_as_plain_passes_do(request, fixture):
     assert all(s.max_abs_diff(r) < 1e-4 for s, r in zip(states, ref))
 
 
+def test_a_shape_that_cannot_be_recorded_runs_plain_and_others_still_record(tiny_k3_path, capsys, monkeypatch):
+    """A recording that fails turns graphs off for its shape only: a batch kernel that cannot be
+    recorded must not cost one-row passes their graphs. (Recording here stands in for torch's capture:
+    it fails for two sequences, and for one sequence records nothing but counts.)"""
+    m = _recorded(tiny_k3_path)
+    graphs = m.engine.graphs
+    graphs.record = True
+    captured, eager = [], graphs._recorded_mode
+
+    def recorded_mode(seqs, stats, capture):
+        if not capture:
+            return eager(seqs, stats, capture)
+        if len(seqs) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(len(seqs))
+        return None, None  # no graph to replay: the test ends before a pass of this shape would
+    monkeypatch.setattr(graphs, "_recorded_mode", recorded_mode)
+    a, b = m.new_state(), m.new_state()
+    m.forward(PROMPT, a)
+    m.forward(PROMPT, b)
+    from deltafin.runtime.engine import Seq
+    m.engine.forward_batch([Seq([5], a, False, "last"), Seq([6], b, False, "last")])
+    assert graphs.failed_shapes == {(2, 1, False)} and "2 sequence(s)" in capsys.readouterr().err
+    assert not graphs.applies([Seq([5], a, False, "last"), Seq([6], b, False, "last")])
+    m.forward([7], a)  # one sequence: still recorded
+    assert captured == [1] and (1, 1, False) in graphs.graphs
+
+
 def test_a_released_state_keeps_its_values(tiny_kl_path):
     """A sequence that leaves the buffers gets its own copies: the next one cannot change it."""
     m = _recorded(tiny_kl_path)

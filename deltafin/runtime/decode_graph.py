@@ -39,7 +39,7 @@ The first pass of a batch size at a capacity runs eagerly through the same code 
 cuBLAS and the Triton autotuners: neither may run inside a recording) and the graph is recorded
 after it, for the next pass. Prompt pieces, passes whose sequences feed different numbers of rows,
 and streamed weights run the plain pass. A recording that fails is reported once
-and the plain pass is used from then on.
+and passes of that shape run the plain pass from then on (other shapes still record).
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class DecodeGraphs:
         self._owners: list = []  # slot -> weak reference to the DecodeState living in it, or None
         self.graphs: dict[tuple, tuple] = {}  # (B, n, keep) -> (graph, output, counts, rollback records)
         self._pool = None
-        self.failed: str | None = None
+        self.failed: str | None = None  # the last recording that failed, why
+        self.failed_shapes: set[tuple] = set()  # shapes whose recording failed: they run the plain pass
         self.recorded = 0  # graphs recorded so far (one per batch size and capacity reached)
         self.replayed = 0
         self.replayed_by_kind = {"decode": 0, "check": 0}  # one token of each sequence | drafts checked
@@ -94,7 +95,7 @@ class DecodeGraphs:
 
     def applies(self, seqs) -> bool:
         n, keep = len(seqs[0].ids), seqs[0].keep_states
-        if self.failed is not None or len(seqs) * n > self.max_rows:
+        if (len(seqs), n, keep) in self.failed_shapes or len(seqs) * n > self.max_rows:
             return False
         if n > 1 and not keep:  # several rows of a sequence that keeps no rollback: a prompt piece
             return False
@@ -172,6 +173,7 @@ class DecodeGraphs:
 
     def _capture(self, seqs) -> None:
         stats = PassStats()
+        shape = (len(seqs), len(seqs[0].ids), seqs[0].keep_states)
         # Recording runs the pass's Python again: the rollback records it leaves are the graph's
         # (filled by replays), while the states keep those of the pass that just ran.
         ran = _pending(seqs)
@@ -179,14 +181,16 @@ class DecodeGraphs:
             graph, out = self._recorded_mode(seqs, stats, capture=True)
         except Exception as e:  # a kernel or library that cannot be recorded: keep the plain pass
             _give_pending(seqs, ran)
+            # for this shape only (a kernel of batches may not record where one-row passes do); the
+            # pool the failed recording drew from is dropped with every graph in it
             self.failed = f"{type(e).__name__}: {e}"
-            print(f"deltafin: recording the decode step as a CUDA graph failed ({self.failed}); "
-                  "decoding without it", file=sys.stderr)
+            self.failed_shapes.add(shape)
+            print(f"deltafin: recording the decode pass of {shape[0]} sequence(s) x {shape[1]} row(s) as a CUDA "
+                  f"graph failed ({self.failed}); such passes run without it", file=sys.stderr)
             self.graphs, self._pool = {}, None
             return
         records = _pending(seqs)
         _give_pending(seqs, ran)
-        shape = (len(seqs), len(seqs[0].ids), seqs[0].keep_states)
         self.graphs[shape] = (graph, out, {k: getattr(stats, k) for k in REPLAYED_COUNTS}, records)
         self.recorded += 1
 
