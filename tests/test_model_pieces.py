@@ -470,6 +470,11 @@ def test_sorted_grouped_gemm_matches_each_pair(device):
         cfg = type("C", (), {"hidden_act": act, "situ_beta": 4.0, "situ_linear_beta": 25.0})()
         ref = _sorted_reference(z, ids, weights, stack, lambda g, u: glu(cfg, g, u))
         dev = ExpertStack(stack.w13.to(device), stack.w2.to(device))
+        # only a model whose products are bf16 gives its experts to the grouped GEMMs (they round rows to bf16)
+        assert not dev.sorted_gemm() and not ExpertStack(stack.w13, stack.w2, bf16_products=True).sorted_gemm()
+        if device == "cuda":
+            assert ExpertStack(dev.w13, dev.w2, bf16_products=True).sorted_gemm() == (
+                torch.cuda.get_device_capability() >= (8, 0))
         got = sorted_mlp(z.to(device), ids.to(device), weights.to(device), dev, lambda g, u: glu(cfg, g, u)).cpu()
         assert got.dtype == torch.float32 and got.shape == (T, H)
         # the same roundings; another summation order may move a bf16 result by one step

@@ -259,6 +259,8 @@ class DeviceProvider:
         self.config = cfg = source.config
         self.placement = placement
         self.device = settings.torch_device()
+        # bf16 products (--dtype bfloat16): stacked bf16 experts may take the bf16 grouped GEMMs
+        self._bf16_products = settings.torch_dtype() == torch.bfloat16
         self._copier = _Copier(self.device)
         sizes = placement.sizes
         g = source.read_globals()
@@ -309,7 +311,8 @@ class DeviceProvider:
             w1, w3, w2 = first
             stack = ExpertStack(torch.empty((self.config.num_experts, 2 * w1.shape[0], w1.shape[1]), dtype=w1.dtype,
                                             device=self.device),
-                                torch.empty((self.config.num_experts, *w2.shape), dtype=w2.dtype, device=self.device))
+                                torch.empty((self.config.num_experts, *w2.shape), dtype=w2.dtype, device=self.device),
+                                bf16_products=self._bf16_products)
             inter = w1.shape[0]
             for e in range(self.config.num_experts):
                 w1, w3, w2 = first if e == 0 else source.read_expert(i, e)

@@ -8,10 +8,10 @@ per-expert path still works on it.
 
 ``grouped_mlp`` computes every (token, chosen expert) pair's ``w2 @ glu(w1 @ x, w3 @ x)`` and the
 routing-weighted sum over each token's experts without reading the expert ids back to the host:
-- bf16 experts on a CUDA device with grouped GEMMs (``sorted_mlp``): the pairs sorted by expert and
-  two grouped matrix products over the sorted rows (gate and up, then down), so each chosen expert's
-  weights are read once for all of its rows, whatever their number — a prompt's thousands of rows as
-  a batch's handful. The products round their inputs to bf16 and sum in fp32, like every other bf16
+- bf16 experts of a model with bf16 products on a CUDA device with grouped GEMMs (``sorted_mlp``):
+  the pairs sorted by expert and two grouped matrix products over the sorted rows (gate and up, then
+  down), so each chosen expert's weights are read once for all of its rows, whatever their number — a
+  prompt's thousands of rows as a batch's handful. The products round their inputs to bf16 and sum in fp32, like every other bf16
   product of the model (``ops.HalfMatmul``).
 - otherwise, for decode-sized inputs, on CUDA two Triton launches (gate and up fused with the
   activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
@@ -55,6 +55,10 @@ class Stacked:
 class ExpertStack(Stacked):
     w13: torch.Tensor  # [E, 2I, H]
     w2: torch.Tensor  # [E, H, I]
+    # The model's products are bf16 (ops.HalfMatmul): only then may the grouped GEMMs, which round
+    # their inputs to bf16, take these experts (float32 products multiply the stored bf16 weights by
+    # float32 rows).
+    bf16_products: bool = False
 
     @classmethod
     def from_experts(cls, experts: list[tuple]) -> "ExpertStack":
@@ -70,7 +74,8 @@ class ExpertStack(Stacked):
         return self.w13.shape[0]
 
     def sorted_gemm(self) -> bool:
-        return self.w13.dtype == torch.bfloat16 and self.w13.is_cuda and _grouped_gemm_on(self.w13.device)
+        return (self.bf16_products and self.w13.dtype == torch.bfloat16 and self.w13.is_cuda
+                and _grouped_gemm_on(self.w13.device))
 
     def __getitem__(self, e: int) -> tuple:
         inter = self.w2.shape[2]
