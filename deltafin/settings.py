@@ -85,7 +85,9 @@ class Settings:
                          "compute threads that share one with them stall on every small op (2 cores, "
                          "streaming: 1 thread measured faster than 2); passes of several rows (a batch, "
                          "drafts, a prompt piece) run their products on every core")
-    kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill (deltafin's own form; flash-linear-attention's kernel, used on CUDA where installed, picks its own)")
+    kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill (deltafin's own form; "
+                           "flash-linear-attention's kernel, used on CUDA with bf16 products where installed, "
+                           "picks its own)")
     placement: str = _knob("", "a model split across ranks (torchrun): each rank's layers, in rank order, as "
                            "contiguous ranges covering every layer, e.g. 0-3,4-7; empty = sized by each rank's "
                            "--ram-budget when every rank sets one above 0, else equal weight bytes per rank")

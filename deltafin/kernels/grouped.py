@@ -11,8 +11,8 @@ routing-weighted sum over each token's experts without reading the expert ids ba
 - bf16 experts of a model with bf16 products on a CUDA device with grouped GEMMs (``sorted_mlp``):
   the pairs sorted by expert and two grouped matrix products over the sorted rows (gate and up, then
   down), so each chosen expert's weights are read once for all of its rows, whatever their number — a
-  prompt's thousands of rows as a batch's handful. The products round their inputs to bf16 and sum in fp32, like every other bf16
-  product of the model (``ops.HalfMatmul``).
+  prompt's thousands of rows as a batch's handful. The products round their inputs to bf16 and sum in
+  fp32, like every other bf16 product of the model (``ops.HalfMatmul``).
 - otherwise, for decode-sized inputs, on CUDA two Triton launches (gate and up fused with the
   activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
   (each pair reads its expert's weights: made for a few rows); elsewhere a torch reference that

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_native
 from .binding import Bindable
-from .ops import l2_normalize, linear, linears, products, rms_norm
+from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm
 from .kda_recurrence import kda_prompt, kda_recurrent
 from .state import KDAState, Rows, stacked
 
@@ -178,7 +178,9 @@ class KDAttention(Bindable):
             o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, in_place=True, trace=trace)
             o = o.transpose(0, 1)
         else:  # one sequence (see _groups)
-            o, S = kda_prompt(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk)
+            # the fused kernels where the model's products are 16-bit; float32 products keep float32 here
+            fused = isinstance(self.q_proj, HalfMatmul)
+            o, S = kda_prompt(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk, fused=fused)
             o, S = o.unsqueeze(0), S.unsqueeze(0)
         stepped_in_slots = S_run is not None and S is S_run
         for b, st in enumerate(states):

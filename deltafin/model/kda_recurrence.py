@@ -71,11 +71,12 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
     return torch.cat(outs), S
 
 
-def kda_prompt(q, k, v, g, beta, S, chunk: int = 64):
+def kda_prompt(q, k, v, g, beta, S, chunk: int = 64, fused: bool = True):
     """One sequence's long prompt piece (arguments as kda_chunked's: q already scaled, q and k
-    normalized, g the log decay): flash-linear-attention's ``chunk_kda`` on a CUDA device where it is
-    installed (one fused pass over the chunks, fp32 state in and out), else ``kda_chunked``."""
-    kernel = _fla_chunk_kda() if q.is_cuda else None
+    normalized, g the log decay): with ``fused``, flash-linear-attention's ``chunk_kda`` on a CUDA
+    device where it is installed (one fused pass over the chunks, fp32 state in and out; its
+    products run on the tensor cores, at TF32 or bf16 precision), else ``kda_chunked``."""
+    kernel = _fla_chunk_kda() if fused and q.is_cuda else None
     if kernel is None:
         return kda_chunked(q, k, v, g, beta, S, chunk)
     o, S = kernel(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=S[None].float(),

@@ -92,7 +92,8 @@ class Decoding:
     (``top_k`` > 0 keeps the k most likely, ``top_p`` < 1 keeps the smallest set whose probability
     reaches top_p) from a ``torch.Generator`` seeded with ``seed``: the same seed gives the same
     output (on a CUDA device the draw runs there, from a generator of that device: the same seed gives
-    the same output on it, but not the CPU's). Sampling never speculates (``speculate`` is ignored), which keeps it trivially exact.
+    the same output on it, but not the CPU's). Sampling never speculates (``speculate`` is ignored),
+    which keeps it trivially exact.
 
     Greedy decoding speculates with n-gram drafts when ``speculate`` is on; the output is the same
     token for token. ``drafter(context, max_len)`` replaces the n-gram drafter (its proposals only
