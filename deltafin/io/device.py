@@ -305,6 +305,12 @@ class DeviceProvider:
         moe = sum(1 for i in range(self.config.num_layers) if self.config.is_moe(i))
         return self._host is None and len(self._stacks) == moe
 
+    @property
+    def stacks_take_any_rows(self) -> bool:
+        """Every MoE layer's experts are stacked where the grouped GEMMs take them (any number of rows
+        without a read-back: a recorded pass may carry more rows, decode_graph.MAX_GRAPH_ROWS)."""
+        return self.graph_ready and all(s.sorted_gemm() for s in self._stacks.values())
+
     def _hold_all_experts(self, source, i: int) -> None:
         first = source.read_expert(i, 0)
         if all(isinstance(w, torch.Tensor) for w in first):

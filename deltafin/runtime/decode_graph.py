@@ -54,6 +54,7 @@ from ..model.state import KDAState, MLAState
 from .pass_stats import PassStats
 
 MIN_CAPACITY = 256  # MLA cache rows of the first buffers (then doubled as needed)
+MAX_GRAPH_ROWS = 64  # rows of the largest pass recorded, where the experts' kernels allow any
 # PassStats fields a replay adds as the recorded pass counted them (what it reads does not change).
 REPLAYED_COUNTS = ("bytes_on_device", "bytes_to_device", "experts_loaded")
 
@@ -65,8 +66,10 @@ class DecodeGraphs:
         self.record = record
         cfg = engine.cfg
         # Up to the rows whose routed experts the grouped kernels take (past that the per-expert
-        # path reads the routing back to the host, which a graph cannot).
-        self.max_rows = max(1, GROUPED_MAX_PAIRS // max(1, cfg.experts_per_token))
+        # path reads the routing back to the host, which a graph cannot); MAX_GRAPH_ROWS when every
+        # stack takes the grouped GEMMs, which take any number of rows.
+        any_rows = getattr(engine.provider, "stacks_take_any_rows", False)
+        self.max_rows = MAX_GRAPH_ROWS if any_rows else max(1, GROUPED_MAX_PAIRS // max(1, cfg.experts_per_token))
         self.capacity = 0
         self.slots: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # slot -> per layer (a, b)
         self._owners: list = []  # slot -> weak reference to the DecodeState living in it, or None
