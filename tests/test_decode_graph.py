@@ -304,3 +304,29 @@ def test_cuda_logits_stay_on_the_device_when_asked(tiny_k3_path):
     # logits handed out earlier are not the replay's output buffer: later passes leave them alone
     for got, copy in kept:
         assert torch.equal(got.cpu(), copy)
+
+
+def _greedy_together(model, prompts, n):
+    """Each prompt's n greedy tokens (no speculation, no EOS), all decoded in shared passes."""
+    from deltafin.runtime.generate import Decoding
+    from deltafin.runtime.sampling import SamplingParams
+    runs = [Decoding(model, p, SamplingParams(max_new_tokens=n, speculate=False), eos_token_ids=[]) for p in prompts]
+    while not runs[0].done:
+        for d, logits in zip(runs, model.forward_batch([d.next_pass() for d in runs])):
+            d.take(logits)
+    return [d.result().generated for d in runs]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_batch_of_eight_decodes_the_cpu_reference_tokens(request, fixture):
+    """float32 on CUDA, eight sequences decoded together (one replayed pass a token): every sequence's
+    32 greedy tokens are the CPU float32 reference's for it alone."""
+    path = request.getfixturevalue(fixture)
+    prompts = [_tokens(5 + i, 20 + i) for i in range(8)]
+    cpu = deltafin.load(path, device="cpu", stream="off")
+    want = [_greedy_together(cpu, [p], 32)[0] for p in prompts]
+    m = deltafin.load(path, device="cuda", stream="off")
+    assert _greedy_together(m, prompts, 32) == want
+    graphs = m.engine.graphs
+    assert graphs.replayed_by_kind["decode"] >= 30 and (8, 1, False) in graphs.graphs
