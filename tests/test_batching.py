@@ -240,8 +240,14 @@ def test_a_prompt_too_long_for_the_device_ends_its_request_alone(tiny_k3_path, a
     m.engine.graphs = DecodeGraphs(m.engine, record=False)
     sched = Scheduler(_SmallDevice(m, 100), 8, 256)
     try:
-        futures = [sched.submit(p, params) for p, params in _requests(m)]
-        # the ninth request waits for a free place among max_batch 8: it joins while others decode
+        started = [threading.Event() for _ in range(8)]
+        futures = [sched.submit(p, params, on_token=lambda *_, e=e: e.set())
+                   for (p, params), e in zip(_requests(m), started)]
+        for f, e in zip(futures, started):
+            f.add_done_callback(lambda _, e=e: e.set())
+        # The long prompt joins once every other request has read its prompt (else it could share a
+        # prompt pass with one that has not, which the device would not hold either), while most decode.
+        assert all(e.wait(timeout=300) for e in started)
         long = sched.submit(_ids(m, 200, 1), SamplingParams(max_new_tokens=4))
         got = [f.result(timeout=300) for f in futures]
         with pytest.raises(DeviceOutOfMemory, match="ran out of memory reading a prompt piece"):
