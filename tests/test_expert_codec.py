@@ -285,3 +285,40 @@ def test_damaged_expert_codec_is_one_error_line(kl_stores, tmp_path, capsys, dam
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
         assert needle in lines[0] and "deltafin-store.json" in lines[0], lines[0]
     assert verify(store) and main(["verify", str(store)]) == 1
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int8_group_sets_the_spine_and_the_experts_scales(tmp_path, group):
+    """`convert --spine int8 --experts int8 --int8-group N`: every int8 weight has one float16 scale per
+    N inputs, the experts exactly the quantizer's output at that group, fewer bytes than group 32."""
+    from deltafin.checkpoint import expert_codec
+    from deltafin.checkpoint.synthetic import make_checkpoint
+    src = make_checkpoint("tiny-kimi-linear", tmp_path / "src", seed=1, progress=False,
+                          overrides={"hidden_size": 128, "moe_intermediate_size": 128})
+    out = convert(src, tmp_path / "store", spine="int8", experts="int8", progress=False, int8_group=group)
+    base = convert(src, tmp_path / "g32", spine="int8", experts="int8", progress=False)
+    hf, st = HFSource(src), StoreSource(out, spine="int8")
+    assert st.expert_codec == f"int8g{group}" and verify(out) == []
+    assert expert_codec.describe(st.config, st.expert_codec) == f"int8 (group {group})"
+    cfg = st.config
+    layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
+    published = read_infos(hf.expert_infos(layer, 1), hf.fd)
+    for w, q in zip(("w1", "w3", "w2"), st.read_expert(layer, 1)):
+        want = quantize(published[f"block_sparse_moe.experts.1.{w}.weight"], "int8", group)
+        assert q.group_size == group and all(torch.equal(q.tensors[k], t) for k, t in want.tensors.items())
+    q = _load(out).layer_weights(layer)["self_attn.q_proj"]  # 128 inputs: a group of 128 fits
+    assert isinstance(q, QWeight) and q.group_size == group
+    assert q.tensors["weight_scale"].shape == (q.out_features, q.in_features // group)
+    size = lambda p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())  # noqa: E731
+    assert size(out) < size(base)
+    assert torch.isfinite(_load(out).logits(list(range(5, 25)))).all()  # the model loads and runs on it
+
+
+def test_int8_group_is_refused_where_it_means_nothing(tiny_kl_path, tmp_path):
+    with pytest.raises(PolicyError, match="--int8-group takes one of 32, 64, 128"):
+        convert(tiny_kl_path, tmp_path / "a", spine="int8", progress=False, int8_group=48)
+    with pytest.raises(PolicyError, match="--int8-group applies to --spine int8 and --experts int8"):
+        convert(tiny_kl_path, tmp_path / "b", spine="bf16", experts="int4", progress=False, int8_group=64)
+    with pytest.raises(PolicyError, match="needs expert widths divisible by 64"):  # tiny: 32 wide
+        convert(tiny_kl_path, tmp_path / "c", experts="int8", progress=False, int8_group=64)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()

@@ -9,7 +9,8 @@ on a Kimi Linear checkpoint they are published in bf16, on K3 in MXFP4. ``deltaf
 | keep      | as published (the default)                           | bf16 2, MXFP4 0.53 |
 | bf16      | as published, said explicitly (bf16 checkpoints only)| 2                  |
 | int8      | int8, fp16 scale per 32 inputs (kernels/int8; store  | 1.0625             |
-|           | codec "int8g"; older stores' "int8": fp32 per row)   |                    |
+|           | codec "int8g"; older stores' "int8": fp32 per row);  | (64: 1.031,        |
+|           | `--int8-group 64 / 128`: per 64 / 128 (int8g64 / 128)| 128: 1.016)        |
 | int8-row  | int8, fp32 scale per output row (store codec "int8") | ~1.0               |
 | int4      | int4, fp16 scale per 32 inputs (kernels/intq)        | ~0.56              |
 | mxfp4     | MXFP4, E8M0 scale per 32 inputs (kernels/mxfp4)      | ~0.53              |
@@ -25,7 +26,7 @@ manifest against before any expert is read.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .layout import EXPERT_WEIGHTS
+from .layout import EXPERT_INT8_CODECS, EXPERT_INT8_GROUP, EXPERT_WEIGHTS
 from .policy import PolicyError
 
 PLAIN = "plain"
@@ -44,28 +45,45 @@ def of(source) -> str:
 
 
 def describe(cfg: ModelConfig, codec: str) -> str:
-    """A codec as people say it: "bf16" / "MXFP4" for the published experts, else the codec's name."""
+    """A codec as people say it: "bf16" / "MXFP4" for the published experts, else the codec's name
+    (grouped int8 of another group than the default with its group: "int8 (group 64)")."""
     if codec == PLAIN:
         return "MXFP4" if cfg.expert_format == "mxfp4" else "bf16"
+    if codec in EXPERT_INT8_CODECS.values() and EXPERT_WEIGHTS[codec][1] != EXPERT_INT8_GROUP:
+        return f"int8 (group {EXPERT_WEIGHTS[codec][1]})"
     return "MXFP4" if codec == "mxfp4" else asked_for(codec)
 
 
 # --experts names whose store codec is named otherwise: int8 is grouped int8 (a float16 scale per 32
-# inputs, store codec int8g); int8-row is the per-row int8 older stores hold (store codec int8).
-_STORED = {"bf16": PLAIN, "int8": "int8g", "int8-row": "int8"}
+# inputs, store codec int8g, or per --int8-group inputs); int8-row is the per-row int8 older stores
+# hold (store codec int8).
+_STORED = {"bf16": PLAIN, "int8-row": "int8"}
+INT8_GROUPS = tuple(EXPERT_INT8_CODECS)  # what --int8-group accepts
 
 
-def stored(asked: str) -> str:
-    """The store codec ``--experts asked`` writes."""
+def stored(asked: str, int8_group: int = EXPERT_INT8_GROUP) -> str:
+    """The store codec ``--experts asked`` writes (``int8_group``: the inputs per scale of int8)."""
+    if asked == "int8":
+        return int8_codec(int8_group)
     return _STORED.get(asked, asked)
+
+
+def int8_codec(group: int) -> str:
+    """The store codec of grouped int8 experts with `group` inputs per scale."""
+    if group not in EXPERT_INT8_CODECS:
+        raise PolicyError(f"--int8-group takes one of {', '.join(map(str, INT8_GROUPS))} (inputs per float16 scale), "
+                          f"not {group!r}")
+    return EXPERT_INT8_CODECS[group]
 
 
 def asked_for(codec: str) -> str:
     """The ``--experts`` name that writes store codec `codec`."""
+    if codec in EXPERT_INT8_CODECS.values():
+        return "int8"
     return next((a for a, c in _STORED.items() if c == codec), codec)
 
 
-def resolve(cfg: ModelConfig, asked: str | None) -> str:
+def resolve(cfg: ModelConfig, asked: str | None, int8_group: int = EXPERT_INT8_GROUP) -> str:
     """The store codec of the experts for ``--experts asked`` (None or "keep": as published).
 
     Refuses, with the reason, a re-encoding that cannot help: anything but keeping MXFP4 experts,
@@ -75,12 +93,12 @@ def resolve(cfg: ModelConfig, asked: str | None) -> str:
         return have
     if asked not in CHOICES:
         raise PolicyError(f"unknown expert codec {asked!r}; --experts takes one of {', '.join(CHOICES)}")
-    want = stored(asked)
+    want = stored(asked, int8_group)
     if have == "mxfp4":
         if want == "mxfp4":
             return have
         why = ("would only add bytes: the MXFP4 values hold no more precision than MXFP4 gives"
-               if want in (PLAIN, "int8", "int8g")
+               if want in (PLAIN, "int8", *EXPERT_INT8_CODECS.values())
                else "would round again what was already rounded once, for no fewer bytes")
         raise PolicyError(f"this checkpoint publishes its routed experts in MXFP4 (~0.53 bytes per weight); storing "
                           f"them as {asked} {why}. Leave --experts out (or say --experts keep) to keep them as "

@@ -130,17 +130,20 @@ def layer_spine_tensors(cfg: ModelConfig, i: int) -> dict[str, TensorSpec]:
 
 # Routed experts as a converted store may hold them (checkpoint/experts.py says when each is used).
 # "plain" is as published: bf16 for Kimi Linear, MXFP4 for K3.
-EXPERT_CODECS = ("plain", "int8", "int8g", "int4", "mxfp4")
 EXPERT_INT4_GROUP = 32  # int4 experts: one fp16 scale per 32 inputs, as the spine's int4 default
 EXPERT_INT8_GROUP = 32  # int8g experts: one fp16 scale per 32 inputs ("int8": one fp32 per row, older stores)
+# Grouped int8 experts by group size (convert --int8-group): "int8g" is the default's name.
+EXPERT_INT8_CODECS = {EXPERT_INT8_GROUP: "int8g", 64: "int8g64", 128: "int8g128"}
+EXPERT_CODECS = ("plain", "int8", *EXPERT_INT8_CODECS.values(), "int4", "mxfp4")
 # Each re-encoded expert codec as a weight codec (kernels.linear) and its group size.
-EXPERT_WEIGHTS = {"int8": ("int8", 0), "int8g": ("int8", EXPERT_INT8_GROUP), "int4": ("int4", EXPERT_INT4_GROUP),
-                  "mxfp4": ("mxfp4", MXFP4_GROUP)}
+EXPERT_WEIGHTS = {"int8": ("int8", 0), **{c: ("int8", g) for g, c in EXPERT_INT8_CODECS.items()},
+                  "int4": ("int4", EXPERT_INT4_GROUP), "mxfp4": ("mxfp4", MXFP4_GROUP)}
 
 
 def expert_tensors(cfg: ModelConfig, i: int, e: int, codec: str = "plain") -> dict[str, TensorSpec]:
     """The tensors of routed expert e of MoE layer i (relative names), as published (codec
-    "plain") or re-encoded by ``deltafin convert --experts`` (int8g; int8 in older stores; int4, mxfp4)."""
+    "plain") or re-encoded by ``deltafin convert --experts`` (int8g / int8g64 / int8g128; int8 in older
+    stores; int4, mxfp4)."""
     L, I = cfg.expert_width, cfg.moe_intermediate_size
     p = f"block_sparse_moe.experts.{e}."
     shapes = {"w1": (I, L), "w3": (I, L), "w2": (L, I)}
@@ -154,9 +157,9 @@ def expert_tensors(cfg: ModelConfig, i: int, e: int, codec: str = "plain") -> di
         elif codec == "int8":
             out[p + w + ".weight"] = TensorSpec((o, n), "I8")
             out[p + w + ".weight_scale"] = TensorSpec((o, 1), F32)
-        elif codec == "int8g":
+        elif codec in EXPERT_INT8_CODECS.values():
             out[p + w + ".weight"] = TensorSpec((o, n), "I8")
-            out[p + w + ".weight_scale"] = TensorSpec((o, n // EXPERT_INT8_GROUP), "F16")
+            out[p + w + ".weight_scale"] = TensorSpec((o, n // EXPERT_WEIGHTS[codec][1]), "F16")
         elif codec == "int4":
             out[p + w + ".weight_packed"] = TensorSpec((o, n // 2), U8)
             out[p + w + ".weight_scale"] = TensorSpec((o, n // EXPERT_INT4_GROUP), "F16")
