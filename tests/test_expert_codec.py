@@ -300,6 +300,8 @@ def test_int8_group_sets_the_spine_and_the_experts_scales(tmp_path, group):
     hf, st = HFSource(src), StoreSource(out, spine="int8")
     assert st.expert_codec == f"int8g{group}" and verify(out) == []
     assert expert_codec.describe(st.config, st.expert_codec) == f"int8 (group {group})"
+    from deltafin.startup import experts_message
+    assert f"converted with --experts int8 --int8-group {group};" in experts_message(st)
     cfg = st.config
     layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
     published = read_infos(hf.expert_infos(layer, 1), hf.fd)

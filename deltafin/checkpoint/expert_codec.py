@@ -83,6 +83,12 @@ def asked_for(codec: str) -> str:
     return next((a for a, c in _STORED.items() if c == codec), codec)
 
 
+def asked_flags(codec: str) -> str:
+    """The convert flags that write store codec `codec` ("--experts int8 --int8-group 64")."""
+    group = EXPERT_WEIGHTS[codec][1] if codec in EXPERT_INT8_CODECS.values() else EXPERT_INT8_GROUP
+    return f"--experts {asked_for(codec)}" + (f" --int8-group {group}" if group != EXPERT_INT8_GROUP else "")
+
+
 def resolve(cfg: ModelConfig, asked: str | None, int8_group: int = EXPERT_INT8_GROUP) -> str:
     """The store codec of the experts for ``--experts asked`` (None or "keep": as published).
 
