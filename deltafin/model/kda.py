@@ -141,11 +141,14 @@ class KDAttention(Bindable):
         _, B, n, _ = xin.shape
         nh, d = c.kda_num_heads, c.kda_head_dim
         xin = xin.transpose(0, 1)  # [B, 3, n, D]
-        # In a decode graph's slots the B states are entries of one buffer per layer: stepped there as
-        # one tensor, in place (no stacking copy in, no copies back out).
-        slots = all(st.in_place for st in states)
-        conv_run = stacked([st.conv for st in states]) if slots else None
-        S_run = stacked([st.S for st in states]) if slots else None
+        # In a decode graph's slots (recorded mode) the B states are entries of one buffer per layer:
+        # stepped there as one tensor, in place (no stacking copy in, no copies back out), so the
+        # recorded kernels keep writing to the same addresses.
+        conv_run = S_run = None
+        if states[0].in_place:
+            conv_run, S_run = stacked([st.conv for st in states]), stacked([st.S for st in states])
+            if conv_run is None or S_run is None:
+                raise RuntimeError("a recorded pass's KDA states are not consecutive decode-graph slots")
         conv0 = conv_run if conv_run is not None else torch.stack([st.conv for st in states])  # [B, 3, K-1, D]
         w = torch.stack([self.q_conv, self.k_conv, self.v_conv])  # [3, D, K]
         q, k, v = F.silu(causal_conv(xin, conv0, w)).unbind(1)  # each [B, n, D]
@@ -158,20 +161,17 @@ class KDAttention(Bindable):
                 conv_run.copy_(tails)
             else:
                 for st, tail in zip(states, tails):
-                    if st.in_place:  # a recorded CUDA graph replays into the same tensors
-                        st.conv.copy_(tail)
-                    else:
-                        st.conv = tail.clone()
+                    st.conv = tail.clone()
         q = l2_normalize(q.float().view(B, n, nh, d)) * d ** -0.5
         k = l2_normalize(k.float().view(B, n, nh, d))
         v = v.float().view(B, n, nh, d)
         S0 = [st.S for st in states]
-        if n <= RECURRENT_MAX_ROWS or keep_states:
-            # Time first: every step updates all B states at once. One sequence that keeps no drafts
-            # steps its own S in place (nothing else holds it: snapshots and saved states are
-            # copies); otherwise the stacked copy is stepped and S0 stays for a rollback.
+        if n <= RECURRENT_MAX_ROWS or keep_states or S_run is not None:
+            # Time first: every step updates all B states at once. In the slots, or for one sequence
+            # that keeps no drafts, S is stepped where it lies (nothing else holds it: snapshots and
+            # saved states are copies); otherwise the stacked copy is stepped and S0 stays for a rollback.
             if S_run is not None:
-                S, S_start = S_run, S_run.clone() if keep_states else None
+                S, S_start = S_run, S_run.clone() if keep_states else None  # the start, before it is overwritten
             else:
                 S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
             trace = S.new_empty((n, *S.shape)) if keep_states else None  # S after each row, for a rollback
@@ -182,17 +182,11 @@ class KDAttention(Bindable):
             fused = isinstance(self.q_proj, HalfMatmul)
             o, S = kda_prompt(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk, fused=fused)
             o, S = o.unsqueeze(0), S.unsqueeze(0)
-        stepped_in_slots = S_run is not None and S is S_run
         for b, st in enumerate(states):
             if keep_states:
-                # In place (a recorded graph's slot) the start state is overwritten next: keep a copy.
-                start = S_start[b] if stepped_in_slots else S0[b].clone() if st.in_place else S0[b]
+                start = S_start[b] if S_run is not None else S0[b]
                 st.pending = dict(S0=start, S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
-            if stepped_in_slots:
-                continue
-            if st.in_place:
-                st.S.copy_(S[b])
-            else:
+            if S_run is None:
                 st.S = S[b].clone() if B > 1 else S[b]
         return o
 

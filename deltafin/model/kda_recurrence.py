@@ -3,7 +3,8 @@
 Per head, with state S in R^{Dk x Dv} (fp32):  S <- diag(exp(g)) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q.
 ``kda_recurrent`` steps it row by row, ``kda_chunked`` is the equivalent chunked form for long prompt
 pieces (``kda_prompt`` runs flash-linear-attention's chunked kernels instead on CUDA where that
-package is installed: deltafin's own form stays the fallback and the reference), and ``kda_rollback`` steps a saved start state over a check pass's accepted rows again. The
+package is installed: deltafin's own form stays the fallback and the reference), and
+``kda_rollback`` steps a saved start state over a check pass's accepted rows again. The
 sublayer around it (projections, conv, gates) is ``kda.KDAttention``; the state classes are in
 ``state``, which this module does not import (it only reads their fields).
 """

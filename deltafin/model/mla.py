@@ -109,13 +109,10 @@ class MLAttention(Bindable):
     def _positions(self, st: MLAState, T: int, device) -> tuple:
         """The cache to attend over (ckv, krot) and the mask of positions each of the T new queries
         may not see (the cache already holds their own keys)."""
-        if st.at is not None:  # a recorded decode step: the whole buffer, masked past the new row
-            ckv, krot, pos_q = st.ckv, st.krot, st.at
-        else:
-            ckv, krot = st.view()  # [P+T, r], [P+T, rope]
-            past = st.length - T
-            # causal mask: new token t sits at position past + t
-            pos_q = torch.arange(past, past + T, device=device)
+        ckv, krot = st.view()  # [P+T, r], [P+T, rope]
+        past = st.length - T
+        # causal mask: new token t sits at position past + t
+        pos_q = torch.arange(past, past + T, device=device)
         return ckv, krot, torch.arange(ckv.shape[0], device=device)[None, :] > pos_q[:, None]  # [T, P+T]
 
     def _attend_expanded(self, q_nope, q_rot, st: MLAState, kv_b: "KvB") -> torch.Tensor:
@@ -160,14 +157,16 @@ class MLAttention(Bindable):
 
 
 def _slots_of(parts: list[Rows]) -> tuple | None:
-    """(ckv [B, cap, r], krot [B, cap, rope], positions [B * n]) when the pass's B sequences each
-    feed n rows from consecutive slots of a decode graph (their caches entries of one buffer, their
-    positions one device tensor), else None."""
-    if not all(st.at is not None for st, _, _ in parts) or len({n for _, n, _ in parts}) != 1:
+    """(ckv [B, cap, r], krot [B, cap, rope], positions [B * n]) of a recorded pass (decode_graph.py):
+    its B sequences each feed n rows from consecutive slots (their caches entries of one buffer, their
+    positions one device tensor). None for any other pass."""
+    if parts[0].state.at is None:
         return None
     ckv, krot = stacked([st.ckv for st, _, _ in parts]), stacked([st.krot for st, _, _ in parts])
     at = joined([st.at for st, _, _ in parts])
-    return None if ckv is None or krot is None or at is None else (ckv, krot, at)
+    if ckv is None or krot is None or at is None or len({n for _, n, _ in parts}) != 1:
+        raise RuntimeError("a recorded pass's MLA caches are not consecutive decode-graph slots")
+    return ckv, krot, at
 
 
 # The native decode attention takes a pass while no sequence's cache is larger than this many

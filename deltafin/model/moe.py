@@ -92,9 +92,11 @@ class ExpertRows:
         return self._rows_slots[0, a:b], self._rows_slots[1, a:b]
 
 
-def _fetched_stack(pending) -> bool:
-    """Whether the fetch gave every expert stacked and in place (nothing to wait for or copy)."""
-    return isinstance(pending, Future) and pending.done() and isinstance(pending.result(), Stacked)
+def _grouped(pending, pairs: int) -> bool:
+    """Whether the fetch gave every expert stacked and in place (nothing to wait for or copy) and the
+    grouped kernels take the pass's `pairs` (token, expert) pairs."""
+    return (isinstance(pending, Future) and pending.done() and isinstance(pending.result(), Stacked)
+            and pending.result().applies(pairs))
 
 
 def _device(w) -> torch.device:
@@ -124,7 +126,8 @@ class MoE(Bindable):
         c = self.cfg
         ids, weights = route(c, x, self.gate, self.e_score_correction_bias)
         pending = fetch(ids, x, x if residual is None else residual)  # reads start now ...
-        rows = ExpertRows(ids) if ids.device.type != "cpu" and not _fetched_stack(pending) else None
+        # On a device every pass but one the grouped kernels take finds its experts' rows on the host now
+        rows = ExpertRows(ids) if ids.device.type != "cpu" and not _grouped(pending, ids.numel()) else None
         both = self._routed_and_shared(x, ids, weights, pending)
         if both is not None:
             return both[0].to(x.dtype) + both[1]
@@ -135,8 +138,6 @@ class MoE(Bindable):
         if isinstance(experts, Stacked) and experts.applies(ids.numel()):
             y = grouped_mlp(c, z, ids, weights, experts, lambda g, u: glu(c, g, u))
         else:
-            if rows is None and ids.device.type != "cpu":  # a stack too many rows for its grouped kernels
-                rows = ExpertRows(ids)
             y = self._per_expert(z, ids, weights, experts, rows)
         y = y.to(x.dtype)
         if c.latent_size:

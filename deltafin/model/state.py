@@ -54,16 +54,12 @@ class MLAState:
     ckv: torch.Tensor  # [capacity, kv_lora] normalized latents
     krot: torch.Tensor  # [capacity, rope] shared rope-part keys
     length: int = 0
-    # Set only while a decode graph is recorded (decode_graph.py): the new row's position as a device
-    # tensor [1]. The row is written there and attention runs over the whole buffer, masked past
-    # it, so the recorded kernels depend on no host-side length; the recorder advances `length`.
+    # Set only while a decode graph is recorded (decode_graph.py): the new rows' positions as a device
+    # tensor. MLAttention writes the rows there and attends over the whole slot buffer, masked past
+    # them, so the recorded kernels depend on no host-side length; the recorder advances `length`.
     at: torch.Tensor | None = None
 
     def append(self, ckv: torch.Tensor, krot: torch.Tensor) -> None:
-        if self.at is not None:
-            self.ckv.index_copy_(0, self.at, ckv.to(self.ckv.dtype))
-            self.krot.index_copy_(0, self.at, krot.to(self.krot.dtype))
-            return
         n = ckv.shape[0]
         need = self.length + n
         if need > self.ckv.shape[0]:

@@ -208,7 +208,7 @@ class DecodeGraphs:
         for slot in range(len(self.slots)):
             self._release(slot)
         self.capacity = max(self.capacity, MIN_CAPACITY, 1 << (need - 1).bit_length())
-        count = max(batch, 2 * len(self.slots) if batch > len(self.slots) else len(self.slots))
+        count = max(batch, 2 * len(self.slots)) if batch > len(self.slots) else len(self.slots)
         stacks = []
         for st in self.engine.new_state().layers:
             if isinstance(st, KDAState):
