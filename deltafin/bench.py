@@ -540,7 +540,7 @@ def resident_pass_figures(model, prompts: list[list[int]], piece: int, prefills:
     """A model resident on CUDA: the prompt's share of the bf16 matrix peak and the kernels each kind
     of pass launches per layer (gpu_figures), counted over the same prompts decoded again."""
     cfg = model.config
-    peak = gpu_figures.measure_matmul_peak(model.device)
+    peak = measure_matmul_peak(model.device)
     T = len(prompts[0])
     flops_per_token = gpu_figures.prefill_flops(cfg, size_summary(model.source)["active_params"], T) / T
     decoded = 4
@@ -603,6 +603,14 @@ def measure_host_read(threads: int, nbytes: int = GiB, passes: int = 3) -> dict:
         cpu_native.read_memory([buf], threads)
         best = min(best, time.perf_counter() - t0)
     return {"bytes": nbytes, "seconds": best, "gbps": nbytes / best / GB if best > 0 else 0.0, "threads": threads}
+
+
+def measure_matmul_peak(device, n: int = 8192) -> float:
+    """bf16 TFLOP/s of an n x n x n GEMM on the device."""
+    import torch
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2.0 * n ** 3 / _time_cuda(lambda: torch.matmul(a, b)) / 1e12
 
 
 def measure_pinned_copy(device, nbytes: int = 256 << 20) -> float:

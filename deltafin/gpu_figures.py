@@ -2,8 +2,9 @@
 used (``prefill_mfu``) and how many kernels each kind of pass launches per layer.
 
 ``prefill_mfu`` is the prompt's useful FLOPs per second over the bf16 matrix peak measured now (one
-large bf16 GEMM): every product with a weight a token touches (2 x the active parameters: the spine
-but the embedding lookup, and ``experts_per_token`` experts per MoE layer), MLA's causal attention
+large bf16 GEMM, ``bench.measure_matmul_peak``): every product with a weight a token touches (2 x
+the active parameters: the spine but the embedding lookup, and ``experts_per_token`` experts per MoE
+layer), MLA's causal attention
 (scores and values, 2 x heads x (qk + v head dims) x T^2 / 2 over a T-token prompt) and the KDA
 recurrence (three products with each head's S per token). Work a kernel does beyond that (padding,
 recomputation) does not count.
@@ -26,23 +27,6 @@ def prefill_flops(cfg, active_params: int, tokens: int) -> float:
                                                       + cfg.v_head_dim) * tokens * tokens
     kda = len(cfg.kda_layers) * 6 * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * tokens
     return 2.0 * active_params * tokens + mla + kda
-
-
-def measure_matmul_peak(device, n: int = 8192, repeat: int = 10) -> float:
-    """bf16 TFLOP/s of an n x n x n GEMM on the device (the median of `repeat`, after a warm-up)."""
-    import torch
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    times = []
-    torch.matmul(a, b)
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.matmul(a, b)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2.0 * n ** 3 / sorted(times)[len(times) // 2] / 1e12
 
 
 def count_launches(work: Callable[[], object]) -> dict:
