@@ -145,6 +145,18 @@ class Model:
         """One pass over several sequences (``engine.Seq``), each with its own state; their logits."""
         return self.engine.forward_batch(seqs)
 
+    def start_batch(self, seqs: list):
+        """``forward_batch`` begun: its ``result()`` waits for the logits (see Engine.start_batch)."""
+        return self.engine.start_batch(seqs)
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Passes (of different sequences) worth keeping in flight at once: one per rank of a model
+        split across ranks (``--pipeline``), else 1."""
+        if self.placement is None:
+            return 1
+        return self.settings.pipeline or len(self.placement.ranges)
+
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(ids), vocab]: a full prefill from a fresh state."""
         return self.forward(list(token_ids), self.new_state())

@@ -50,6 +50,7 @@ on the wire per token and the latency per hop (``dist_figures``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -292,7 +293,10 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     # decode passes before the timed ones (the model's own tokens, on top of `tokens`)
     untimed = warmup_tokens if warmup_tokens is not None else 1 if cuda and model.streaming else 0
     piece = prefill_piece(batch, prompt_tokens)
-    prefills = -(-prompt_tokens // piece)  # passes until every prompt is read (the last gives the first tokens)
+    # A split model's sequences go in groups, one pass of each in flight at once (_decode): a step of
+    # every sequence is `groups` passes.
+    groups = min(model.pipeline_depth, batch)
+    prefills = groups * -(-prompt_tokens // piece)  # passes until every prompt is read (the last: first tokens)
 
     # A model split across ranks (deltafin.dist): every rank's totals before and after the decode.
     split = model.placement is not None  # bench runs on rank 0 of a split model
@@ -301,7 +305,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     def on_pass(index: int, stats) -> None:
         if index == prefills - 1:
             marks["first_token"] = time.perf_counter()
-        if index == prefills - 1 + untimed:  # probe the disk, then decode is measured from disk, not from cache
+        if index == prefills - 1 + groups * untimed:  # probe the disk, then decode is measured from disk, not from cache
             probe()
             drop_file_cache(files)
             if split:
@@ -317,12 +321,12 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     start = time.perf_counter()
     with model.observe(rec), model.observe(routings) if routings else contextlib.nullcontext():
         gen_stats = _decode(model, prompts, tokens + untimed, piece)
-    if len(rec.passes) < prefills + 1 + untimed:
+    if len(rec.passes) < prefills + groups * (1 + untimed):
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
     decode_seconds = rec.ended[-1] - marks["decode_start"]
     ranks_after = model.ranks_report() if split else []
     probe()
-    prefill, decode = rec.passes[:prefills], rec.passes[prefills + untimed:]
+    prefill, decode = rec.passes[:prefills], rec.passes[prefills + groups * untimed:]
     prefill_tokens = sum(p.tokens for p in prefill)
     d = summarize(decode)
     s_per_tok = decode_seconds / d["tokens"]
@@ -418,18 +422,21 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         out.update(device_figures(model, d, s_per_tok, raw, settings))
         if not model.streaming:
             out.update(resident_pass_figures(model, prompts, piece, prefills, out["prefill_tok_s"]))
-    out["dist"] = dist_figures(model, d, decode_seconds, ranks_before, ranks_after) if split else None
+    out["dist"] = dist_figures(model, d, decode_seconds, ranks_before, ranks_after, groups) if split else None
     return out
 
 
-def dist_figures(model, d: dict, decode_seconds: float, before: list[dict], after: list[dict]) -> dict:
+def dist_figures(model, d: dict, decode_seconds: float, before: list[dict], after: list[dict],
+                 groups: int = 1) -> dict:
     """A model split across ranks: the placement, and per decode token each rank's weight bytes by
     tier and the bytes it sent, the bytes on the wire, and the time between ranks per hop.
 
     Rank 0's round trip (its rows handed on until the last rank's are back) less the other ranks'
     layer seconds is what the hops took (transfer, and each rank's handling of a pass outside its
-    layers), spread over the world_size hops of a pass. A rank's busy share is its layer seconds over
-    the decode's; with one pass in flight the rest is idle."""
+    layers), spread over the world_size hops of a pass; with several groups in flight (``groups``)
+    a round trip also holds the other groups' turns on the ranks, so the hop figure is left out
+    (``--pipeline 1`` measures it). A rank's busy share is its layer seconds over the decode's; the
+    rest is idle (``idle_share``: the pipeline's, averaged over the ranks)."""
     tokens, passes = d["tokens"], after[0]["passes"] - before[0]["passes"]
     diff = [{k: a[k] - b[k] for k in a if k != "rank"} for a, b in zip(after, before)]
     hops = len(diff)
@@ -451,8 +458,10 @@ def dist_figures(model, d: dict, decode_seconds: float, before: list[dict], afte
         "ranks": ranks,
         "wire_bytes_per_token": sum(x["sent_bytes"] for x in diff) / tokens,
         "round_trip_s_per_pass": diff[0]["round_trip_seconds"] / passes,
-        "hop_latency_s": (diff[0]["round_trip_seconds"] - others) / passes / hops,
+        "hop_latency_s": (diff[0]["round_trip_seconds"] - others) / passes / hops if groups == 1 else None,
         "decode_passes": passes,
+        "pipeline_groups": groups,
+        "idle_share": 1 - sum(r["busy_share"] for r in ranks) / hops,
     }
 
 
@@ -637,9 +646,19 @@ def _decode(model, prompts: list[list[int]], tokens: int, piece: int | None = No
     then one token of each per pass."""
     params = SamplingParams(max_new_tokens=tokens, speculate=False)
     runs = [Decoding(model, p, params, eos_token_ids=[], prefill_chunk=piece or len(p)) for p in prompts]
-    while not runs[0].done:  # all of them end together
-        for d, logits in zip(runs, model.forward_batch([d.next_pass(max_prompt=piece) for d in runs])):
+    # A model split across ranks: the sequences in `pipeline_depth` groups, a pass of each in flight at
+    # once (each group's passes in turn), as the server's scheduler runs them.
+    groups = min(model.pipeline_depth, len(runs))
+    flight = collections.deque()
+    for g in range(groups):
+        group = runs[g::groups]
+        flight.append((group, model.start_batch([d.next_pass(max_prompt=piece) for d in group])))
+    while flight:  # every group ends after the same passes
+        group, pending = flight.popleft()
+        for d, logits in zip(group, pending.result()):
             d.take(logits)
+        if not group[0].done:
+            flight.append((group, model.start_batch([d.next_pass(max_prompt=piece) for d in group])))
     return runs[0].result().stats
 
 
@@ -743,9 +762,11 @@ def format_table(r: dict) -> str:
                                                  f"{rank['sent_bytes_per_token'] / 1e3:.1f} kB; layers "
                                                  f"{rank['layer_s_per_token'] * 1e3:.1f} ms/token, busy "
                                                  f"{rank['busy_share'] * 100:.0f}%"))
+        hop = (f"{x['hop_latency_s'] * 1e3:.2f} ms a hop" if x["hop_latency_s"] is not None
+               else f"{x['pipeline_groups']} groups in flight")
         rows.append(("wire", f"{x['wire_bytes_per_token'] / 1e3:.1f} kB/token over {x['world_size']} hops a pass, "
-                             f"{x['hop_latency_s'] * 1e3:.2f} ms a hop (round trip "
-                             f"{x['round_trip_s_per_pass'] * 1e3:.1f} ms a pass)"))
+                             f"{hop} (round trip {x['round_trip_s_per_pass'] * 1e3:.1f} ms a pass); ranks idle "
+                             f"{x['idle_share'] * 100:.0f}%"))
     head = (f"{r['model']}  stream={'on' if r['streaming'] else 'off'} read_mode={s['read_mode']} "
             f"io_workers={s['io_workers']} pin_layers={s['pin_layers']} threads={r['threads']}\n"
             f"spine {r['spine']} ({'exact' if r['spine_exact'] else 'lossy'}), "

@@ -94,6 +94,9 @@ class Settings:
     dist_timeout: float = _knob(60.0, "a model split across ranks (torchrun): seconds a rank waits for another "
                                 "within a pass before the request fails naming that rank; must exceed the "
                                 "slowest pass")
+    pipeline: int = _knob(0, "a model split across ranks (torchrun): passes of different sequences in flight at "
+                          "once, so that while rank 1 runs one group's layers rank 0 runs the next group's; 0 = one "
+                          "per rank, 1 = none (ranks that share one host's cores gain nothing from it)")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")
     draft_len: int = _knob(4, "maximum drafted tokens verified per pass", group="generate")
@@ -220,6 +223,7 @@ RANGES = {
     "render_timeout": (0.1, None), "max_batch": (1, 256), "prefill_chunk": (1, None),
     "hub_connections": (1, 256), "hub_retries": (0, 100), "hub_backoff": (0, 600), "hub_cache_gb": (0, None),
     "prefix_cache_mb": (0, None), "prefix_cache_block": (0, None), "dist_timeout": (0.1, None),
+    "pipeline": (0, 64),
 }
 
 

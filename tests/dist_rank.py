@@ -21,6 +21,15 @@ def parity(model, state_file=None) -> dict:
     a, b = model.new_state(), model.new_state()
     out["batch"] = model.forward_batch([Seq(prompt, a, logits="last"), Seq(other, b, logits="all")])
     out["batch2"] = model.forward_batch([Seq([4], b), Seq([9, 10], a)])
+    # Passes of other sequences begun before the first has ended (a split model runs them pipelined).
+    c, d = model.new_state(), model.new_state()
+    first = model.start_batch([Seq(prompt, c, logits="last")])
+    second = model.start_batch([Seq(other, d)])
+    out["in_flight"] = first.result() + second.result()
+    third = model.start_batch([Seq([6, 7], c)])
+    fourth = model.start_batch([Seq([9], d, logits="last")])
+    out["in_flight"] += third.result() + fourth.result()
+    del c, d
     # Speculation's pattern: a keep_states pass, a rollback into it, and a snapshot restored later.
     snap = a.snapshot()
     model.forward([1, 2, 3, 4], a, keep_states=True)

@@ -84,8 +84,8 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
     _, state, _ = load_state(alone, str(out) + ".state")
     assert torch.equal(alone.forward([6], state), want["after_load"])
     assert (tmp_path / "alone.state").read_bytes() == (tmp_path / "out.pt.state").read_bytes()
-    for key in ("batch", "batch2"):
-        assert all(torch.equal(g, w) for g, w in zip(got[key], want[key])), key
+    for key in ("batch", "batch2", "in_flight"):
+        assert len(got[key]) == len(want[key]) and all(torch.equal(g, w) for g, w in zip(got[key], want[key])), key
     for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
         assert got[key] == want[key], key
     assert got["drafted"] == got["greedy"] and got["accepted"] > 0
@@ -253,6 +253,20 @@ def test_bench_across_ranks_reports_each_rank_and_the_wire(tiny_kl_path):
     assert x["round_trip_s_per_pass"] > 0 and all(0 < r["busy_share"] < 1 for r in x["ranks"])
 
 
+def test_bench_across_ranks_pipelines_a_batch(tiny_kl_path):
+    """bench --batch 2 on 2 ranks: the sequences in two groups, a pass of each in flight at once (the
+    hop figure needs one pass at a time, so it is left out), every token counted once."""
+    import json
+    results = _finish(_start(lambda r: _cli("bench", "--model", str(tiny_kl_path), "--device", "cpu", "--tokens", "6",
+                                            "--prompt-tokens", "8", "--batch", "2", "--json"), 2))
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2] + results[1][2]
+    r = json.loads(results[0][1])
+    x = r["dist"]
+    assert x["pipeline_groups"] == 2 and x["hop_latency_s"] is None and 0 <= x["idle_share"] < 1
+    assert r["decode_tokens"] == 2 * 5 and x["decode_passes"] == r["decode_tokens"]  # a pass a group's token
+    assert r["prefill_passes"] == 2
+
+
 # -- the server on rank 0 ---------------------------------------------------------------------------
 class _Server:
     """``deltafin serve`` on `world` ranks started as torchrun would (127.0.0.1, a port the OS picks)."""
@@ -300,15 +314,15 @@ def _generated(model, ids, **params) -> str:
     return generate(model, ids, SamplingParams(**params)).text
 
 
-@pytest.mark.parametrize("which,world", [("k3", 3), ("kl", 2)])
-def test_server_on_rank_0_answers_as_one_process(which, world, tiny_k3_path, tiny_kl_path):
+@pytest.mark.parametrize("which,world,pipeline", [("k3", 3, "0"), ("kl", 2, "1"), ("kl", 2, "0")])
+def test_server_on_rank_0_answers_as_one_process(which, world, pipeline, tiny_k3_path, tiny_kl_path):
     """The openai client against a split model's server: streaming, choices and concurrent requests
-    batched into shared passes, and a conversation served from the prefix cache, each answer the
-    text one process generates."""
+    (pipelined: a group's pass in flight per rank, or batched into shared passes), and a conversation
+    served from the prefix cache, each answer the text one process generates."""
     import concurrent.futures
     path = tiny_k3_path if which == "k3" else tiny_kl_path
     model = deltafin.load(path, device="cpu", stream="off")
-    server = _Server(path, world)
+    server = _Server(path, world, "--pipeline", pipeline)
     try:
         client = server.client()
         messages = [{"role": "user", "content": "How many days are there in a week?"}]
@@ -326,7 +340,11 @@ def test_server_on_rank_0_answers_as_one_process(which, world, tiny_k3_path, tin
         ids = model.encode(prompt)
         assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
             [_generated(model, ids, max_new_tokens=10, temperature=0.9, seed=7 + i) for i in range(3)]
-        assert server.health()[1]["passes"]["sequences_per_pass"] > 1
+        passes = server.health()[1]["passes"]
+        if pipeline == "1":  # one pass at a time, over every request
+            assert passes["sequences_per_pass"] > 1 and passes["in_flight_per_pass"] == 1
+        else:  # the choices' passes overlap (3 choices: 2 groups on 2 ranks, 3 of one on 3)
+            assert passes["in_flight_per_pass"] > 1
 
         prompts = ["Once upon a time", "The quick brown fox", "In the beginning"]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:

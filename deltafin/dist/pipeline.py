@@ -8,6 +8,12 @@ its layers and hands the rows on; the last sends back the rows whose logits are 
 runs the head over them. Each rank keeps the decode states of its own layers, keyed by a number
 rank 0 gives each state.
 
+Passes pipeline: ``start_device_pass`` returns once rank 0's layers are done and its rows handed
+on (the receive of the last rank's rows posted first), so rank 0 can start the pass of another group
+of sequences while rank 1 runs the first's; every rank takes the messages and rows of passes in the
+order they were sent, and rank 0 ends passes in the order it began them (the scheduler keeps
+``--pipeline`` passes in flight, one per rank by default).
+
 The states rank 0 hands out (``FrontState``) hold rank 0's layers and note every operation on
 them in the ``Mirror``: a new state, a rollback after a keep_states pass, a snapshot, a restore,
 and a state dropped (garbage-collected). The notes travel with the next pass, in order, so the
@@ -114,6 +120,7 @@ class FrontEngine(Engine):
         self.ranges = ranges  # every rank's layers
         self.mirror = Mirror(self)
         self.passes, self.layer_seconds, self.round_trip_seconds = 0, 0.0, 0.0
+        self._in_flight: collections.deque = collections.deque()  # passes begun, oldest first
 
     def ranks_report(self) -> list[dict]:
         """Every rank's running totals, rank 0's first (between passes: see worker.Tally); rank 0's
@@ -178,6 +185,13 @@ class FrontEngine(Engine):
         return state
 
     def device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()) -> torch.Tensor:
+        return self.start_device_pass(h, seqs, stats, routes)()
+
+    def start_device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()):
+        """Rank 0's layers over the pass's rows, handed on to rank 1; the function returned waits for
+        the last rank's rows and runs the head. Between the two, rank 0 may start other passes (of
+        other sequences): their control messages and rows queue behind this one's on every rank, and
+        the rows come back in the order the passes started, which is the order they must end in."""
         group, cfg = self.group, self.cfg
         group.check_up()
         for s in seqs:
@@ -193,18 +207,33 @@ class FrontEngine(Engine):
             t0 = time.perf_counter()
             h = self.run_layers(h, blocks, seqs, stats, routes)
             t1 = time.perf_counter()
+            back = group.expect_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size))
             group.send_rows(1, torch.stack([*blocks, h]))
-            back = group.recv_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size))
-            self.passes += 1
-            self.layer_seconds += t1 - t0
-            self.round_trip_seconds += time.perf_counter() - t1
         except LinkError as e:
             raise group.at_fault(e) from None
         except BaseException:
             # The other ranks wait for rows that will not come: the group cannot go on.
             group.fault = RankFault("rank 0 failed within a pass")
             raise
-        return self.head(back[-1], list(back[:-1]), seqs, stats)
+        self.layer_seconds += t1 - t0
+        token = object()
+        self._in_flight.append(token)
+
+        def finish() -> torch.Tensor:
+            if not self._in_flight or self._in_flight[0] is not token:
+                group.fault = RankFault("rank 0 ended passes out of order")
+                raise RuntimeError("passes of a model split across ranks end in the order they began")
+            self._in_flight.popleft()
+            group.check_up()
+            try:
+                rows = back.wait()
+            except LinkError as e:
+                raise group.at_fault(e) from None
+            self.passes += 1
+            # With other passes in flight this includes their turns on the other ranks.
+            self.round_trip_seconds += time.perf_counter() - t1
+            return self.head(rows[-1], list(rows[:-1]), seqs, stats)
+        return finish
 
 
 _DTYPES = {v: k for k, v in STATE_DTYPES.items()}

@@ -110,9 +110,18 @@ class Group:
         self._send(rows.contiguous(), dst, ROWS)
 
     def recv_rows(self, src: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.expect_rows(src, shape).wait()
+
+    def expect_rows(self, src: int, shape: tuple[int, ...]) -> "Expected":
+        """Rows from `src` received into a buffer posted now; ``wait()`` returns them (bounded by the
+        timeout from when it is called). Receives posted for one peer are filled in the order posted,
+        so rank 0 posts the receive of a pass's rows before it hands them on: the last rank's send
+        back never waits on rank 0, which may be busy with the next pass."""
         out = torch.empty(shape, dtype=torch.float32)
-        self._recv(out, src, ROWS, bounded=True)
-        return out
+        try:
+            return Expected(self, src, out, dist.irecv(out, src, tag=ROWS))
+        except RuntimeError as e:
+            raise LinkError(src, _why(e, self.timeout)) from None
 
     # -- state tensors -----------------------------------------------------------------------
     def send_tensor(self, dst: int, t: torch.Tensor) -> None:
@@ -170,3 +179,17 @@ class Group:
             work.wait(datetime.timedelta(seconds=self.timeout)) if bounded else work.wait()
         except RuntimeError as e:
             raise LinkError(src, _why(e, self.timeout)) from None
+
+
+class Expected:
+    """A receive posted (``Group.expect_rows``) and not yet waited for."""
+
+    def __init__(self, group: Group, src: int, out: torch.Tensor, work):
+        self.group, self.src, self.out, self.work = group, src, out, work
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait(datetime.timedelta(seconds=self.group.timeout))
+        except RuntimeError as e:
+            raise LinkError(self.src, _why(e, self.group.timeout)) from None
+        return self.out

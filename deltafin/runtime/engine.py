@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,6 @@ class Engine:
         (or [1, vocab] for the last position only: a long prompt's full logits are large)."""
         return self.forward_batch([Seq(list(ids), state, keep_states, "last" if last_only else "all")])[0]
 
-    @torch.inference_mode()
     def forward_batch(self, seqs: list[Seq]) -> list[torch.Tensor | None]:
         """One pass for several sequences: each consumes its ids after what its own state holds.
 
@@ -102,6 +102,14 @@ class Engine:
         asks, on the host, or on the compute device when every sequence asks for that
         (``Seq.on_device``). Either way the pass has ended on the device when this returns.
         """
+        return self.start_batch(seqs).result()
+
+    @torch.inference_mode()
+    def start_batch(self, seqs: list[Seq]) -> "PendingPass":
+        """``forward_batch`` in two steps: the pass starts here, ``result()`` ends it. In one process
+        the whole pass runs here; on rank 0 of a split model this returns once rank 0's layers are done
+        and the rows are handed on, so the next pass (of other sequences) can start while the other
+        ranks run this one (dist.pipeline). Passes end in the order they started."""
         ids_t = _check_batch(seqs, self.cfg.vocab_size)
         stats = PassStats(tokens=len(ids_t))
         t0 = time.perf_counter()
@@ -110,16 +118,27 @@ class Engine:
         routes = [o.on_route for o in self.observers if o.on_route is not None]
         if self.graphs is not None and not routes and self.graphs.applies(seqs):
             logits = self.graphs.run(seqs, ids_t, stats)
+            finish = lambda: logits  # noqa: E731
         else:
             with self.pass_threads(len(ids_t)):
-                logits = self.device_pass(self.embed(ids_t), seqs, stats, routes)
+                finish = self.start_device_pass(self.embed(ids_t), seqs, stats, routes)
+        return PendingPass(self, seqs, stats, t0, finish)
+
+    def finish_batch(self, pending: "PendingPass") -> list[torch.Tensor | None]:
+        """The rest of a pass ``start_batch`` began (called by ``PendingPass.result``)."""
+        seqs, stats, finish = pending.seqs, pending.stats, pending.finish
+        if finish is None:
+            raise RuntimeError("this pass has ended already")
+        pending.finish = None
+        with self.pass_threads(stats.tokens):
+            logits = finish()
         c0 = time.perf_counter()
         if all(s.on_device for s in seqs):
             _wait_for(self.device)  # the pass's time includes the device's work
         else:
             logits = logits.cpu()
         stats.compute_seconds += time.perf_counter() - c0
-        stats.seconds = time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - pending.started
         for s in seqs:
             s.state.num_tokens += len(s.ids)
         self.last_pass = stats
@@ -169,6 +188,13 @@ class Engine:
         blocks: list[torch.Tensor] = []
         h = self.run_layers(h, blocks, seqs, stats, routes)
         return self.head(h, blocks, seqs, stats)
+
+    def start_device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats,
+                          routes=()) -> Callable[[], torch.Tensor]:
+        """``device_pass`` begun: a function that returns its logits. One process runs the whole pass
+        here (a split model's rank 0 hands its rows on and returns, see dist.pipeline)."""
+        logits = self.device_pass(h, seqs, stats, routes)
+        return lambda: logits
 
     def run_layers(self, h: torch.Tensor, blocks: list[torch.Tensor], seqs: list[Seq], stats: PassStats,
                    routes=()) -> torch.Tensor:
@@ -221,6 +247,19 @@ class Seq:
     # Leave the logits on the compute device: a caller that only picks tokens from them (greedy
     # argmax) then reads back a few ids instead of a vocabulary-wide row per position.
     on_device: bool = False
+
+
+class PendingPass:
+    """A pass ``Engine.start_batch`` began: ``result()`` waits for its end and returns each sequence's
+    logits as ``forward_batch`` does (once; passes of one engine end in the order they began)."""
+
+    def __init__(self, engine: Engine, seqs: list[Seq], stats: PassStats, started: float,
+                 finish: Callable[[], torch.Tensor]):
+        self.engine, self.seqs, self.stats, self.started, self.finish = engine, seqs, stats, started, finish
+
+    @torch.inference_mode()
+    def result(self) -> list[torch.Tensor | None]:
+        return self.engine.finish_batch(self)
 
 
 def _wait_for(device: torch.device) -> None:

@@ -28,6 +28,11 @@ drafts and sampling generator; pieces and draft lengths change speed only, so it
 one it gets served alone (up to the rounding of products over a different number of rows, which
 leaves greedy tokens and seeded samples unchanged in the tests).
 
+On a model split across ranks (``Model.pipeline_depth`` > 1) the engine thread keeps that many
+passes in flight, each over a share of the active requests not already in one: while rank 1 runs one
+group's layers, rank 0 runs the next group's, and a group's next pass starts as soon as its last one
+ended. A request is in one pass at a time, so its tokens are those it gets in one pass at a time.
+
 The engine thread tallies what its passes carried and where their time went (``PassTally``;
 the server's /metrics and /health show it).
 
@@ -191,7 +196,8 @@ class PassTally:
     """What the engine thread has done since it started (read from any thread; the engine thread
     alone writes). Means per pass are these sums divided by ``passes``: ``sequences / passes`` is
     how many requests a pass carried on average, ``decoding / passes`` how many of them were past
-    their prompt. The seconds split each pass's time: ``plan`` (what to feed: drafts, prompt
+    their prompt, ``in_flight / passes`` how many passes were in flight at once (more than one: a model
+split across ranks, its groups pipelined). The seconds split each pass's time: ``plan`` (what to feed: drafts, prompt
     pieces), ``forward`` (the model), ``take`` (picking tokens, detokenizing, handing text to the
     HTTP side)."""
     passes: int = 0
@@ -199,6 +205,7 @@ class PassTally:
     decoding: int = 0
     rows: int = 0
     prompt_rows: int = 0
+    in_flight: int = 0  # passes in flight as each began, itself included (several: pipelined)
     plan_seconds: float = 0.0
     forward_seconds: float = 0.0
     take_seconds: float = 0.0
@@ -207,8 +214,22 @@ class PassTally:
         n = max(self.passes, 1)
         return {"passes": self.passes, "sequences_per_pass": self.sequences / n,
                 "decoding_per_pass": self.decoding / n, "rows_per_pass": self.rows / n,
-                "prompt_rows_per_pass": self.prompt_rows / n, "plan_ms_per_pass": 1e3 * self.plan_seconds / n,
+                "prompt_rows_per_pass": self.prompt_rows / n, "in_flight_per_pass": self.in_flight / n,
+                "plan_ms_per_pass": 1e3 * self.plan_seconds / n,
                 "forward_ms_per_pass": 1e3 * self.forward_seconds / n, "take_ms_per_pass": 1e3 * self.take_seconds / n}
+
+
+@dataclass
+class _Flight:
+    """A pass begun: its requests and their Seqs, when planning began (t0) and the pass began (t1),
+    the seconds its start took, and its logits (one process) or the pass to end (``pending``)."""
+    batch: list
+    t0: float
+    t1: float
+    in_flight: int = 1
+    forward_seconds: float = 0.0
+    logits: list | None = None
+    pending: object = None
 
 
 @dataclass
@@ -229,6 +250,10 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: list[_Request] = []  # touched by the engine thread only
+        # Passes begun and not yet ended, oldest first, and their requests (see _step).
+        self._depth = max(1, getattr(model, "pipeline_depth", 1))
+        self._flight: collections.deque[_Flight] = collections.deque()
+        self._flying: set[int] = set()
         self._closed = False
         self.tally = PassTally()
         self.costs = PassCosts()
@@ -290,6 +315,12 @@ class Scheduler:
                 while self._waiting and len(self._active) < self.max_batch:
                     self._active.append(self._waiting.popleft())
             self._step()
+        for f in self._flight:  # end them, so that every rank of a split model is between passes
+            try:
+                if f.pending is not None:
+                    f.pending.result()
+            except Exception:  # their requests fail below either way
+                pass
         for r in gone:
             if not r.future.done():
                 r.future.set_exception(RuntimeError("the server is shutting down"))
@@ -312,23 +343,75 @@ class Scheduler:
             self._cond.wait(left)
 
     def _step(self) -> None:
-        """One pass over every active request that is still going."""
+        """Start passes until ``pipeline_depth`` are in flight (each over a share of the active requests
+        not in one), then end the oldest: one pass over every active request in one process."""
         for r in self._active:
-            if r.cancel.is_set():
+            if r.cancel.is_set() and id(r) not in self._flying:
                 r.decoding.cancel()
         self._retire()
-        if not self._active:
-            return
+        while len(self._flight) < self._depth:
+            idle = [r for r in self._active if id(r) not in self._flying]
+            if not idle:
+                break
+            share = -(-len(idle) // (self._depth - len(self._flight)))  # the rest split over the free places
+            if not self._start(idle[:share]):
+                return
+        if self._flight:
+            self._end(self._flight.popleft())
+
+    def _start(self, requests: list[_Request]) -> bool:
+        """Begin a pass over `requests` (in flight until ``_end``); False when it failed."""
         t0 = time.perf_counter()
-        batch = self._plan()
-        prompt_rows = sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
-        rows = sum(len(seq.ids) for _, seq in batch)
+        batch = self._plan(requests)
+        seqs = [seq for _, seq in batch]
+        flight = _Flight(batch, t0, time.perf_counter(), in_flight=len(self._flight) + 1)
         try:
-            t1 = time.perf_counter()
-            logits = self.model.forward_batch([seq for _, seq in batch])
-            t2 = time.perf_counter()
-            self.costs.record(rows, t2 - t1)
-        except torch.OutOfMemoryError:
+            if self._depth == 1:
+                flight.logits = self.model.forward_batch(seqs)
+            else:
+                flight.pending = self.model.start_batch(seqs)
+        except Exception as e:
+            self._failed(batch, e)
+            return False
+        flight.forward_seconds = time.perf_counter() - flight.t1
+        self._flight.append(flight)
+        self._flying.update(id(r) for r, _ in batch)
+        return True
+
+    def _end(self, flight: "_Flight") -> None:
+        """Hand each request of a pass its logits, once the pass has ended."""
+        batch = flight.batch
+        self._flying.difference_update(id(r) for r, _ in batch)
+        t2 = time.perf_counter()
+        try:
+            logits = flight.logits if flight.pending is None else flight.pending.result()
+        except Exception as e:
+            self._failed(batch, e)
+            return
+        t3 = time.perf_counter()
+        rows = sum(len(seq.ids) for _, seq in batch)
+        self.costs.record(rows, t3 - flight.t1)
+        prompt_rows = sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
+        decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
+        for (r, _), out in zip(batch, logits):
+            try:
+                r.decoding.take(out)
+            except Exception as e:  # this request's own callback or checks: only it fails
+                r.future.set_exception(e)
+        t = self.tally  # counted before the finished requests are resolved, so their callers see it
+        t.sequences, t.decoding, t.rows, t.prompt_rows = (t.sequences + len(batch), t.decoding + decoding,
+                                                          t.rows + rows, t.prompt_rows + prompt_rows)
+        t.in_flight += flight.in_flight
+        t.plan_seconds += flight.t1 - flight.t0
+        t.forward_seconds += flight.forward_seconds + t3 - t2
+        t.take_seconds += time.perf_counter() - t3
+        t.passes += 1
+        self._retire()
+
+    def _failed(self, batch: list, e: Exception) -> None:
+        """A pass over `batch` failed (starting or ending)."""
+        rows = sum(len(seq.ids) for _, seq in batch)
+        if isinstance(e, torch.OutOfMemoryError):
             # Only the pass's own requests end (their states may be half updated); requests outside
             # it were not touched and go on. With recorded passes a prompt piece is a pass of its
             # own, so a prompt too long for the device ends its request alone.
@@ -344,31 +427,19 @@ class Scheduler:
                         "requests at once"))
             self._active = [r for r in self._active if id(r) not in rows_of]
             return
-        except Exception as e:  # a failed pass leaves every state in it unusable
-            log.exception("a forward pass over %d request(s) failed", len(self._active))
-            for r in self._active:
-                r.future.set_exception(e)
-            self._active.clear()
-            return
-        decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
-        for (r, _), out in zip(batch, logits):
-            try:
-                r.decoding.take(out)
-            except Exception as e:  # this request's own callback or checks: only it fails
-                r.future.set_exception(e)
-        t = self.tally  # counted before the finished requests are resolved, so their callers see it
-        t.sequences, t.decoding, t.rows, t.prompt_rows = (t.sequences + len(batch), t.decoding + decoding,
-                                                          t.rows + rows, t.prompt_rows + prompt_rows)
-        t.plan_seconds += t1 - t0
-        t.forward_seconds += t2 - t1
-        t.take_seconds += time.perf_counter() - t2
-        t.passes += 1
-        self._retire()
+        # A failed pass leaves every state in it unusable, and a split model's group with it: every
+        # request ends, those of passes still in flight too (they will not end).
+        log.error("a forward pass over %d request(s) failed: %s", len(batch), e, exc_info=e)
+        for r in self._active:
+            r.future.set_exception(e)
+        self._active.clear()
+        self._flight.clear()
+        self._flying.clear()
 
-    def _plan(self) -> list:
-        """(request, Seq) for each request in this pass (see the module docstring for the rows)."""
-        decoding = [r for r in self._active if not r.decoding.prefilling]
-        prefilling = [r for r in self._active if r.decoding.prefilling]
+    def _plan(self, requests: list[_Request]) -> list:
+        """(request, Seq) for each of `requests` in this pass (see the module docstring for the rows)."""
+        decoding = [r for r in requests if not r.decoding.prefilling]
+        prefilling = [r for r in requests if r.decoding.prefilling]
         if not decoding:
             return [(r, r.decoding.next_pass()) for r in prefilling]
         if getattr(self.model, "replays_passes", False):
