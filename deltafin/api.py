@@ -151,11 +151,14 @@ class Model:
 
     @property
     def pipeline_depth(self) -> int:
-        """Passes (of different sequences) worth keeping in flight at once: one per rank of a model
-        split across ranks (``--pipeline``), else 1."""
+        """Passes (of different sequences) worth keeping in flight at once: ``--pipeline``, or for a
+        model split across ranks one per rank unless two ranks compute on the same cores
+        (``RankPlacement.shares_cores``); else 1."""
         if self.placement is None:
             return 1
-        return self.settings.pipeline or len(self.placement.ranges)
+        if self.settings.pipeline:
+            return self.settings.pipeline
+        return 1 if self.placement.shares_cores else len(self.placement.ranges)
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(ids), vocab]: a full prefill from a fresh state."""

@@ -89,7 +89,20 @@ def startup_message(model, path) -> str:
             f"{spine_message(model.source, path, model.settings.spine)}; {experts_message(model.source)}; "
             f"{products_message(model.settings)}"
             + (f"\ndeltafin: {model.residency}" if model.residency else "")
-            + (f"\n{model.placement.table()}" if model.placement is not None else ""))
+            + (f"\n{model.placement.table()}\ndeltafin: {pipeline_message(model)}" if model.placement is not None
+               else ""))
+
+
+def pipeline_message(model) -> str:
+    """How many passes a split model keeps in flight, and why."""
+    depth = model.pipeline_depth
+    if model.settings.pipeline:
+        why = "--pipeline"
+    elif depth == 1:
+        why = "auto: ranks share this host's cores, so one pass at a time batches every request into it"
+    else:
+        why = "auto: one per rank"
+    return f"{depth} pass{'es' if depth != 1 else ''} of different sequences in flight at once ({why})"
 
 
 def load_announced(model: str | None, settings: Settings) -> tuple[Model, str | Path]:

@@ -17,7 +17,7 @@ import torch
 import deltafin
 from deltafin.checkpoint.sizes import ModelSizes
 from deltafin.dist.launch import LaunchError, from_environment
-from deltafin.dist.placement import PlacementError, check_same, plan, split
+from deltafin.dist.placement import PlacementError, check_same, plan, share_cores, split
 from deltafin.settings import Settings, SettingsError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,7 +67,9 @@ def _cli(*args) -> list[str]:
 def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path, tmp_path):
     path = tiny_k3_path if which == "k3" else tiny_kl_path
     out = tmp_path / "out.pt"
-    results = _finish(_start(lambda r: [sys.executable, str(RANK_SCRIPT), str(path), str(out)], world))
+    # One pass in flight per rank (the ranks here share the machine's cores: auto would keep one).
+    results = _finish(_start(lambda r: [sys.executable, str(RANK_SCRIPT), str(path), str(out)], world,
+                             DELTAFIN_PIPELINE=str(world)))
     for rank, (rc, so, se) in enumerate(results):
         assert rc == 0, f"rank {rank}: {se}"
         assert so == ""  # the ranks print nothing to stdout
@@ -108,6 +110,7 @@ def test_streamed_ranks_equal_one_process_on_the_cli(tiny_kl_path):
                                               "--max-new-tokens", "16", "--stream", "on", "The river"))
     assert results[0][1] == alone
     assert "placement across 2 ranks" in results[0][2] and "rank 1: layers" in results[0][2]
+    assert "1 pass of different sequences in flight at once (auto: ranks share this host's cores" in results[0][2]
 
 
 def test_prompt_cache_across_ranks(tiny_k3_path, tmp_path):
@@ -258,7 +261,7 @@ def test_bench_across_ranks_pipelines_a_batch(tiny_kl_path):
     hop figure needs one pass at a time, so it is left out), every token counted once."""
     import json
     results = _finish(_start(lambda r: _cli("bench", "--model", str(tiny_kl_path), "--device", "cpu", "--tokens", "6",
-                                            "--prompt-tokens", "8", "--batch", "2", "--json"), 2))
+                                            "--prompt-tokens", "8", "--batch", "2", "--pipeline", "2", "--json"), 2))
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2] + results[1][2]
     r = json.loads(results[0][1])
     x = r["dist"]
@@ -314,7 +317,7 @@ def _generated(model, ids, **params) -> str:
     return generate(model, ids, SamplingParams(**params)).text
 
 
-@pytest.mark.parametrize("which,world,pipeline", [("k3", 3, "0"), ("kl", 2, "1"), ("kl", 2, "0")])
+@pytest.mark.parametrize("which,world,pipeline", [("k3", 3, "3"), ("kl", 2, "1"), ("kl", 2, "2")])
 def test_server_on_rank_0_answers_as_one_process(which, world, pipeline, tiny_k3_path, tiny_kl_path):
     """The openai client against a split model's server: streaming, choices and concurrent requests
     (pipelined: a group's pass in flight per rank, or batched into shared passes), and a conversation
@@ -450,6 +453,16 @@ def test_check_same_names_the_field_and_ranks():
     check_same([{"a": 1, "b": "x"}] * 3)
     with pytest.raises(PlacementError, match=r"'b' differs \(ranks 0, 2: 'x'; rank 1: 'y'\)"):
         check_same([{"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 1, "b": "x"}])
+
+
+def test_ranks_share_cores_only_on_one_host_with_overlapping_cpus():
+    """What turns automatic pipelining off: two ranks of one host computing on the same cores."""
+    assert share_cores([["a", [0, 1]], ["a", [1, 2]]])
+    assert not share_cores([["a", [0, 1]], ["b", [0, 1]]])  # two hosts
+    assert not share_cores([["a", [0]], ["a", [1]], ["b", [0]]])  # one host, a core each (taskset)
+    for bad in (["a"], ["a", "0-3"], [1, [0]], ["a", [0.5]], None):
+        with pytest.raises(PlacementError, match="rank 1 described its CPUs"):
+            share_cores([["a", [0]], bad])
 
 
 def test_launch_from_environment():

@@ -18,7 +18,7 @@ the first configuration's speed.
 
 The record also says how the server batched the run (``passes``, from its /metrics before and
 after): the forward passes it ran, the requests they carried on average (all, and those past their
-prompt), their rows, the engine thread's milliseconds per pass in planning, the model, and taking
+prompt), the passes in flight at once (above 1: a split model's groups pipelined), their rows, the engine thread's milliseconds per pass in planning, the model, and taking
 the tokens, and the share of the run it was busy. Another client using the server at the same
 time shows in these too.
 """
@@ -108,6 +108,7 @@ def batching(before: dict | None, after: dict | None, wall: float) -> dict | Non
         "passes": int(n),
         "sequences_per_pass": per("deltafin_pass_sequences_total"),
         "decoding_per_pass": per("deltafin_pass_decoding_sequences_total"),
+        "in_flight_per_pass": per("deltafin_pass_in_flight_total"),
         "decode_rows_per_pass": per('deltafin_pass_rows_total{kind="decode"}'),
         "prompt_rows_per_pass": per('deltafin_pass_rows_total{kind="prompt"}'),
         "plan_ms_per_pass": 1e3 * per('deltafin_pass_seconds_total{part="plan"}'),

@@ -9,7 +9,8 @@ runs the head over them. Each rank keeps the decode states of its own layers, ke
 rank 0 gives each state.
 
 Passes pipeline: ``start_device_pass`` returns once rank 0's layers are done and its rows handed
-on (the receive of the last rank's rows posted first), so rank 0 can start the pass of another group
+on (the receive of the last rank's rows posted first, and its sends posted, not waited for: see
+transport.Sent), so rank 0 can start the pass of another group
 of sequences while rank 1 runs the first's; every rank takes the messages and rows of passes in the
 order they were sent, and rank 0 ends passes in the order it began them (the scheduler keeps
 ``--pipeline`` passes in flight, one per rank by default).
@@ -201,14 +202,14 @@ class FrontEngine(Engine):
                    "seqs": [[s.state.key, list(s.ids), s.keep_states, s.logits] for s in seqs]}
         wanted = len(logit_rows(seqs))
         try:
-            for r in range(1, group.world_size):
-                group.send_message(r, message)
+            # Posted, not waited for: a rank still busy with an earlier pass takes them when it is done.
+            sends = [group.send_message(r, message, wait=False) for r in range(1, group.world_size)]
             blocks: list[torch.Tensor] = []
             t0 = time.perf_counter()
             h = self.run_layers(h, blocks, seqs, stats, routes)
             t1 = time.perf_counter()
             back = group.expect_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size))
-            group.send_rows(1, torch.stack([*blocks, h]))
+            sends.append(group.send_rows(1, torch.stack([*blocks, h]), wait=False))
         except LinkError as e:
             raise group.at_fault(e) from None
         except BaseException:
@@ -226,6 +227,8 @@ class FrontEngine(Engine):
             self._in_flight.popleft()
             group.check_up()
             try:
+                for sent in sends:
+                    sent.wait()
                 rows = back.wait()
             except LinkError as e:
                 raise group.at_fault(e) from None

@@ -13,7 +13,10 @@ else so that each rank holds about the same weight bytes (rank 0's count include
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
+import socket
 from dataclasses import dataclass
 
 from ..checkpoint.sizes import ModelSizes
@@ -33,6 +36,10 @@ class RankPlacement:
     ranges: tuple[range, ...]  # each rank's layers
     weight_bytes: tuple[int, ...]  # what each rank holds as stored (rank 0: with the globals)
     how: str  # where the ranges came from
+    # Two ranks on one host may compute on the same cores (their CPU sets overlap): passes of theirs
+    # in flight at once then slow each other down as much as they overlap, so one pass at a time
+    # (every request batched into it) is the faster way there (Model.pipeline_depth).
+    shares_cores: bool = False
 
     def table(self) -> str:
         """The placement as a few lines (rank 0 prints it at start)."""
@@ -119,7 +126,19 @@ def describe(source, settings: Settings) -> dict:
     return {"model": {**model_identity(source, settings.dtype), "index_sha256": index_sha256(source),
                       "kda_chunk": settings.kda_chunk, "placement": settings.placement,
                       "dist_timeout": settings.dist_timeout},
-            "budget": settings.ram_budget_bytes()}
+            "budget": settings.ram_budget_bytes(), "cpus": [socket.gethostname(), sorted(os.sched_getaffinity(0))]}
+
+
+def share_cores(cpus: list) -> bool:
+    """Whether two ranks run on one host with CPU sets that overlap (``describe``'s "cpus": each rank's
+    host name and CPU numbers, checked here: a peer's description is not trusted)."""
+    seen = []
+    for rank, c in enumerate(cpus):
+        if not (isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], list)
+                and all(type(n) is int for n in c[1])):
+            raise PlacementError(f"rank {rank} described its CPUs as {str(c)[:80]!r}, not [host, [cpu, ...]]")
+        seen.append((c[0], set(c[1])))
+    return any(a[0] == b[0] and a[1] & b[1] for i, a in enumerate(seen) for b in seen[i + 1:])
 
 
 def check_same(models: list[dict]) -> None:
@@ -141,4 +160,5 @@ def agree(group: Group, source, settings: Settings) -> RankPlacement:
     on every rank)."""
     everyone = group.gather(describe(source, settings))
     check_same([d["model"] for d in everyone])
-    return plan(ModelSizes.of(source), [d["budget"] for d in everyone], parse_placement(settings.placement))
+    placement = plan(ModelSizes.of(source), [d["budget"] for d in everyone], parse_placement(settings.placement))
+    return dataclasses.replace(placement, shares_cores=share_cores([d["cpus"] for d in everyone]))

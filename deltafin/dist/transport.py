@@ -72,11 +72,11 @@ class Group:
         return (self.rank + 1) % self.world_size
 
     # -- control -----------------------------------------------------------------------------
-    def send_message(self, dst: int, message) -> None:
-        """A JSON value to `dst`, bounded by the timeout (a stopped rank's socket fills)."""
+    def send_message(self, dst: int, message, wait: bool = True) -> "Sent":
+        """A JSON value to `dst`, bounded by the timeout (a stopped rank's socket fills); with
+        wait=False the send is only posted (see ``Sent``)."""
         data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8)
-        self._send(torch.tensor([data.numel()], dtype=torch.int64), dst, CONTROL)
-        self._send(data, dst, CONTROL)
+        return self._send([torch.tensor([data.numel()], dtype=torch.int64), data], dst, CONTROL, wait)
 
     def recv_message(self, src: int, bounded: bool = True):
         """The next JSON value from `src`; unbounded: wait as long as it takes (between passes)."""
@@ -106,8 +106,8 @@ class Group:
         return [json.loads(bytes(g[:int(s.item())].numpy()).decode()) for g, s in zip(got, sizes)]
 
     # -- rows --------------------------------------------------------------------------------
-    def send_rows(self, dst: int, rows: torch.Tensor) -> None:
-        self._send(rows.contiguous(), dst, ROWS)
+    def send_rows(self, dst: int, rows: torch.Tensor, wait: bool = True) -> "Sent":
+        return self._send([rows.contiguous()], dst, ROWS, wait)
 
     def recv_rows(self, src: int, shape: tuple[int, ...]) -> torch.Tensor:
         return self.expect_rows(src, shape).wait()
@@ -125,7 +125,7 @@ class Group:
 
     # -- state tensors -----------------------------------------------------------------------
     def send_tensor(self, dst: int, t: torch.Tensor) -> None:
-        self._send(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1), dst, STATE)
+        self._send([t.detach().cpu().contiguous().view(torch.uint8).reshape(-1)], dst, STATE)
 
     def recv_tensor(self, src: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor of `like`'s dtype and shape (which the caller checked), on the CPU."""
@@ -166,12 +166,15 @@ class Group:
             raise RankFault(f"the group is down: {self.fault}")
 
     # -- internals ---------------------------------------------------------------------------
-    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def _send(self, tensors: list[torch.Tensor], dst: int, tag: int, wait: bool = True) -> "Sent":
         try:
-            dist.isend(t, dst, tag=tag).wait(datetime.timedelta(seconds=self.timeout))
+            sent = Sent(self, dst, [(t, dist.isend(t, dst, tag=tag)) for t in tensors])
         except RuntimeError as e:
             raise LinkError(dst, _why(e, self.timeout)) from None
-        self.sent_bytes += t.numel() * t.element_size()
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        if wait:
+            sent.wait()
+        return sent
 
     def _recv(self, t: torch.Tensor, src: int, tag: int, bounded: bool) -> None:
         try:
@@ -193,3 +196,23 @@ class Expected:
         except RuntimeError as e:
             raise LinkError(self.src, _why(e, self.group.timeout)) from None
         return self.out
+
+
+class Sent:
+    """Sends posted to one peer (``wait=False``). A send completes once the peer has posted its receive,
+    so a rank that is busy with an earlier pass would hold the sender up: rank 0 posts a pass's
+    sends and goes on to its next pass, and waits for them when the pass ends; a rank waits for its
+    last pass's rows to be taken before it hands on the next pass's. The tensors stay referenced
+    until then."""
+
+    def __init__(self, group: Group, dst: int, parts: list):
+        self.group, self.dst, self.parts = group, dst, parts
+
+    def wait(self) -> None:
+        """Bounded by the timeout from when it is called (each part)."""
+        for _, work in self.parts:
+            try:
+                work.wait(datetime.timedelta(seconds=self.group.timeout))
+            except RuntimeError as e:
+                raise LinkError(self.dst, _why(e, self.group.timeout)) from None
+        self.parts = []

@@ -16,7 +16,7 @@ from ..model.state import STATE_DTYPES, DecodeState
 from ..runtime.engine import Engine, Seq, logit_rows
 from ..runtime.pass_stats import PassStats
 from .pipeline import blocks_before, state_announcement
-from .transport import Group, LinkError, RankFault
+from .transport import Group, LinkError, RankFault, Sent
 
 
 class Tally:
@@ -36,6 +36,7 @@ def serve_passes(group: Group, engine: Engine) -> int:
     """Serve rank 0's passes until it says stop (or a peer fails, which raises RankFault)."""
     states: dict[int, DecodeState] = {}
     tally = Tally()
+    sent: Sent | None = None  # the last pass's rows, handed on (transport.Sent)
     while True:
         try:
             message = group.recv_message(0, bounded=False)
@@ -45,7 +46,7 @@ def serve_passes(group: Group, engine: Engine) -> int:
         except LinkError as e:
             raise RankFault(f"rank {group.rank}: rank 0 {e.why}; stopping") from None
         if message == "stop":
-            return 0
+            return 0  # rank 0 stops once every pass it began has ended: their rows were taken
         if isinstance(message, dict) and ("state_out" in message or "state_in" in message):
             try:
                 _state_transfer(group, engine, message, states)
@@ -59,7 +60,7 @@ def serve_passes(group: Group, engine: Engine) -> int:
             raise RankFault(f"rank {group.rank}: rank 0 sent a pass this rank cannot run ({type(e).__name__}: {e}); "
                             "stopping") from None
         try:
-            _run_pass(group, engine, seqs, tally)
+            sent = _run_pass(group, engine, seqs, tally, sent)
         except LinkError as e:
             group.report(e)
             raise RankFault(f"rank {group.rank}: {e}; stopping") from None
@@ -134,7 +135,10 @@ def _pass_of(message: dict, states: dict, engine: Engine) -> list[Seq]:
 
 
 @torch.inference_mode()
-def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally) -> None:
+def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally, before: Sent | None) -> Sent:
+    """This rank's layers over a pass's rows, handed on to the next rank without waiting for it to
+    take them (it may be busy with the pass before); `before`, the last pass's rows, must have been
+    taken first."""
     cfg = engine.cfg
     n = sum(len(s.ids) for s in seqs)
     x = group.recv_rows(group.rank - 1, (blocks_before(cfg, engine.layers.start) + 1, n, cfg.hidden_size))
@@ -155,4 +159,6 @@ def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally) -> No
         rows = logit_rows(seqs)
         if len(rows) != n:
             h, blocks = h[rows], [b[rows] for b in blocks]
-    group.send_rows(group.next_rank(), torch.stack([*blocks, h]))
+    if before is not None:
+        before.wait()
+    return group.send_rows(group.next_rank(), torch.stack([*blocks, h]), wait=False)

@@ -66,6 +66,9 @@ class ServerMetrics:
                        lambda: tally().sequences)
         m.read_counter("deltafin_pass_decoding_sequences_total", "requests past their prompt carried by forward "
                        "passes, summed over passes", lambda: tally().decoding)
+        m.read_counter("deltafin_pass_in_flight_total", "passes in flight as each pass began, itself included, "
+                       "summed over passes (above the passes: a split model's groups pipelined)",
+                       lambda: tally().in_flight)
         m.read_counter("deltafin_pass_rows_total", "token rows fed to forward passes, by kind (prompt: a "
                        "newcomer's prompt piece; decode: tokens and drafts of decoding requests)",
                        lambda: {("prompt",): tally().prompt_rows, ("decode",): tally().rows - tally().prompt_rows},
