@@ -65,6 +65,21 @@ def parity(model, state_file=None) -> dict:
     return out
 
 
+def out_of_order(model) -> dict:
+    """Two passes begun, the second ended first: refused, and the group is down after it."""
+    from deltafin.runtime.engine import Seq
+    first = model.start_batch([Seq([5, 6], model.new_state())])
+    second = model.start_batch([Seq([7], model.new_state())])
+    said = {}
+    for what, call in (("second", second.result), ("next", lambda: model.forward([1], model.new_state()))):
+        try:
+            call()
+        except Exception as e:
+            said[what] = f"{type(e).__name__}: {e}"
+    del first
+    return said
+
+
 def hostile(model, how: str) -> None:
     """Rank 0 sends rank 1 a control message it must refuse: a huge declared length, bytes that are
     not JSON, a pass naming a state that does not exist, or a decode state to load that is too long
@@ -97,6 +112,9 @@ def main(path: str, out: str) -> int:
             return serve_passes(group, model.engine)
         if out.startswith("hostile:"):
             hostile(model, out.split(":", 1)[1])
+            return 0
+        if out.startswith("order:"):
+            torch.save(out_of_order(model), out.split(":", 1)[1])
             return 0
         torch.save({**parity(model, out + ".state"), "placement": [(r.start, r.stop) for r in model.placement.ranges]}, out)
         return 0

@@ -223,6 +223,19 @@ def test_a_rank_refuses_a_hostile_control_message(how, says, tiny_kl_path):
     assert out == ""
 
 
+def test_passes_ending_out_of_order_are_refused(tiny_kl_path, tmp_path):
+    """Rows come back in the order passes began: ending a later pass first is refused, and the group
+    is down after it (the rows on the wire no longer match the passes waiting for them)."""
+    out = tmp_path / "said.pt"
+    procs = _start(lambda r: ([sys.executable, str(RANK_SCRIPT), str(tiny_kl_path), f"order:{out}"] if r == 0
+                              else _cli("run", "--model", str(tiny_kl_path), "--device", "cpu", "x")), 2)
+    (rc0, _, err0), _ = _finish(procs)
+    assert rc0 == 0, err0
+    said = torch.load(out)
+    assert said["second"] == "RuntimeError: passes of a model split across ranks end in the order they began"
+    assert said["next"].startswith("RankFault: the group is down: rank 0 ended passes out of order")
+
+
 def test_different_checkpoints_are_refused_at_start(tiny_k3_path, tmp_path):
     from deltafin.checkpoint.synthetic import make_checkpoint
     other = make_checkpoint("tiny-k3", tmp_path / "other", seed=1, progress=False)
