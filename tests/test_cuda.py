@@ -107,6 +107,60 @@ def test_cuda_kda_prompt_matches_reference():
     assert (S.cpu().double() - S_ref).abs().max().item() < 2e-3 * S_ref.abs().max().item()
 
 
+def test_cuda_kda_decode_steps_in_the_fused_kernel_match_the_reference():
+    """B sequences' decode steps in flash-linear-attention's fused recurrent kernel (which normalizes,
+    scales, gates and steps S in place) against deltafin's formulas in float64 on the CPU, with and
+    without K3's lower-bounded gate."""
+    pytest.importorskip("fla")
+    import torch.nn.functional as F
+    from deltafin.model.kda_recurrence import kda_decode_fused, kda_recurrent
+    from deltafin.model.ops import l2_normalize
+    gen = torch.Generator().manual_seed(7)
+    B, n, H, d = 3, 2, 4, 64
+    q, k, v, r = (torch.randn(B, n, H, d, generator=gen) for _ in range(4))
+    b, S0 = torch.randn(B, n, H, generator=gen), torch.randn(B, H, d, d, generator=gen) * 0.1
+    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * d, generator=gen) * 0.5
+    for lower_bound in (None, -5.0):
+        x = r.double() + dt_bias.double().view(H, d)
+        a = torch.exp(a_log.double()).view(H, 1)
+        g = lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * F.softplus(x)
+        o_ref, S_ref = kda_recurrent(*(t.transpose(0, 1) for t in (
+            l2_normalize(q.double()) * d ** -0.5, l2_normalize(k.double()), v.double(), g, torch.sigmoid(b.double()))),
+            S0.double())
+        S = S0.cuda()
+        o = kda_decode_fused(*(t.cuda() for t in (q, k, v, r, b)), S, a_log.cuda(), dt_bias.cuda(), lower_bound,
+                             d ** -0.5)
+        o_ref = o_ref.transpose(0, 1)
+        assert o.shape == (B, n, H, d) and o.dtype == torch.float32
+        assert (o.cpu().double() - o_ref).abs().max().item() < 1e-4 * o_ref.abs().max().item()
+        assert (S.cpu().double() - S_ref).abs().max().item() < 1e-4 * S_ref.abs().max().item()  # in place
+
+
+def test_cuda_bf16_decode_takes_the_fused_kda_kernel(tiny_k3_path, tiny_kl_path, monkeypatch):
+    """With bf16 products and flash-linear-attention installed, batched decode passes (graphs and
+    eager) step KDA in the fused kernel; their logits stay those of deltafin's own steps to bf16
+    rounding."""
+    pytest.importorskip("fla")
+    import deltafin.model.kda as kda
+    from deltafin.runtime.engine import Seq
+    calls = []
+    real = kda.kda_decode_fused
+    monkeypatch.setattr(kda, "kda_decode_fused", lambda *a: calls.append(1) or real(*a))
+    for path in (tiny_k3_path, tiny_kl_path):
+        out = {}
+        for take in (True, False):
+            with monkeypatch.context() as mp:
+                if not take:
+                    mp.setattr(kda.KDAttention, "_fused_steps", lambda self, x, parts: False)
+                m = deltafin.load(path, device="cuda", stream="off", dtype="bfloat16")
+                a, b = m.new_state(), m.new_state()
+                m.forward([5, 6, 7, 8], a), m.forward([9, 10], b)
+                out[take] = torch.cat([torch.cat(m.forward_batch([Seq([11 + t], a), Seq([30 + t], b)]))
+                                       for t in range(6)])
+        assert calls
+        assert (out[True] - out[False]).abs().max().item() < 2e-2 * out[False].abs().max().item()
+
+
 def test_cuda_bench_reports_the_host_ram_budget(tiny_k3_path):
     """Under a device, bench's RAM figures are the host streamer's (not the device budget's)."""
     from deltafin.bench import run_bench

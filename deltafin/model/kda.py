@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..kernels import cpu_native
 from .binding import Bindable
 from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm
-from .kda_recurrence import kda_prompt, kda_recurrent
+from .kda_recurrence import fused_decode_available, kda_decode_fused, kda_prompt, kda_recurrent
 from .state import KDAState, Rows, stacked
 
 
@@ -83,13 +83,17 @@ class KDAttention(Bindable):
         T = x.shape[0]
         nh, d = c.kda_num_heads, c.kda_head_dim
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]))  # [3, T, D]
-        g = self.decay(x)
-        beta = torch.sigmoid(linear(x, self.b_proj).float())
+        fused = self._fused_steps(x, parts)
+        if fused:  # the kernel forms the decay and beta from these itself
+            g, beta = self._decay_input(x).float(), linear(x, self.b_proj).float()
+        else:
+            g, beta = self.decay(x), torch.sigmoid(linear(x, self.b_proj).float())
         o = torch.empty(T, nh, d, dtype=torch.float32, device=x.device)
         for rows, n, states, keep_states in _groups(parts, x.device):
             B = len(states)
-            o[rows] = self._recur(xin[:, rows].view(3, B, n, -1), g[rows].view(B, n, nh, d),
-                                  beta[rows].view(B, n, nh), states, keep_states, chunk).reshape(B * n, nh, d)
+            args = xin[:, rows].view(3, B, n, -1), g[rows].view(B, n, nh, d), beta[rows].view(B, n, nh), states
+            o[rows] = (self._recur_fused(*args) if fused else
+                       self._recur(*args, keep_states, chunk)).reshape(B * n, nh, d)
         gate = self._gate(x)
         o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
         return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
@@ -134,12 +138,38 @@ class KDAttention(Bindable):
                 parts[i].state.pending = dict(native=step, S0=S0, conv0=conv0, xin=xin[rows], r=r[rows], b=b[rows])
         return linear(o.view(x.shape[0], -1), self.o_proj)
 
-    def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
-        """B sequences of n new tokens each, stepped together: conv over their pre-conv inputs
-        xin [3, B, n, D], then the delta rule from each one's S. Returns o [B, n, H, Dv]."""
+    def _fused_steps(self, x: torch.Tensor, parts: list[Rows]) -> bool:
+        """Whether the pass's recurrence runs in flash-linear-attention's fused recurrent kernel
+        (kda_recurrence.kda_decode_fused): on CUDA with 16-bit products (float32 ones keep deltafin's
+        float32 steps, the reference), where it is installed, every sequence stepping at most
+        RECURRENT_MAX_ROWS rows and keeping no rollback record (a draft check keeps S after each row,
+        which the kernel does not give)."""
+        return (x.is_cuda and isinstance(self.q_proj, HalfMatmul) and fused_decode_available()
+                and all(n <= RECURRENT_MAX_ROWS and not keep for _, n, keep in parts))
+
+    def _recur_fused(self, xin, g, beta, states: list[KDAState]) -> torch.Tensor:
+        """``_recur`` in flash-linear-attention's fused kernel (see _fused_steps): g is the decay's
+        input before dt_bias, beta the logits; the kernel normalizes, scales, gates and steps."""
         c = self.cfg
-        _, B, n, _ = xin.shape
+        B = xin.shape[1]
         nh, d = c.kda_num_heads, c.kda_head_dim
+        _, q, k, v, _, S_run = self._conv(xin, states, keep_states=False)
+        S = S_run if S_run is not None else states[0].S.unsqueeze(0) if B == 1 else torch.stack([st.S for st in states])
+        n = q.shape[1]
+        qkv = torch.stack((q, k, v)).float().view(3, B, n, nh, d)  # the kernel reads them contiguous
+        o = kda_decode_fused(*qkv.unbind(0), g.contiguous(), beta.contiguous(), S, self.A_log, self.dt_bias,
+                             c.kda_gate_lower_bound, d ** -0.5)
+        if o is None:
+            raise RuntimeError("KDA: the fused recurrent kernel needs each layer's states contiguous")
+        if S_run is None and B > 1:
+            for b, st in enumerate(states):
+                st.S = S[b].clone()
+        return o
+
+    def _conv(self, xin, states: list[KDAState], keep_states: bool) -> tuple:
+        """The causal conv of B sequences' pre-conv inputs xin [3, B, n, D] (silu after), each state's
+        conv tail moved on. Returns (xin [B, 3, n, D], q, k, v [B, n, D] each, the start tails [B, 3,
+        K-1, D], and the layer's stacked S slots in a recorded pass, else None)."""
         xin = xin.transpose(0, 1)  # [B, 3, n, D]
         # In a decode graph's slots (recorded mode) the B states are entries of one buffer per layer:
         # stepped there as one tensor, in place (no stacking copy in, no copies back out), so the
@@ -162,6 +192,15 @@ class KDAttention(Bindable):
             else:
                 for st, tail in zip(states, tails):
                     st.conv = tail.clone()
+        return xin, q, k, v, conv0, S_run
+
+    def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
+        """B sequences of n new tokens each, stepped together: conv over their pre-conv inputs
+        xin [3, B, n, D], then the delta rule from each one's S. Returns o [B, n, H, Dv]."""
+        c = self.cfg
+        _, B, n, _ = xin.shape
+        nh, d = c.kda_num_heads, c.kda_head_dim
+        xin, q, k, v, conv0, S_run = self._conv(xin, states, keep_states)
         q = l2_normalize(q.float().view(B, n, nh, d)) * d ** -0.5
         k = l2_normalize(k.float().view(B, n, nh, d))
         v = v.float().view(B, n, nh, d)

@@ -3,7 +3,8 @@
 Per head, with state S in R^{Dk x Dv} (fp32):  S <- diag(exp(g)) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q.
 ``kda_recurrent`` steps it row by row, ``kda_chunked`` is the equivalent chunked form for long prompt
 pieces (``kda_prompt`` runs flash-linear-attention's chunked kernels instead on CUDA where that
-package is installed: deltafin's own form stays the fallback and the reference), and
+package is installed, and ``kda_decode_fused`` its fused recurrent kernel for decode steps:
+deltafin's own forms stay the fallback and the reference), and
 ``kda_rollback`` steps a saved start state over a check pass's accepted rows again. The
 sublayer around it (projections, conv, gates) is ``kda.KDAttention``; the state classes are in
 ``state``, which this module does not import (it only reads their fields).
@@ -11,6 +12,7 @@ sublayer around it (projections, conv, gates) is ``kda.KDAttention``; the state 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -83,6 +85,44 @@ def kda_prompt(q, k, v, g, beta, S, chunk: int = 64, fused: bool = True):
     o, S = kernel(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=S[None].float(),
                   output_final_state=True)
     return o[0].float(), S[0].float()
+
+
+def kda_decode_fused(q, k, v, g, beta, S, a_log, dt_bias, lower_bound, scale: float):
+    """B sequences' steps of n rows each in one launch of flash-linear-attention's fused recurrent KDA
+    kernel, S [B, H, Dk, Dv] (contiguous float32) stepped in place: the kernel takes what the torch
+    step computes around the recurrence too (q and k normalized, q scaled, the decay from its low-rank
+    input and the gate's constants, beta's sigmoid), where those were ~25 launches a layer of a decode
+    step. q, k, v, g (the decay's input before dt_bias): [B, n, H, D]; beta (logits): [B, n, H].
+    Returns o [B, n, H, Dv] float32, or None where the package is not installed (the caller steps
+    the torch form)."""
+    kernel = _fla_fused_recurrent_kda()
+    if kernel is None or not S.is_contiguous():
+        return None
+    o, _ = kernel(q, k, v, g, beta, A_log=a_log.float(), dt_bias=dt_bias.float(), initial_state=S, scale=scale,
+                  inplace_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
+    return o.float()
+
+
+def fused_decode_available() -> bool:
+    """Whether ``kda_decode_fused`` has its kernel here (flash-linear-attention installed, this version's)."""
+    return _fla_fused_recurrent_kda() is not None
+
+
+@functools.cache
+def _fla_fused_recurrent_kda():
+    """flash-linear-attention's fused recurrent KDA step (its in-place form), or None where the package
+    (and Triton) is not installed or has no such function."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        return None
+    # Not its public wrapper (which copies the state out): check that this version takes what is passed.
+    wanted = {"inplace_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+              "lower_bound", "A_log", "dt_bias", "initial_state", "scale"}
+    if not wanted <= set(inspect.signature(fused_recurrent_kda_fwd).parameters):
+        return None
+    return fused_recurrent_kda_fwd
 
 
 @functools.cache
