@@ -196,10 +196,10 @@ class PassTally:
     """What the engine thread has done since it started (read from any thread; the engine thread
     alone writes). Means per pass are these sums divided by ``passes``: ``sequences / passes`` is
     how many requests a pass carried on average, ``decoding / passes`` how many of them were past
-    their prompt, ``in_flight / passes`` how many passes were in flight at once (more than one: a model
-split across ranks, its groups pipelined). The seconds split each pass's time: ``plan`` (what to feed: drafts, prompt
-    pieces), ``forward`` (the model), ``take`` (picking tokens, detokenizing, handing text to the
-    HTTP side)."""
+    their prompt, ``in_flight / passes`` how many passes were in flight at once (more than one: a
+    model split across ranks, its groups pipelined). The seconds split each pass's time: ``plan``
+    (what to feed: drafts, prompt pieces), ``forward`` (the model: starting and ending it), ``take``
+    (picking tokens, detokenizing, handing text to the HTTP side)."""
     passes: int = 0
     sequences: int = 0
     decoding: int = 0
