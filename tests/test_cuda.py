@@ -128,8 +128,8 @@ def test_cuda_kda_decode_steps_in_the_fused_kernel_match_the_reference():
             l2_normalize(q.double()) * d ** -0.5, l2_normalize(k.double()), v.double(), g, torch.sigmoid(b.double()))),
             S0.double())
         S = S0.cuda()
-        o = kda_decode_fused(*(t.cuda() for t in (q, k, v, r, b)), S, a_log.cuda(), dt_bias.cuda(), lower_bound,
-                             d ** -0.5)
+        o = kda_decode_fused(*(t.cuda() for t in (q, k, v, r, b)), S, a_log=a_log.cuda(), dt_bias=dt_bias.cuda(),
+                             lower_bound=lower_bound, scale=d ** -0.5)
         o_ref = o_ref.transpose(0, 1)
         assert o.shape == (B, n, H, d) and o.dtype == torch.float32
         assert (o.cpu().double() - o_ref).abs().max().item() < 1e-4 * o_ref.abs().max().item()
@@ -138,14 +138,14 @@ def test_cuda_kda_decode_steps_in_the_fused_kernel_match_the_reference():
 
 def test_cuda_bf16_decode_takes_the_fused_kda_kernel(tiny_k3_path, tiny_kl_path, monkeypatch):
     """With bf16 products and flash-linear-attention installed, batched decode passes (graphs and
-    eager) step KDA in the fused kernel; their logits stay those of deltafin's own steps to bf16
-    rounding."""
+    eager) and draft checks step KDA in the fused kernel; their logits, and a check pass's rollback,
+    stay those of deltafin's own steps to bf16 rounding."""
     pytest.importorskip("fla")
     import deltafin.model.kda as kda
     from deltafin.runtime.engine import Seq
     calls = []
     real = kda.kda_decode_fused
-    monkeypatch.setattr(kda, "kda_decode_fused", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kda, "kda_decode_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
     for path in (tiny_k3_path, tiny_kl_path):
         out = {}
         for take in (True, False):
@@ -155,8 +155,11 @@ def test_cuda_bf16_decode_takes_the_fused_kda_kernel(tiny_k3_path, tiny_kl_path,
                 m = deltafin.load(path, device="cuda", stream="off", dtype="bfloat16")
                 a, b = m.new_state(), m.new_state()
                 m.forward([5, 6, 7, 8], a), m.forward([9, 10], b)
-                out[take] = torch.cat([torch.cat(m.forward_batch([Seq([11 + t], a), Seq([30 + t], b)]))
-                                       for t in range(6)])
+                rows = [torch.cat(m.forward_batch([Seq([11 + t], a), Seq([30 + t], b)])) for t in range(6)]
+                rows.append(m.forward([40, 41, 42], a, keep_states=True))  # a draft check, 1 row kept
+                a.rollback(a.num_tokens - 2)
+                rows.append(m.forward([43], a))
+                out[take] = torch.cat(rows)
         assert calls
         assert (out[True] - out[False]).abs().max().item() < 2e-2 * out[False].abs().max().item()
 

@@ -92,7 +92,7 @@ class KDAttention(Bindable):
         for rows, n, states, keep_states in _groups(parts, x.device):
             B = len(states)
             args = xin[:, rows].view(3, B, n, -1), g[rows].view(B, n, nh, d), beta[rows].view(B, n, nh), states
-            o[rows] = (self._recur_fused(*args) if fused else
+            o[rows] = (self._recur_fused(*args, keep_states) if fused else
                        self._recur(*args, keep_states, chunk)).reshape(B * n, nh, d)
         gate = self._gate(x)
         o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
@@ -142,28 +142,45 @@ class KDAttention(Bindable):
         """Whether the pass's recurrence runs in flash-linear-attention's fused recurrent kernel
         (kda_recurrence.kda_decode_fused): on CUDA with 16-bit products (float32 ones keep deltafin's
         float32 steps, the reference), where it is installed, every sequence stepping at most
-        RECURRENT_MAX_ROWS rows and keeping no rollback record (a draft check keeps S after each row,
-        which the kernel does not give)."""
+        RECURRENT_MAX_ROWS rows (longer prompt pieces take the chunked kernels)."""
         return (x.is_cuda and isinstance(self.q_proj, HalfMatmul) and fused_decode_available()
-                and all(n <= RECURRENT_MAX_ROWS and not keep for _, n, keep in parts))
+                and all(n <= RECURRENT_MAX_ROWS for _, n, _ in parts))
 
-    def _recur_fused(self, xin, g, beta, states: list[KDAState]) -> torch.Tensor:
+    def _recur_fused(self, xin, g, beta, states: list[KDAState], keep_states: bool) -> torch.Tensor:
         """``_recur`` in flash-linear-attention's fused kernel (see _fused_steps): g is the decay's
-        input before dt_bias, beta the logits; the kernel normalizes, scales, gates and steps."""
+        input before dt_bias, beta the logits; the kernel normalizes, scales, gates and steps S in
+        place. A pass that keeps rollback states (a draft check) launches it once a row and copies S
+        after each, the record ``_recur`` keeps."""
         c = self.cfg
-        B = xin.shape[1]
+        _, B, n, _ = xin.shape
         nh, d = c.kda_num_heads, c.kda_head_dim
-        _, q, k, v, _, S_run = self._conv(xin, states, keep_states=False)
-        S = S_run if S_run is not None else states[0].S.unsqueeze(0) if B == 1 else torch.stack([st.S for st in states])
-        n = q.shape[1]
-        qkv = torch.stack((q, k, v)).float().view(3, B, n, nh, d)  # the kernel reads them contiguous
-        o = kda_decode_fused(*qkv.unbind(0), g.contiguous(), beta.contiguous(), S, self.A_log, self.dt_bias,
-                             c.kda_gate_lower_bound, d ** -0.5)
-        if o is None:
-            raise RuntimeError("KDA: the fused recurrent kernel needs each layer's states contiguous")
-        if S_run is None and B > 1:
-            for b, st in enumerate(states):
-                st.S = S[b].clone()
+        S0 = [st.S for st in states]
+        xin, q, k, v, conv0, S_run = self._conv(xin, states, keep_states)
+        if S_run is not None:
+            S, S_start = S_run, S_run.clone() if keep_states else None
+        else:
+            S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
+        qkv = torch.stack((q, k, v)).float().view(3, B, n, nh, d)  # the kernel reads every input contiguous
+        step = dict(a_log=self.A_log, dt_bias=self.dt_bias, lower_bound=c.kda_gate_lower_bound, scale=d ** -0.5)
+        if not keep_states:
+            o = kda_decode_fused(*qkv.unbind(0), g.contiguous(), beta.contiguous(), S, **step)
+            trace = None
+        else:
+            # row-major, so that each row's inputs are contiguous
+            qkv, g, beta = (t.transpose(i, i + 1).contiguous() for t, i in ((qkv, 1), (g, 0), (beta, 0)))
+            trace = S.new_empty((n, *S.shape))  # S after each row, for a rollback
+            outs = []
+            for t in range(n):
+                outs.append(kda_decode_fused(*(x[t].unsqueeze(1) for x in qkv.unbind(0)), g[t].unsqueeze(1),
+                                             beta[t].unsqueeze(1), S, **step))
+                trace[t].copy_(S)
+            o = torch.cat(outs, dim=1) if n > 1 else outs[0]
+        for b, st in enumerate(states):
+            if keep_states:
+                start = S_start[b] if S_run is not None else S0[b]
+                st.pending = dict(S0=start, S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
+            if S_run is None:
+                st.S = S[b].clone() if B > 1 else S[b]
         return o
 
     def _conv(self, xin, states: list[KDAState], keep_states: bool) -> tuple:

@@ -87,17 +87,16 @@ def kda_prompt(q, k, v, g, beta, S, chunk: int = 64, fused: bool = True):
     return o[0].float(), S[0].float()
 
 
-def kda_decode_fused(q, k, v, g, beta, S, a_log, dt_bias, lower_bound, scale: float):
+def kda_decode_fused(q, k, v, g, beta, S, *, a_log, dt_bias, lower_bound, scale: float):
     """B sequences' steps of n rows each in one launch of flash-linear-attention's fused recurrent KDA
     kernel, S [B, H, Dk, Dv] (contiguous float32) stepped in place: the kernel takes what the torch
     step computes around the recurrence too (q and k normalized, q scaled, the decay from its low-rank
     input and the gate's constants, beta's sigmoid), where those were ~25 launches a layer of a decode
     step. q, k, v, g (the decay's input before dt_bias): [B, n, H, D]; beta (logits): [B, n, H].
-    Returns o [B, n, H, Dv] float32, or None where the package is not installed (the caller steps
-    the torch form)."""
+    Returns o [B, n, H, Dv] float32 (callers check ``fused_decode_available`` first)."""
     kernel = _fla_fused_recurrent_kda()
     if kernel is None or not S.is_contiguous():
-        return None
+        raise RuntimeError("KDA: the fused recurrent kernel is not installed, or a state is not contiguous")
     o, _ = kernel(q, k, v, g, beta, A_log=a_log.float(), dt_bias=dt_bias.float(), initial_state=S, scale=scale,
                   inplace_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                   use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
