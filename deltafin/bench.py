@@ -305,7 +305,8 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     def on_pass(index: int, stats) -> None:
         if index == prefills - 1:
             marks["first_token"] = time.perf_counter()
-        if index == prefills - 1 + groups * untimed:  # probe the disk, then decode is measured from disk, not from cache
+        # probe the disk, then decode is measured from disk, not from cache
+        if index == prefills - 1 + groups * untimed:
             probe()
             drop_file_cache(files)
             if split:

@@ -156,10 +156,7 @@ class KDAttention(Bindable):
         nh, d = c.kda_num_heads, c.kda_head_dim
         S0 = [st.S for st in states]
         xin, q, k, v, conv0, S_run = self._conv(xin, states, keep_states)
-        if S_run is not None:
-            S, S_start = S_run, S_run.clone() if keep_states else None
-        else:
-            S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
+        S, starts = _to_step(S0, S_run, keep_states)
         qkv = torch.stack((q, k, v)).float().view(3, B, n, nh, d)  # the kernel reads every input contiguous
         step = dict(a_log=self.A_log, dt_bias=self.dt_bias, lower_bound=c.kda_gate_lower_bound, scale=d ** -0.5)
         if not keep_states:
@@ -175,12 +172,7 @@ class KDAttention(Bindable):
                                              beta[t].unsqueeze(1), S, **step))
                 trace[t].copy_(S)
             o = torch.cat(outs, dim=1) if n > 1 else outs[0]
-        for b, st in enumerate(states):
-            if keep_states:
-                start = S_start[b] if S_run is not None else S0[b]
-                st.pending = dict(S0=start, S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
-            if S_run is None:
-                st.S = S[b].clone() if B > 1 else S[b]
+        _hand_back(states, S, S_run is not None, starts, trace, conv0, xin)
         return o
 
     def _conv(self, xin, states: list[KDAState], keep_states: bool) -> tuple:
@@ -223,13 +215,8 @@ class KDAttention(Bindable):
         v = v.float().view(B, n, nh, d)
         S0 = [st.S for st in states]
         if n <= RECURRENT_MAX_ROWS or keep_states or S_run is not None:
-            # Time first: every step updates all B states at once. In the slots, or for one sequence
-            # that keeps no drafts, S is stepped where it lies (nothing else holds it: snapshots and
-            # saved states are copies); otherwise the stacked copy is stepped and S0 stays for a rollback.
-            if S_run is not None:
-                S, S_start = S_run, S_run.clone() if keep_states else None  # the start, before it is overwritten
-            else:
-                S = S0[0].unsqueeze(0) if B == 1 and not keep_states else torch.stack(S0)
+            # Time first: every step updates all B states at once (_to_step: which S is stepped).
+            S, starts = _to_step(S0, S_run, keep_states)
             trace = S.new_empty((n, *S.shape)) if keep_states else None  # S after each row, for a rollback
             o, S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, in_place=True, trace=trace)
             o = o.transpose(0, 1)
@@ -237,14 +224,29 @@ class KDAttention(Bindable):
             # the fused kernels where the model's products are 16-bit; float32 products keep float32 here
             fused = isinstance(self.q_proj, HalfMatmul)
             o, S = kda_prompt(q[0], k[0], v[0], g[0], beta[0], S0[0], chunk, fused=fused)
-            o, S = o.unsqueeze(0), S.unsqueeze(0)
-        for b, st in enumerate(states):
-            if keep_states:
-                start = S_start[b] if S_run is not None else S0[b]
-                st.pending = dict(S0=start, S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
-            if S_run is None:
-                st.S = S[b].clone() if B > 1 else S[b]
+            o, S, starts, trace = o.unsqueeze(0), S.unsqueeze(0), S0, None
+        _hand_back(states, S, S_run is not None, starts, trace, conv0, xin)
         return o
+
+
+def _to_step(S0: list[torch.Tensor], S_run: torch.Tensor | None, keep_states: bool) -> tuple:
+    """The B states' S to step in place, and each one's S before the pass (what a rollback starts
+    from): a recorded pass's slots, their start copied first when the pass keeps rollback states;
+    one sequence that keeps none, its own S (nothing else holds it: snapshots and saved states are
+    copies); otherwise a stacked copy, the states' own S left as the starts."""
+    if S_run is not None:
+        return S_run, S_run.clone() if keep_states else None
+    return (S0[0].unsqueeze(0) if len(S0) == 1 and not keep_states else torch.stack(S0)), S0
+
+
+def _hand_back(states: list[KDAState], S: torch.Tensor, in_slots: bool, starts, trace, conv0, xin) -> None:
+    """After B sequences' steps: each state's rollback record where the pass keeps one (``trace``: S
+    after each row), and its new S unless it was stepped in its slot."""
+    for b, st in enumerate(states):
+        if trace is not None:
+            st.pending = dict(S0=starts[b], S_rows=trace[:, b], conv0=conv0[b], xin=xin[b])
+        if not in_slots:
+            st.S = S[b].clone() if len(states) > 1 else S[b]
 
 
 def _native_steps(x: torch.Tensor, parts: list[Rows], head_dim: int) -> bool:
