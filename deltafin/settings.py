@@ -96,7 +96,7 @@ class Settings:
                                 "slowest pass")
     pipeline: int = _knob(0, "a model split across ranks (torchrun): passes of different sequences in flight at "
                           "once, so that while rank 1 runs one group's layers rank 0 runs the next group's; 0 = one "
-                          "per rank, 1 = none (ranks that share one host's cores gain nothing from it)")
+                          "per rank, or one in all where two ranks share a host's cores (they gain nothing from it)")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(3, "longest n-gram matched when drafting", group="generate")
     draft_len: int = _knob(4, "maximum drafted tokens verified per pass", group="generate")

@@ -18,9 +18,9 @@ the first configuration's speed.
 
 The record also says how the server batched the run (``passes``, from its /metrics before and
 after): the forward passes it ran, the requests they carried on average (all, and those past their
-prompt), the passes in flight at once (above 1: a split model's groups pipelined), their rows, the engine thread's milliseconds per pass in planning, the model, and taking
-the tokens, and the share of the run it was busy. Another client using the server at the same
-time shows in these too.
+prompt), the passes in flight at once (above 1: a split model's groups pipelined), their rows, the
+engine thread's milliseconds per pass in planning, the model, and taking the tokens, and the share
+of the run it was busy. Another client using the server at the same time shows in these too.
 """
 from __future__ import annotations
 
