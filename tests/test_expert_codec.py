@@ -263,7 +263,8 @@ DAMAGE = {
                          "do not match the config"),
     "another int8 group": (lambda m: (m["experts"].__setitem__("codec", "int8g64"),
                                       [x.__setitem__("codec", "int8g64") for x in m["experts"]["layers"].values()]),
-                           "stored as int8g64: tensor 'w1.weight_scale' is F16 [32, 2], the config implies F16 [32, 1]"),
+                           "stored as int8g64: tensor 'w1.weight_scale' is F16 [32, 2], "
+                           "the config implies F16 [32, 1]"),
     "another codec's tensors": (lambda m: (m["experts"].__setitem__("codec", "mxfp4"),
                                            [x.__setitem__("codec", "mxfp4") for x in m["experts"]["layers"].values()]),
                                 "do not match the config"),

@@ -4,10 +4,11 @@ Per head, with state S in R^{Dk x Dv} (fp32):  S <- diag(exp(g)) S ;  S <- S + k
 ``kda_recurrent`` steps it row by row, ``kda_chunked`` is the equivalent chunked form for long prompt
 pieces (``kda_prompt`` runs flash-linear-attention's chunked kernels instead on CUDA where that
 package is installed, and ``kda_decode_fused`` its fused recurrent kernel for decode steps:
-deltafin's own forms stay the fallback and the reference), and
-``kda_rollback`` steps a saved start state over a check pass's accepted rows again. The
-sublayer around it (projections, conv, gates) is ``kda.KDAttention``; the state classes are in
-``state``, which this module does not import (it only reads their fields).
+deltafin's own forms stay the fallback and the reference), and ``kda_rollback`` returns a layer
+state to a row of its last check pass (the S recorded after that row, or, after the native steps,
+the start state stepped over the accepted rows again). The sublayer around it (projections,
+conv, gates) is ``kda.KDAttention``; the state classes are in ``state``, which this module does not
+import (it only reads their fields).
 """
 from __future__ import annotations
 
@@ -91,8 +92,8 @@ def kda_decode_fused(q, k, v, g, beta, S, *, a_log, dt_bias, lower_bound, scale:
     """B sequences' steps of n rows each in one launch of flash-linear-attention's fused recurrent KDA
     kernel, S [B, H, Dk, Dv] (contiguous float32) stepped in place: the kernel takes what the torch
     step computes around the recurrence too (q and k normalized, q scaled, the decay from its low-rank
-    input and the gate's constants, beta's sigmoid), where those were ~25 launches a layer of a decode
-    step. q, k, v, g (the decay's input before dt_bias): [B, n, H, D]; beta (logits): [B, n, H].
+    input and the gate's constants, beta's sigmoid), each a few small launches a layer there.
+    q, k, v, g (the decay's input before dt_bias): [B, n, H, D]; beta (logits): [B, n, H].
     Returns o [B, n, H, Dv] float32 (callers check ``fused_decode_available`` first)."""
     kernel = _fla_fused_recurrent_kda()
     if kernel is None or not S.is_contiguous():

@@ -366,7 +366,7 @@ class Scheduler:
         seqs = [seq for _, seq in batch]
         flight = _Flight(batch, t0, time.perf_counter(), in_flight=len(self._flight) + 1)
         try:
-            if self._depth == 1:
+            if self._depth == 1:  # the whole pass now: a model scheduled one pass at a time needs only forward_batch
                 flight.logits = self.model.forward_batch(seqs)
             else:
                 flight.pending = self.model.start_batch(seqs)
