@@ -460,6 +460,12 @@ def test_placement_setting_is_checked():
             Settings.resolve({"placement": bad})
     with pytest.raises(SettingsError, match="dist_timeout"):
         Settings.resolve({"dist_timeout": 0})
+    assert Settings.resolve({}, env={"DELTAFIN_PIPELINE": "3"}).pipeline == 3
+    for bad in ({"pipeline": -1}, {"pipeline": 65}, {"pipeline": "two"}):
+        with pytest.raises(SettingsError, match="pipeline"):
+            Settings.resolve(bad)
+    with pytest.raises(SettingsError, match="DELTAFIN_PIPELINE"):
+        Settings.resolve({}, env={"DELTAFIN_PIPELINE": "many"})
 
 
 def test_check_same_names_the_field_and_ranks():
