@@ -218,12 +218,26 @@ def _random_int8(out: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return codes, scale
 
 
+def _int8_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the native int8 products take it: each row rounded (half to even) to multiples of its own
+    step max |x| / 32767, computed in float64, the step kept in float32. (q, step) as float64."""
+    x64 = x.double()
+    a = x64.abs().amax(1, keepdim=True)
+    q = torch.where(a > 0, torch.round(x64 * (32767.0 / a.clamp_min(1e-300))), 0.0)
+    return q, (a / 32767.0).float().double()
+
+
 def _assert_int8_close(y: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """y equals x @ W^T up to float32 summation order and the rounding of the scale product."""
-    w = int8_dequantize(codes, scale)
-    ref = x.float() @ w.T
+    """y is x, rounded as _int8_inputs rounds it, times W^T up to float32 summation order; so within
+    half a step of each row's inputs (2^-16 of the row's largest) of the float32 product x @ W^T."""
+    w = int8_dequantize(codes, scale).double()
+    q, step = _int8_inputs(x.float())
+    ref = (q * step) @ w.T
     assert y.shape == ref.shape and y.dtype == torch.float32
-    assert ((y - ref).abs() <= 1e-5 * (x.float().abs() @ w.abs().T)).all()
+    assert ((y.double() - ref).abs() <= 1e-5 * ((q * step).abs() @ w.abs().T) + 1e-37).all()
+    exact = x.double() @ w.T
+    assert ((y.double() - exact).abs() <= step / 2 * w.abs().sum(1) + 1e-5 * (x.double().abs() @ w.abs().T)
+            + 1e-37).all()
 
 
 @native
@@ -253,10 +267,55 @@ def test_int8_gemv_zero_rows_zero_scales_and_extreme_codes(use_simd):
     y = cpu_native.int8_gemv(x, codes, scale, use_simd=use_simd)
     _assert_int8_close(y, x, codes, scale)
     assert (y[:, 0] == 0).all() and (y[:, 4] == 0).all()
-    # Sums of +-127 * x are exact enough to check against float64 directly.
-    x64 = x.double()
-    torch.testing.assert_close(y[:, 1].double(), 0.25 * 127 * x64.sum(1), rtol=1e-6, atol=0)
-    torch.testing.assert_close(y[:, 2].double(), -3.0 * 127 * x64.sum(1), rtol=1e-6, atol=0)
+    # Sums of +-127 * the rounded x are exact integers before the scales: checked in float64 directly.
+    q, step = _int8_inputs(x)
+    x64 = (q * step).sum(1)
+    torch.testing.assert_close(y[:, 1].double(), 0.25 * 127 * x64, rtol=1e-6, atol=0)
+    torch.testing.assert_close(y[:, 2].double(), -3.0 * 127 * x64, rtol=1e-6, atol=0)
+
+
+@native
+@pytest.mark.parametrize("path", ["simd", "avx2", "portable"])
+@pytest.mark.parametrize("n,group", [(16384 + 17, 0), (16384, 16384), (12288, 4096)])
+def test_int8_gemv_sums_of_the_largest_codes_and_inputs_do_not_overflow(path, n, group):
+    """Every product at its largest (127 x 32767) over a long row or group: the int32 sums are cut into
+    spans short enough, so the result is the exact sum times the scales."""
+    if path == "avx2" and cpu_native.simd() == "portable":
+        pytest.skip("no AVX2 here")
+    codes = torch.full((3, n), 127, dtype=torch.int8)
+    codes[1] = -127
+    scale = torch.full((3, n // group), 0.5, dtype=torch.float16) if group else torch.full((3, 1), 0.5)
+    x = torch.full((2, n), 3.0)
+    x[1, ::2] = -3.0
+    with cpu_native.limit_simd("avx2" if path == "avx2" else "avx512"):
+        y = cpu_native.int8_gemv(x, codes, scale, use_simd=path != "portable")
+    sums = torch.tensor([n * 3.0 * 127 * 0.5, 0.0]).double() if n % 2 == 0 else None
+    assert torch.equal(y[:, 2], y[:, 0]) and torch.equal(y[:, 1], -y[:, 0])
+    if sums is not None:
+        torch.testing.assert_close(y[:, 0].double(), sums, rtol=1e-6, atol=1e-3)
+    else:
+        torch.testing.assert_close(y[0, 0].double(), torch.tensor(n * 3.0 * 127 * 0.5).double(), rtol=1e-6, atol=0)
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("group", [0, 32])
+def test_int8_gemv_rounds_each_row_of_x_alone_and_gives_nan_for_a_row_with_inf_or_nan(group, use_simd):
+    """A row's result does not depend on the other rows of the call (each is rounded on its own: a row
+    10^6 times larger beside it changes nothing), and a row holding inf or NaN gives NaN, the others not."""
+    n = 96
+    codes, scale = _random_grouped_int8(7, n, 32, seed=8) if group else _random_int8(7, n, seed=8)
+    x = torch.randn(4, n, generator=torch.Generator().manual_seed(8))
+    x[1] *= 1e6
+    y = cpu_native.int8_gemv(x, codes, scale, use_simd=use_simd)
+    _assert_int8_close(y, x, codes, scale)
+    for i in range(4):
+        assert torch.equal(cpu_native.int8_gemv(x[i:i + 1], codes, scale, use_simd=use_simd), y[i:i + 1])
+    bad = x.clone()
+    bad[1, 5], bad[2, 90] = float("inf"), float("nan")
+    yb = cpu_native.int8_gemv(bad, codes, scale, use_simd=use_simd)
+    assert yb[1:3].isnan().all()
+    assert torch.equal(yb[[0, 3]], y[[0, 3]])
 
 
 @native
@@ -343,11 +402,12 @@ def _random_grouped_int8(out: int, n: int, group: int, seed: int) -> tuple[torch
 
 @native
 @SIMD
-@pytest.mark.parametrize("out,n,group", [(1, 32, 32), (5, 96, 32), (13, 256, 64), (67, 1024, 128), (9, 2048, 32)])
+@pytest.mark.parametrize("out,n,group", [(1, 32, 32), (5, 96, 32), (13, 256, 64), (67, 1024, 128), (9, 2048, 32),
+                                         (4, 16384, 16384), (3, 6144, 3072)])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_grouped_int8_gemv_matches_reference(out, n, group, m, use_simd):
     """Group scales: every weight decodes to int8_dequantize's value, so the product is the
-    dequantized one up to float32 summation order; the thread split changes no bit."""
+    dequantized one times the rounded x up to float32 summation order; the thread split changes no bit."""
     codes, scale = _random_grouped_int8(out, n, group, seed=out * n + m)
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
     y = cpu_native.int8_gemv(x, codes, scale, use_simd=use_simd)
@@ -682,12 +742,20 @@ def test_linear_float32_by_bf16_falls_back_to_torch_without_library(monkeypatch)
     assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w.float()))
 
 
-@pytest.mark.skipif(cpu_native.simd() != "avx2",
-                    reason="the AVX2 gemvs run only where AVX2 is the widest code")
+@pytest.fixture
+def avx2():
+    """The kernels' AVX2 code: as it is where AVX2 is the widest, within limit_simd on AVX-512."""
+    if cpu_native.simd() not in ("avx2", "avx512"):
+        pytest.skip("the AVX2 gemvs need a CPU with AVX2")
+    with cpu_native.limit_simd("avx2"):
+        assert cpu_native.simd() == "avx2"
+        yield
+
+
 @pytest.mark.parametrize("out,n,m", [(5, 16, 1), (7, 40, 3), (33, 161, 4), (17, 200, 8), (9, 300, 9), (12, 2304, 16)])
-def test_avx2_dense_gemvs_fuse_products_and_ignore_the_thread_split(out, n, m):
-    """The int8 and bf16 gemvs' AVX2 code multiplies and adds in one rounding (FMA, ~2x the products per
-    cycle): within float rounding of the reference, whatever the row blocks, x blocks and thread split."""
+def test_avx2_dense_gemvs_fuse_products_and_ignore_the_thread_split(avx2, out, n, m):
+    """The int8 and bf16 gemvs' AVX2 code (int8: integer dot products of the rounded x; bf16: FMAs):
+    within float rounding of the reference, whatever the row blocks, x blocks and thread split."""
     g = torch.Generator().manual_seed(out * n + m)
     x = torch.randn(m, n, generator=g) * 3
     codes = torch.randint(-127, 128, (out, n), generator=g, dtype=torch.int8)
@@ -704,10 +772,23 @@ def test_avx2_dense_gemvs_fuse_products_and_ignore_the_thread_split(out, n, m):
         assert torch.equal(cpu_native.bf16_gemv(x[rows:rows + 1], w), yb[rows:rows + 1])
 
 
-@pytest.mark.skipif(cpu_native.simd() != "avx2",
-                    reason="the AVX2 gemvs run only where AVX2 is the widest code")
+@pytest.mark.parametrize("out,n,group", [(5, 32, 32), (9, 256, 64), (13, 1024, 128), (6, 8192, 8192), (3, 6144, 3072)])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_avx2_grouped_int8_gemv_and_items_match_the_reference(avx2, out, n, group, m):
+    """Grouped int8 on the AVX2 code (one output row block per row of x, two-by-two for more rows): the
+    reference's values, items equal to each product alone, rows alone equal to rows among others."""
+    codes, scale = _random_grouped_int8(out, n, group, seed=out + n + m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m)) * 2
+    y = cpu_native.int8_gemv(x, codes, scale)
+    _assert_int8_close(y, x, codes, scale)
+    assert torch.equal(cpu_native.dense_gemv_items([x, x[:1]], [codes, codes], [scale, scale]),
+                       torch.cat([y, y[:1]]))
+    for i in range(m):
+        assert torch.equal(cpu_native.int8_gemv(x[i:i + 1], codes, scale, threads=2), y[i:i + 1])
+
+
 @pytest.mark.parametrize("out,n,m", [(1, 32, 1), (7, 64, 3), (33, 160, 5), (9, 1024, 16), (6, 256, 4)])
-def test_avx2_mxfp4_gemv_fuses_products_and_ignores_the_thread_split(out, n, m):
+def test_avx2_mxfp4_gemv_fuses_products_and_ignores_the_thread_split(avx2, out, n, m):
     """The MXFP4 gemv's AVX2 code decodes every weight to the portable code's value and multiplies and
     adds in one rounding (FMA): within float rounding of the reference (and no further from a float64
     product than the portable code, on average), whatever the row blocks, x blocks and thread split."""

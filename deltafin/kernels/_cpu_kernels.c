@@ -38,6 +38,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -51,7 +52,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 15
+#define KERNELS_ABI 16
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -93,6 +94,8 @@ struct job {
     const uint8_t *scale;    /* MXFP4 [out, n/32] */
     const int8_t *codes;     /* int8 [out, n] */
     const float *row_scale;  /* int8 [out]; NULL for grouped int8 (half_scale, group) and bf16 */
+    const int16_t *xq;       /* int8 gemvs: x [m, n] rounded to int16, one scale per row (x_scale [m]) */
+    const float *x_scale;
     const uint16_t *bf16;    /* bf16 bits [out, n] */
     const uint16_t *half_scale;  /* int4/int6 and grouped int8: float16 bits [out, n/group] */
     const int32_t *lane_group;   /* int4/int6 AVX-512, groups not aligned to steps: [steps, 16] */
@@ -339,54 +342,6 @@ mxfp4_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R
         for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = _mm512_reduce_add_ps(acc[k][i]);
 }
 
-/* int8 counterpart of the block above: 16 codes widen to 16 floats (exactly) per step and row,
-   then one FMA per row of x. The R rows of `next` are contiguous, R*16 bytes per step, so one
-   prefetch per step covers them when R = 4; into L2 only (T1), which measured ~15% faster than
-   into L1 or no prefetch on one Xeon core for m = 1 (~9 GB/s of codes from DRAM). The last
-   n % 16 elements are summed in scalar code. */
-static inline __attribute__((always_inline)) AVX512 void
-int8_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB,
-                       const int64_t next) {
-    const int64_t n = jb->n, body = n - n % INT8_STEP;
-    const int8_t *c = jb->codes + r * n;
-    const float *x = jb->x + m0 * n;
-    const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
-    __m512 acc[ROW_BLOCK][X_BLOCK], sv[ROW_BLOCK];
-    for (int k = 0; k < R; k++) {
-        sv[k] = _mm512_setzero_ps();
-        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
-    }
-    /* Grouped: each row's scale is widened once per group (steps_left counts down its steps). */
-    const int64_t groups = jb->half_scale ? n / jb->group : 0, group_steps = jb->half_scale ? jb->group / INT8_STEP : 0;
-    const uint16_t *hs = jb->half_scale ? jb->half_scale + r * groups : NULL;
-    int64_t steps_left = 0;
-    for (int64_t k0 = 0; k0 < body; k0 += INT8_STEP) {
-        if (next_codes) _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
-        __m512 w[ROW_BLOCK];
-        for (int k = 0; k < R; k++)
-            w[k] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * n + k0))));
-        if (hs) {  /* a step lies in one group; code * scale is exact */
-            if (steps_left == 0) {
-                for (int k = 0; k < R; k++) sv[k] = _mm512_set1_ps(_cvtsh_ss(hs[k * groups]));
-                hs++, steps_left = group_steps;
-            }
-            steps_left--;
-            for (int k = 0; k < R; k++) w[k] = _mm512_mul_ps(w[k], sv[k]);
-        }
-        for (int i = 0; i < MB; i++) {
-            const __m512 xv = _mm512_loadu_ps(x + i * n + k0);
-            for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(w[k], xv, acc[k][i]);
-        }
-    }
-    float *y = (float *)jb->y;
-    for (int k = 0; k < R; k++)
-        for (int i = 0; i < MB; i++) {
-            float sum = _mm512_reduce_add_ps(acc[k][i]);
-            for (int64_t j = body; j < n; j++) sum += dense_weight(jb, r + k, j) * x[i * n + j];
-            y[(m0 + i) * jb->out + r + k] = jb->row_scale ? sum * jb->row_scale[r + k] : sum;
-        }
-}
-
 /* bf16 counterpart of the int8 block: 16 weights (32 bytes) widen exactly to 16 floats per step
    and row (zero-extend to 32 bits, shift into the high half). The R rows of `next` are
    contiguous, R*32 bytes per step: two cache lines when R = 4, prefetched into L2 as for int8.
@@ -452,10 +407,6 @@ bf16_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R,
 
 static AVX512 void mxfp4_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
     GEMV_ROWS(mxfp4_gemv_block_avx512, jb, r0, r1);
-}
-
-static AVX512 void int8_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
-    GEMV_ROWS(int8_gemv_block_avx512, jb, r0, r1);
 }
 
 static AVX512 void bf16_gemv_rows_avx512(const struct job *jb, int64_t r0, int64_t r1) {
@@ -915,10 +866,6 @@ fma_rows_avx2(const struct job *jb, int64_t r0, int64_t r1, const int KIND) {
     for (; r < r1; r++) fma_rows_block_avx2(jb, r, 1, -1, KIND);
 }
 
-static AVX2_FMA void int8_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
-    fma_rows_avx2(jb, r0, r1, 0);
-}
-
 static AVX2_FMA void bf16_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
     fma_rows_avx2(jb, r0, r1, 1);
 }
@@ -928,11 +875,16 @@ static AVX2_FMA void mxfp4_gemv_rows_avx2(const struct job *jb, int64_t r0, int6
 }
 #endif
 
-/* The widest code this CPU runs: 2 AVX-512, 1 AVX2, 0 portable C only. */
+/* The widest code the kernels may choose (cpu_kernels_limit_simd): lowered, they run the narrower
+   paths on a CPU that has wider ones, which is how those paths are tested there. */
+static int simd_cap = 2;
+
+/* The widest code this CPU runs, within simd_cap: 2 AVX-512, 1 AVX2, 0 portable C only. */
 static int simd_level(void) {
 #ifdef KERNELS_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    const int level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    return level < simd_cap ? level : simd_cap;
 #else
     return 0;
 #endif
@@ -946,6 +898,278 @@ static int have_avx2_fma(void) {
 #else
     return 0;
 #endif
+}
+
+/* ------------------------------------------------------------------ int8 on the integer units */
+
+/* int8 weights meet x as int16. Once per call each row i of x is rounded to
+   q[i, k] = round(x[i, k] / x_scale[i]) with x_scale[i] = max_k |x[i, k]| / 32767, computed in double
+   and rounded to nearest even, so |x - q * x_scale| <= x_scale / 2 (2^-16 of the row's largest input).
+   Codes times q are then summed exactly in int32 over a group (per-row int8: over spans of INT8Q_SPAN
+   inputs), each sum converted to float32 and multiplied by its group's scale, and the row's result by
+   x_scale[i] (and by the row scale): y[i, r] = x_scale[i] * sum_g s[r, g] * sum_{k in g} codes[r, k] q[i, k].
+   Against float32 products this is 2x fewer vector operations per weight (one widening and one integer
+   dot-product instruction per 32 weights, where widening each 16 to float32 took three operations
+   before the FMA), which is what kept one core below the memory's speed. Each row of x is rounded on
+   its own, so a row's result never depends on the other rows of the call. A row holding inf or NaN gets
+   x_scale NaN: its outputs are NaN. */
+#define INT8Q_STEP 32
+/* Inputs summed in int32 lanes before a conversion: each lane of an AVX-512 (AVX2) step takes 2 (4)
+   products of at most 127 * 32767, so 2048 inputs keep every lane below 2^31. */
+#define INT8Q_SPAN 2048
+/* Rows of x per AVX-512 block (4 output rows each). */
+/* Blocks of output rows ahead that a block prefetches: 2 read 9216 x 2304 int8 weights from DRAM at
+   21 GB/s on one core of a Zen 4 EPYC and 1024-wide ones at 17.7, against 21 / 13.4 for the next
+   block (3: no faster). */
+#define INT8Q_AHEAD 2
+#define INT8Q_X_BLOCK 4
+
+static int16_t int8q_round(double v) {
+    const long q = lrint(v);  /* |v| <= 32767 * (1 + 2^-52) */
+    return (int16_t)(q > 32767 ? 32767 : q < -32767 ? -32767 : q);
+}
+
+/* The int16 rows of x [m, n] and their scales, as the comment above defines them. */
+static void int8q_inputs(const float *x, int64_t m, int64_t n, int16_t *q, float *scale) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *xi = x + i * n;
+        int16_t *qi = q + i * n;
+        float a = 0.0f;
+        int finite = 1;
+        for (int64_t k = 0; k < n; k++) {
+            const float v = fabsf(xi[k]);
+            finite &= v <= FLT_MAX;
+            a = v > a ? v : a;
+        }
+        if (!finite || a == 0.0f) {
+            memset(qi, 0, (size_t)n * sizeof *qi);
+            scale[i] = finite ? 0.0f : NAN;
+            continue;
+        }
+        const double inv = 32767.0 / (double)a;
+        for (int64_t k = 0; k < n; k++) qi[k] = int8q_round((double)xi[k] * inv);
+        scale[i] = (float)((double)a / 32767.0);
+    }
+}
+
+/* Point jobs[0..count-1] (int8, x set) at their rows of x as int16, in one buffer returned to be freed
+   after the call; NULL when it cannot be allocated. */
+static void *int8q_setup(struct job *jobs, int64_t count) {
+    int64_t rows = 0, elems = 0;
+    for (int64_t i = 0; i < count; i++) rows += jobs[i].m, elems += jobs[i].m * jobs[i].n;
+    char *buf = malloc((size_t)(elems * (int64_t)sizeof(int16_t) + rows * (int64_t)sizeof(float)) + 1);
+    if (!buf) return NULL;
+    float *scale = (float *)buf;
+    int16_t *q = (int16_t *)(buf + rows * (int64_t)sizeof(float));
+    for (int64_t i = 0; i < count; i++) {
+        struct job *jb = &jobs[i];
+        int8q_inputs(jb->x, jb->m, jb->n, q, scale);
+        jb->xq = q, jb->x_scale = scale;
+        q += jb->m * jb->n, scale += jb->m;
+    }
+    return buf;
+}
+
+/* The inputs summed in int32 before a conversion: a group (or the largest multiple of 32 up to
+   INT8Q_SPAN dividing it), or INT8Q_SPAN for per-row int8; and the float16 scale of the span
+   starting at input k of row r (per-row int8: none, 1). */
+static inline int64_t int8q_span(const struct job *jb) {
+    if (!jb->half_scale) return INT8Q_SPAN;
+    int64_t span = jb->group <= INT8Q_SPAN ? jb->group : INT8Q_SPAN;
+    while (jb->group % span) span -= INT8Q_STEP;
+    return span;
+}
+static inline float int8q_span_scale(const struct job *jb, int64_t r, int64_t k) {
+    return jb->half_scale ? half_to_float(int8_group_scale(jb, r, k)) : 1.0f;
+}
+
+/* Output rows r of every row of x: the exact int32 sums of the inputs after `body` (per-row int8 whose
+   width is not a multiple of INT8Q_STEP), and the result from the sum of the rest. */
+static inline float int8q_finish(const struct job *jb, int64_t r, int64_t i, int64_t body, float sum) {
+    int32_t tail = 0;
+    for (int64_t k = body; k < jb->n; k++) tail += (int32_t)jb->codes[r * jb->n + k] * jb->xq[i * jb->n + k];
+    sum += (float)tail;
+    return sum * jb->x_scale[i] * (jb->row_scale ? jb->row_scale[r] : 1.0f);
+}
+
+static void int8q_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, body = n - n % INT8Q_STEP, span = int8q_span(jb);
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < jb->m; i++) {
+            const int8_t *c = jb->codes + r * n;
+            const int16_t *q = jb->xq + i * n;
+            float sum = 0.0f;
+            for (int64_t g0 = 0; g0 < body; g0 += span) {
+                const int64_t g1 = g0 + span < body ? g0 + span : body;
+                int64_t s = 0;
+                for (int64_t k = g0; k < g1; k++) s += (int32_t)c[k] * q[k];
+                sum += (float)s * int8q_span_scale(jb, r, g0);
+            }
+            y[i * jb->out + r] = int8q_finish(jb, r, i, body, sum);
+        }
+}
+
+#ifdef KERNELS_X86
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+
+/* Output rows r..r+R-1 for rows m0..m0+MB-1 of x (constants at every call site). Per step each row's
+   32 codes widen to int16 and one vpdpwssd per row of x adds their 32 products into 16 int32 lanes;
+   at the end of a group (span) the lanes convert to float32 and one FMA applies the scale. G32 (a
+   constant too): groups of 32, one step each, so no int32 sum outlives its step (16 float
+   accumulators for 4 x 4 rows fit the registers). `next` (>= 0): the R rows handled next, R * 32
+   contiguous bytes per step, prefetched into L2 as the float kernels do. */
+static inline __attribute__((always_inline)) VNNI void
+int8q_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next,
+                 const int G32) {
+    const int64_t n = jb->n, body = n - n % INT8Q_STEP, span = G32 ? INT8Q_STEP : int8q_span(jb);
+    const int64_t groups = jb->half_scale ? n / jb->group : 0, spans = groups ? jb->group / span : 0;
+    const uint16_t *hs = groups ? jb->half_scale + r * groups : NULL;  /* the rows' scales of the group */
+    int64_t spans_left = spans;
+    const int8_t *c = jb->codes + r * n;
+    const int16_t *q = jb->xq + m0 * n;
+    const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
+    __m512 acc[ROW_BLOCK][INT8Q_X_BLOCK];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < body; g0 += span) {
+        const int64_t g1 = G32 ? g0 + INT8Q_STEP : g0 + span < body ? g0 + span : body;
+        __m512i sum[ROW_BLOCK][INT8Q_X_BLOCK];
+        for (int k = 0; k < R; k++)
+            for (int i = 0; i < MB; i++) sum[k][i] = _mm512_setzero_si512();
+        for (int64_t k0 = g0; k0 < g1; k0 += INT8Q_STEP) {
+            if (next_codes) {
+                _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
+                if (R * INT8Q_STEP > 64) _mm_prefetch(next_codes + k0 * R + 64, _MM_HINT_T1);
+            }
+            __m512i w[ROW_BLOCK];
+            for (int k = 0; k < R; k++)
+                w[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + k * n + k0)));
+            for (int i = 0; i < MB; i++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
+                for (int k = 0; k < R; k++) sum[k][i] = _mm512_dpwssd_epi32(sum[k][i], w[k], xv);
+            }
+        }
+        for (int k = 0; k < R; k++) {
+            const __m512 sv = _mm512_set1_ps(groups ? _cvtsh_ss(hs[k * groups]) : 1.0f);
+            for (int i = 0; i < MB; i++) acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[k][i]), sv, acc[k][i]);
+        }
+        if (groups && --spans_left == 0) hs++, spans_left = spans;
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++)
+            y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, body, _mm512_reduce_add_ps(acc[k][i]));
+}
+
+/* Every row of x for output rows r..r+R-1, INT8Q_X_BLOCK rows of x at a time; the first block
+   prefetches `next`. */
+static inline __attribute__((always_inline)) VNNI void
+int8q_x_rows_vnni(const struct job *jb, int64_t r, const int R, int64_t next, const int G32) {
+    int64_t m0 = 0;
+    for (; m0 + INT8Q_X_BLOCK <= jb->m; m0 += INT8Q_X_BLOCK, next = -1)
+        int8q_block_vnni(jb, r, m0, R, INT8Q_X_BLOCK, next, G32);
+    switch (jb->m - m0) {
+    case 3: int8q_block_vnni(jb, r, m0, R, 3, next, G32); break;
+    case 2: int8q_block_vnni(jb, r, m0, R, 2, next, G32); break;
+    case 1: int8q_block_vnni(jb, r, m0, R, 1, next, G32); break;
+    default: break;
+    }
+}
+
+static inline __attribute__((always_inline)) VNNI void
+int8q_rows_vnni_g(const struct job *jb, int64_t r0, int64_t r1, const int G32) {
+    int64_t r = r0;
+    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
+        int8q_x_rows_vnni(jb, r, ROW_BLOCK, r + (INT8Q_AHEAD + 1) * ROW_BLOCK <= r1 ? r + INT8Q_AHEAD * ROW_BLOCK : -1,
+                          G32);
+    for (; r < r1; r++) int8q_x_rows_vnni(jb, r, 1, -1, G32);
+}
+
+static VNNI void int8q_rows_vnni(const struct job *jb, int64_t r0, int64_t r1) {
+    if (jb->half_scale && jb->group == INT8Q_STEP) int8q_rows_vnni_g(jb, r0, r1, 1);
+    else int8q_rows_vnni_g(jb, r0, r1, 0);
+}
+
+/* The AVX2 counterpart (also for AVX-512 without VNNI): two widenings of 16 codes and two vpmaddwd per
+   32 weights and row of x, their 8-lane sums added in int32. One row of x: 4 output rows; more: 2 output
+   rows x 2 rows of x, within the 16 registers. */
+static inline __attribute__((always_inline)) AVX2_FMA void
+int8q_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
+    const int64_t n = jb->n, body = n - n % INT8Q_STEP, span = int8q_span(jb);
+    const int64_t groups = jb->half_scale ? n / jb->group : 0, spans = groups ? jb->group / span : 0;
+    const uint16_t *hs = groups ? jb->half_scale + r * groups : NULL;  /* the rows' scales of the group */
+    int64_t spans_left = spans;
+    const int8_t *c = jb->codes + r * n;
+    const int16_t *q = jb->xq + m0 * n;
+    const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
+    __m256 acc[ROW_BLOCK][2];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < body; g0 += span) {
+        const int64_t g1 = g0 + span < body ? g0 + span : body;
+        __m256i sum[ROW_BLOCK][2];
+        for (int k = 0; k < R; k++)
+            for (int i = 0; i < MB; i++) sum[k][i] = _mm256_setzero_si256();
+        for (int64_t k0 = g0; k0 < g1; k0 += INT8Q_STEP) {
+            if (next_codes) {
+                _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
+                if (R * INT8Q_STEP > 64) _mm_prefetch(next_codes + k0 * R + 64, _MM_HINT_T1);
+            }
+            for (int k = 0; k < R; k++) {
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k * n + k0)));
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k * n + k0 + 16)));
+                for (int i = 0; i < MB; i++) {
+                    const int16_t *qi = q + i * n + k0;
+                    const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)qi)),
+                                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(qi + 16))));
+                    sum[k][i] = _mm256_add_epi32(sum[k][i], d);
+                }
+            }
+        }
+        for (int k = 0; k < R; k++) {
+            const __m256 sv = _mm256_set1_ps(groups ? _cvtsh_ss(hs[k * groups]) : 1.0f);
+            for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[k][i]), sv, acc[k][i]);
+        }
+        if (groups && --spans_left == 0) hs++, spans_left = spans;
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++)
+            y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, body, hsum_avx2(acc[k][i]));
+}
+
+static AVX2_FMA void int8q_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    if (jb->m == 1)
+        for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
+            int8q_block_avx2(jb, r, 0, ROW_BLOCK, 1,
+                             r + (INT8Q_AHEAD + 1) * ROW_BLOCK <= r1 ? r + INT8Q_AHEAD * ROW_BLOCK : -1);
+    for (; r + 2 <= r1; r += 2) {
+        int64_t m0 = 0, next = r + 4 <= r1 ? r + 2 : -1;
+        for (; m0 + 2 <= jb->m; m0 += 2, next = -1) int8q_block_avx2(jb, r, m0, 2, 2, next);
+        if (m0 < jb->m) int8q_block_avx2(jb, r, m0, 2, 1, next);
+    }
+    for (; r < r1; r++)
+        for (int64_t i = 0; i < jb->m; i++) int8q_block_avx2(jb, r, i, 1, 1, -1);
+}
+#endif
+
+static int have_vnni(void) {
+#ifdef KERNELS_X86
+    return have_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+static rows_fn int8q_rows_fn(int use_simd) {
+#ifdef KERNELS_X86
+    if (use_simd && have_vnni()) return int8q_rows_vnni;
+    if (use_simd && have_avx2_fma()) return int8q_rows_avx2;
+#endif
+    (void)use_simd;
+    return int8q_rows_portable;
 }
 
 /* ------------------------------------------------------------------ threads */
@@ -1160,6 +1384,14 @@ int cpu_kernels_abi(void) { return KERNELS_ABI; }
 /* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8, bf16, MXFP4; the others portable), 0 portable. */
 int cpu_kernels_simd(void) { return simd_level(); }
 
+/* Sets the widest code the kernels may choose (0, 1, 2 as cpu_kernels_simd counts; clamped) for the
+   calls that start after it; returns the previous limit. */
+int cpu_kernels_limit_simd(int level) {
+    const int previous = simd_cap;
+    simd_cap = level < 0 ? 0 : level > 2 ? 2 : level;
+    return previous;
+}
+
 /* The MXFP4 gemv's rows function for this CPU, with the m rows of x put into jb in the layout it
    reads (x as given; split into even and odd inputs for AVX-512; the lanes' order for AVX2). *scratch
    is the copy made for it (NULL: none), to be freed after the call. NULL when it cannot be allocated. */
@@ -1268,14 +1500,11 @@ int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const void *sc
     if (group < 0 || (group && (group % 32 || n % group))) return -2;
     struct job jb = {.x = x, .codes = codes, .y = y, .m = m, .out = out, .n = n};
     int8_scales(&jb, scale, group);
-    rows_fn fn = dense_gemv_rows_portable;
-#ifdef KERNELS_X86
-    if (use_simd && have_avx512()) fn = int8_gemv_rows_avx512;
-    else if (use_simd && have_avx2_fma()) fn = int8_gemv_rows_avx2;
-    else if (use_simd && have_avx2()) fn = dense_gemv_rows_avx2;
-#endif
-    (void)use_simd;
-    return run_rows(&jb, fn, threads);
+    void *inputs = int8q_setup(&jb, 1);
+    if (!inputs) return -1;
+    const int rc = run_rows(&jb, int8q_rows_fn(use_simd), threads);
+    free(inputs);
+    return rc;
 }
 
 /* int4 (bits 4) or int6 (bits 6): y [m, out] = x [m, n] @ W^T,
@@ -1352,12 +1581,13 @@ int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int
 /* ------------------------------------------------------------------ many dense products */
 
 static rows_fn dense_rows_fn(int is_int8, int use_simd) {
+    if (is_int8) return int8q_rows_fn(use_simd);
 #ifdef KERNELS_X86
-    if (use_simd && have_avx512()) return is_int8 ? int8_gemv_rows_avx512 : bf16_gemv_rows_avx512;
-    if (use_simd && have_avx2_fma()) return is_int8 ? int8_gemv_rows_avx2 : bf16_gemv_rows_avx2;
+    if (use_simd && have_avx512()) return bf16_gemv_rows_avx512;
+    if (use_simd && have_avx2_fma()) return bf16_gemv_rows_avx2;
     if (use_simd && have_avx2()) return dense_gemv_rows_avx2;
 #endif
-    (void)use_simd, (void)is_int8;
+    (void)use_simd;
     return dense_gemv_rows_portable;
 }
 
@@ -1389,8 +1619,13 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
     int64_t weights;
     struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, &weights);
     if (!jobs) return -1;
+    void *inputs = is_int8 ? int8q_setup(jobs, count) : NULL;
+    if (is_int8 && !inputs) {
+        free(jobs);
+        return -1;
+    }
     const int rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
-    free(jobs);
+    free(inputs), free(jobs);
     return rc;
 }
 

@@ -32,7 +32,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 15
+ABI = 16
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -67,6 +67,8 @@ def _library() -> ctypes.CDLL | None:
                           "installed again (./run.sh does it)", RuntimeWarning, stacklevel=2)
             return None
         lib.cpu_kernels_simd.restype = _int
+        lib.cpu_kernels_limit_simd.argtypes = [_int]
+        lib.cpu_kernels_limit_simd.restype = _int
         lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.mxfp4_gemv_f32.restype = _int
         lib.mxfp4_gemv_items_f32.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _int, _int]
@@ -103,7 +105,25 @@ def simd() -> str:
     """The widest code the gemvs run on this CPU: "avx512", "avx2" (int8, bf16 and MXFP4 gemvs; the others
     run portable C there), "portable", or "none" when the library is not built."""
     lib = _library()
-    return "none" if lib is None else ("portable", "avx2", "avx512")[lib.cpu_kernels_simd()]
+    return "none" if lib is None else _SIMD_LEVELS[lib.cpu_kernels_simd()]
+
+
+_SIMD_LEVELS = ("portable", "avx2", "avx512")
+
+
+@contextlib.contextmanager
+def limit_simd(level: str) -> Iterator[None]:
+    """Inside, the kernels run no wider code than ``level`` ("avx2" or "portable"): the narrower
+    paths on a CPU that has wider ones (how their tests run on an AVX-512 machine). For one thread
+    of the process at a time: the limit is the library's, not the caller's."""
+    if level not in _SIMD_LEVELS:
+        raise ValueError(f"limit_simd takes one of {', '.join(_SIMD_LEVELS)}, got {level!r}")
+    lib = _lib_or_raise()
+    previous = lib.cpu_kernels_limit_simd(_SIMD_LEVELS.index(level))
+    try:
+        yield
+    finally:
+        lib.cpu_kernels_limit_simd(previous)
 
 
 def _lib_or_raise() -> ctypes.CDLL:
