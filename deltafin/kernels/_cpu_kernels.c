@@ -8,13 +8,13 @@
    the torch reference does, so decoding is bit-exact and the matmul differs from the reference
    only in summation order.
 
-   int8 layout (see int8.py): codes int8 [out, in], scale float32 [out, 1], W = codes * scale.
-   The gemv sums codes * x in float32 and applies the row's scale once, after the sum: every
-   code converts to float32 exactly, so the result differs from dequantize-then-matmul only by
-   summation order and one rounding of the scale product. Grouped int8: the same codes with one
-   float16 scale per group of `group` inputs (a multiple of 32), [out, in/group]; each weight is
-   decoded as the float32 product code * scale, exact (8 by 11 significant bits), so the gemv
-   differs from dequantize-then-matmul only by summation order.
+   int8 layout (see int8.py): codes int8 [out, in], scale float32 [out, 1], W = codes * scale;
+   grouped int8: the same codes with one float16 scale per group of `group` inputs (a multiple of
+   32), [out, in/group]. The int8 gemvs take x rounded to int16, each row on its own to steps of
+   max |x| / 32767 (half a step, 2^-16 of the row's largest input, is the most any input moves), and
+   sum codes times those integers exactly in int32 per group, then apply the scales in float32
+   (section "int8 on the integer units"): against dequantize-then-matmul the result differs by that
+   rounding of x and by summation order.
 
    int4 / int6 layout (see intq.py): packed uint8, scale float16 [out, in/group]. int4 holds
    element 2j of a row in the low nibble of byte j and 2j+1 in its high nibble; int6 holds every
@@ -28,10 +28,12 @@
    left 16), so the gemv differs from convert-to-float32-then-matmul only by summation order.
 
    Two implementations of each kernel: AVX-512 (compiled through target attributes, so the
-   library itself needs no -march flag) and portable C; the MXFP4, int8 and bf16 gemvs have a
-   third, AVX2+FMA (differing from the portable code only in rounding order, like their AVX-512
-   code; for int8 and bf16 a plain AVX2 one, bit-identical, remains for CPUs without FMA). The fastest one the CPU has is chosen at run time. Work is split over output rows between `threads` pthreads (the caller's
-   thread is one of them); a row's result never depends on the split.
+   library itself needs no -march flag; int8: AVX-512 VNNI) and portable C; the MXFP4, int8 and bf16
+   gemvs have a third, AVX2+FMA (differing from the portable code only in rounding order, like their
+   AVX-512 code; for bf16 a plain AVX2 one, bit-identical, remains for CPUs without FMA). The fastest
+   one the CPU has is chosen at run time (cpu_kernels_limit_simd narrows the choice). Work is split
+   over output rows between `threads` pthreads (the caller's thread is one of them); a row's result
+   never depends on the split.
 
    The functions are called through ctypes (cpu_native.py); PyInit exists only so that the file
    is also a valid (empty) extension module, which is how setuptools builds and places it. */
@@ -87,7 +89,7 @@ enum out_kind { OUT_F32 = 0, OUT_BF16 = 1 };
 
 /* One call's arguments, shared read-only by its threads. */
 struct job {
-    const float *x;          /* [m, n] as given (portable MXFP4 path, int8 and bf16 paths) */
+    const float *x;          /* [m, n] as given (portable MXFP4 path, bf16 paths; int8: rounded in xq) */
     const float *x_even;     /* [m, n/2]: x[:, 0::2] (AVX-512 MXFP4 gemv) */
     const float *x_odd;      /* [m, n/2]: x[:, 1::2] */
     const uint8_t *packed;   /* MXFP4 [out, n/2] */
@@ -192,7 +194,7 @@ static inline float dense_weight(const struct job *jb, int64_t r, int64_t k) {
     return jb->half_scale ? (float)jb->codes[at] * half_to_float(int8_group_scale(jb, r, k)) : (float)jb->codes[at];
 }
 
-/* int8 and bf16 (one element per weight; int8 applies its row scale after the sum). */
+/* bf16 (one element per weight; int8 has its own products, int8q_rows_portable). */
 static void dense_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, body = n - n % DENSE_STEP;
     float *y = (float *)jb->y;
@@ -214,7 +216,7 @@ static void dense_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r
                 float sum = 0.0f;
                 for (int k = 0; k < DENSE_STEP; k++) sum += acc[i][k];
                 for (int64_t k = body; k < n; k++) sum += dense_weight(jb, r, k) * xi[k];
-                y[(m0 + i) * jb->out + r] = jb->row_scale ? sum * jb->row_scale[r] : sum;
+                y[(m0 + i) * jb->out + r] = sum;
             }
         }
     }
@@ -605,23 +607,16 @@ static AVX512 void mxfp4_dequant_rows_avx512(const struct job *jb, int64_t r0, i
 #ifdef KERNELS_X86
 #define AVX2 __attribute__((target("avx2")))
 
-/* 16 weights of a dense row (int8 codes or bf16 bits) from element `at`, as floats: lanes 0-7
-   in *lo, 8-15 in *hi. Both conversions are exact. */
+/* 16 bf16 weights of a row from element `at`, as floats (exactly): lanes 0-7 in *lo, 8-15 in *hi. */
 static AVX2 inline void dense_load16_avx2(const struct job *jb, int64_t at, __m256 *lo, __m256 *hi) {
-    if (jb->codes) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(jb->codes + at));
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-    } else {
-        const __m256i b = _mm256_loadu_si256((const __m256i *)(jb->bf16 + at));
-        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16));
-        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16));
-    }
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(jb->bf16 + at));
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16));
+    *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16));
 }
 
-/* The portable dense gemv with its DENSE_STEP lanes held in two AVX2 registers: the same
+/* The portable bf16 gemv with its DENSE_STEP lanes held in two AVX2 registers: the same
    products and sums in the same order (multiply then add, no FMA), hence the same bits, for
-   processors with AVX2 but not AVX-512 (measured ~2.5x the portable code's speed on one). */
+   processors with AVX2 but not FMA (measured ~2.5x the portable code's speed on one). */
 static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, body = n - n % DENSE_STEP;
     float *y = (float *)jb->y;
@@ -633,10 +628,6 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
             for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
                 __m256 wl, wh;
                 dense_load16_avx2(jb, r * n + k0, &wl, &wh);
-                if (jb->half_scale) {  /* grouped int8: a step lies in one group; exact products */
-                    const __m256 sv = _mm256_set1_ps(half_to_float(int8_group_scale(jb, r, k0)));
-                    wl = _mm256_mul_ps(wl, sv), wh = _mm256_mul_ps(wh, sv);
-                }
                 for (int64_t i = 0; i < mb; i++) {
                     const float *xk = jb->x + (m0 + i) * n + k0;
                     lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(wl, _mm256_loadu_ps(xk)));
@@ -651,7 +642,7 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
                 float sum = 0.0f;
                 for (int k = 0; k < DENSE_STEP; k++) sum += acc[k];
                 for (int64_t k = body; k < n; k++) sum += dense_weight(jb, r, k) * xi[k];
-                y[(m0 + i) * jb->out + r] = jb->row_scale ? sum * jb->row_scale[r] : sum;
+                y[(m0 + i) * jb->out + r] = sum;
             }
         }
     }
@@ -669,60 +660,37 @@ static AVX2 void dense_gemv_rows_avx2(const struct job *jb, int64_t r0, int64_t 
 #define X_BLOCK_AVX2 3
 #define ROW_BLOCK_AVX2_MULTI 2
 
-/* Dense weights (int8 codes or bf16 bits) on AVX2 with FMA: output rows r..r+R-1 for rows m0..m0+MB-1
-   of x. Each step widens 16 weights of a row exactly to two float vectors (the loads folded into the
-   widening instructions) and fuses them into two accumulators per (row, row of x), its 16 lanes
-   summed apart and then in order as the portable code sums them (one accumulator of 8 lanes, half
-   the partial sums, made the rounding of a 2304-long bf16 row visibly larger); several output rows
-   share each load of x. Against the portable code's separate multiply and add (about half the
-   products per cycle: int8 measured 11.6 against 23.3 G weights/s on one core of an AVX2 EPYC with the
-   weights in L2) it differs only in rounding order, like the AVX-512 code. `next`, when >= 0, is the
-   first of the R rows handled next: every cache line of theirs is prefetched while this block
-   computes (one line per 64 bytes of this block's rows; prefetching only every fourth line, and
-   widening from a register, read int8 weights from DRAM at 8.4 GB/s on one core, this at 15.7).
-   BF16 (0 or 1) is a constant at every call site. */
+/* bf16 weights on AVX2 with FMA: output rows r..r+R-1 for rows m0..m0+MB-1 of x. Each step widens 16
+   weights of a row exactly to two float vectors (the loads folded into the widening instructions) and
+   fuses them into two accumulators per (row, row of x), its 16 lanes summed apart and then in order as
+   the portable code sums them (one accumulator of 8 lanes, half the partial sums, made the rounding of
+   a 2304-long bf16 row visibly larger); several output rows share each load of x. Against the portable
+   code's separate multiply and add (about half the products per cycle: measured on int8 weights when
+   they took this path, 11.6 against 23.3 G weights/s on one core of an AVX2 EPYC with the weights in
+   L2) it differs only in rounding order, like the AVX-512 code. `next`, when >= 0, is the first of the
+   R rows handled next: every cache line of theirs is prefetched while this block computes (one line
+   per 64 bytes of this block's rows; prefetching only every fourth line, and widening from a register,
+   read weights from DRAM at 8.4 GB/s on one core, this at 15.7). */
 static inline __attribute__((always_inline)) AVX2_FMA void
-dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next,
-                     const int BF16) {
-    const int64_t n = jb->n, body = n - n % DENSE_STEP, elem = BF16 ? 2 : 1;
-    const char *w = BF16 ? (const char *)(jb->bf16 + r * n) : (const char *)(jb->codes + r * n);
+bf16_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
+    const int64_t n = jb->n, body = n - n % DENSE_STEP;
+    const uint16_t *w = jb->bf16 + r * n;
     const float *x = jb->x + m0 * n;
-    const char *next_w = next < 0 ? NULL : BF16 ? (const char *)(jb->bf16 + next * n)
-                                                : (const char *)(jb->codes + next * n);
+    const char *next_w = next < 0 ? NULL : (const char *)(jb->bf16 + next * n);
     __m256 acc[ROW_BLOCK][X_BLOCK_AVX2][2];  /* R x MB of them used */
     for (int k = 0; k < R; k++)
         for (int i = 0; i < MB; i++) acc[k][i][0] = acc[k][i][1] = _mm256_setzero_ps();
-    /* Grouped int8: each row's scale is widened once per group (steps_left counts down its steps). */
-    const int64_t groups = !BF16 && jb->half_scale ? n / jb->group : 0;
-    const int64_t group_steps = groups ? jb->group / DENSE_STEP : 0;
-    const uint16_t *hs = groups ? jb->half_scale + r * groups : NULL;
-    __m256 sv[ROW_BLOCK];
-    for (int k = 0; k < R; k++) sv[k] = _mm256_setzero_ps();
-    int64_t steps_left = 0;
     for (int64_t k0 = 0; k0 < body; k0 += DENSE_STEP) {
-        if (hs) {
-            if (steps_left == 0) {
-                for (int k = 0; k < R; k++) sv[k] = _mm256_set1_ps(_cvtsh_ss(hs[k * groups]));
-                hs++, steps_left = group_steps;
-            }
-            steps_left--;
-        }
-        if (next_w && ((k0 * R * elem) & 63) == 0) {  /* R * 16 * elem bytes of the next rows per step */
-            _mm_prefetch(next_w + k0 * R * elem, _MM_HINT_T1);
-            if (R * DENSE_STEP * elem > 64) _mm_prefetch(next_w + k0 * R * elem + 64, _MM_HINT_T1);
+        if (next_w && ((k0 * R * 2) & 63) == 0) {  /* R * 32 bytes of the next rows per step */
+            _mm_prefetch(next_w + k0 * R * 2, _MM_HINT_T1);
+            if (R * DENSE_STEP * 2 > 64) _mm_prefetch(next_w + k0 * R * 2 + 64, _MM_HINT_T1);
         }
         for (int k = 0; k < R; k++) {
-            const char *p = w + (k * n + k0) * elem;
-            __m256 lo, hi;
-            if (BF16) {
-                lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-                hi = _mm256_castsi256_ps(
-                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16))), 16));
-            } else {
-                lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-                hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-                if (hs) lo = _mm256_mul_ps(lo, sv[k]), hi = _mm256_mul_ps(hi, sv[k]);  /* exact products */
-            }
+            const uint16_t *p = w + k * n + k0;
+            const __m256 lo = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+            const __m256 hi = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16));
             for (int i = 0; i < MB; i++) {
                 acc[k][i][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i * n + k0), acc[k][i][0]);
                 acc[k][i][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i * n + k0 + 8), acc[k][i][1]);
@@ -737,8 +705,8 @@ dense_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
             _mm256_storeu_ps(lanes + 8, acc[k][i][1]);
             float sum = 0.0f;
             for (int j = 0; j < DENSE_STEP; j++) sum += lanes[j];
-            for (int64_t j = body; j < n; j++) sum += dense_weight(jb, r + k, j) * x[i * n + j];
-            y[(m0 + i) * jb->out + r + k] = jb->row_scale ? sum * jb->row_scale[r + k] : sum;
+            for (int64_t j = body; j < n; j++) sum += bf16_to_float(w[k * n + j]) * x[i * n + j];
+            y[(m0 + i) * jb->out + r + k] = sum;
         }
 }
 
@@ -832,12 +800,12 @@ mxfp4_fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, c
         for (int i = 0; i < MB; i++) y[(m0 + i) * jb->out + r + k] = hsum_avx2(_mm256_add_ps(acc[k][i][0], acc[k][i][1]));
 }
 
-/* One block of the AVX2+FMA gemvs: KIND 0 int8, 1 bf16, MXFP4_KIND (a constant at every call site). */
+/* One block of the AVX2+FMA gemvs: KIND 1 bf16, MXFP4_KIND (a constant at every call site). */
 static inline __attribute__((always_inline)) AVX2_FMA void
 fma_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next,
                const int KIND) {
     if (KIND == MXFP4_KIND) mxfp4_fma_block_avx2(jb, r, m0, R, MB, next);
-    else dense_fma_block_avx2(jb, r, m0, R, MB, next, KIND);
+    else bf16_fma_block_avx2(jb, r, m0, R, MB, next);
 }
 
 /* Output rows r..r+R-1 for every row of x, X_BLOCK_AVX2 rows of x at a time (the last 1 or 2 apart);
@@ -929,32 +897,113 @@ static int16_t int8q_round(double v) {
     return (int16_t)(q > 32767 ? 32767 : q < -32767 ? -32767 : q);
 }
 
-/* The int16 rows of x [m, n] and their scales, as the comment above defines them. */
-static void int8q_inputs(const float *x, int64_t m, int64_t n, int16_t *q, float *scale) {
+/* One row of x [n] as int16 and its scale, as the comment above defines them, given a = max |x| (or
+   inf / NaN when the row holds one). The conversion is portable C or, per 16 inputs, the same double
+   products and round-to-nearest-even conversions in AVX-512 or AVX2 registers (the same integers:
+   the scalar loop cost ~10 us a 2304-wide row, as much as a small product). */
+typedef void (*round_fn)(const float *x, int64_t n, double inv, int16_t *q);
+
+static void int8q_round_portable(const float *x, int64_t n, double inv, int16_t *q) {
+    for (int64_t k = 0; k < n; k++) q[k] = int8q_round((double)x[k] * inv);
+}
+
+#ifdef KERNELS_X86
+static __attribute__((target("avx512f"))) void int8q_round_avx512(const float *x, int64_t n, double inv, int16_t *q) {
+    const __m512d v = _mm512_set1_pd(inv);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + k)), v));
+        const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + k + 8)), v));
+        _mm256_storeu_si256((__m256i *)(q + k), _mm512_cvtsepi32_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+    }
+    int8q_round_portable(x + k, n - k, inv, q + k);
+}
+
+static AVX2 void int8q_round_avx2(const float *x, int64_t n, double inv, int16_t *q) {
+    const __m256d v = _mm256_set1_pd(inv);
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), v));
+        const __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k + 4)), v));
+        _mm_storeu_si128((__m128i *)(q + k), _mm_packs_epi32(lo, hi));
+    }
+    int8q_round_portable(x + k, n - k, inv, q + k);
+}
+#endif
+
+/* max |x[k]|, or inf when a value is inf or NaN; portable, AVX-512 and AVX2 (the same value). */
+typedef float (*amax_fn)(const float *x, int64_t n);
+
+static float int8q_amax_portable(const float *x, int64_t n) {
+    float a = 0.0f;
+    int finite = 1;
+    for (int64_t k = 0; k < n; k++) {
+        const float v = fabsf(x[k]);
+        finite &= v <= FLT_MAX;
+        a = v > a ? v : a;
+    }
+    return finite ? a : INFINITY;
+}
+
+#ifdef KERNELS_X86
+static __attribute__((target("avx512f"))) float int8q_amax_avx512(const float *x, int64_t n) {
+    __m512 a = _mm512_setzero_ps();
+    const __m512 big = _mm512_set1_ps(FLT_MAX);
+    __mmask16 bad = 0;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+        bad |= _mm512_cmp_ps_mask(v, big, _CMP_NLE_UQ);  /* inf or NaN */
+        a = _mm512_max_ps(a, v);
+    }
+    const float rest = int8q_amax_portable(x + k, n - k), body = _mm512_reduce_max_ps(a);
+    return bad ? INFINITY : rest > body ? rest : body;
+}
+
+static AVX2 float int8q_amax_avx2(const float *x, int64_t n) {
+    __m256 a = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    const __m256 big = _mm256_set1_ps(FLT_MAX), sign = _mm256_set1_ps(-0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, big, _CMP_NLE_UQ));
+        a = _mm256_max_ps(a, v);
+    }
+    float lanes[8], body = 0.0f;
+    _mm256_storeu_ps(lanes, a);
+    for (int j = 0; j < 8; j++) body = lanes[j] > body ? lanes[j] : body;
+    const float rest = int8q_amax_portable(x + k, n - k);
+    return _mm256_movemask_ps(bad) ? INFINITY : rest > body ? rest : body;
+}
+#endif
+
+/* The int16 rows of x [m, n] and their scales. */
+static void int8q_inputs(const float *x, int64_t m, int64_t n, int16_t *q, float *scale, amax_fn amax,
+                         round_fn round_row) {
     for (int64_t i = 0; i < m; i++) {
         const float *xi = x + i * n;
         int16_t *qi = q + i * n;
-        float a = 0.0f;
-        int finite = 1;
-        for (int64_t k = 0; k < n; k++) {
-            const float v = fabsf(xi[k]);
-            finite &= v <= FLT_MAX;
-            a = v > a ? v : a;
-        }
-        if (!finite || a == 0.0f) {
+        const float a = amax(xi, n);
+        if (!(a <= FLT_MAX) || a == 0.0f) {
             memset(qi, 0, (size_t)n * sizeof *qi);
-            scale[i] = finite ? 0.0f : NAN;
+            scale[i] = a == 0.0f ? 0.0f : NAN;
             continue;
         }
-        const double inv = 32767.0 / (double)a;
-        for (int64_t k = 0; k < n; k++) qi[k] = int8q_round((double)xi[k] * inv);
+        round_row(xi, n, 32767.0 / (double)a, qi);
         scale[i] = (float)((double)a / 32767.0);
     }
 }
 
 /* Point jobs[0..count-1] (int8, x set) at their rows of x as int16, in one buffer returned to be freed
-   after the call; NULL when it cannot be allocated. */
-static void *int8q_setup(struct job *jobs, int64_t count) {
+   after the call (NULL when it cannot be allocated); items with the same x (a MoE layer's gate and up
+   products) share one rounding. use_simd = 0: the portable rounding (the same integers). */
+static void *int8q_setup(struct job *jobs, int64_t count, int use_simd) {
+    amax_fn amax = int8q_amax_portable;
+    round_fn round_row = int8q_round_portable;
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) amax = int8q_amax_avx512, round_row = int8q_round_avx512;
+    else if (use_simd && have_avx2()) amax = int8q_amax_avx2, round_row = int8q_round_avx2;
+#endif
     int64_t rows = 0, elems = 0;
     for (int64_t i = 0; i < count; i++) rows += jobs[i].m, elems += jobs[i].m * jobs[i].n;
     char *buf = malloc((size_t)(elems * (int64_t)sizeof(int16_t) + rows * (int64_t)sizeof(float)) + 1);
@@ -963,7 +1012,13 @@ static void *int8q_setup(struct job *jobs, int64_t count) {
     int16_t *q = (int16_t *)(buf + rows * (int64_t)sizeof(float));
     for (int64_t i = 0; i < count; i++) {
         struct job *jb = &jobs[i];
-        int8q_inputs(jb->x, jb->m, jb->n, q, scale);
+        int64_t same = 0;
+        while (same < i && !(jobs[same].x == jb->x && jobs[same].m == jb->m && jobs[same].n == jb->n)) same++;
+        if (same < i) {
+            jb->xq = jobs[same].xq, jb->x_scale = jobs[same].x_scale;
+            continue;
+        }
+        int8q_inputs(jb->x, jb->m, jb->n, q, scale, amax, round_row);
         jb->xq = q, jb->x_scale = scale;
         q += jb->m * jb->n, scale += jb->m;
     }
@@ -1120,9 +1175,9 @@ int8q_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const
                 const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k * n + k0)));
                 const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k * n + k0 + 16)));
                 for (int i = 0; i < MB; i++) {
-                    const int16_t *qi = q + i * n + k0;
-                    const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)qi)),
-                                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(qi + 16))));
+                    const __m256i *qi = (const __m256i *)(q + i * n + k0);
+                    const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(qi)),
+                                                       _mm256_madd_epi16(hi, _mm256_loadu_si256(qi + 1)));
                     sum[k][i] = _mm256_add_epi32(sum[k][i], d);
                 }
             }
@@ -1500,7 +1555,7 @@ int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const void *sc
     if (group < 0 || (group && (group % 32 || n % group))) return -2;
     struct job jb = {.x = x, .codes = codes, .y = y, .m = m, .out = out, .n = n};
     int8_scales(&jb, scale, group);
-    void *inputs = int8q_setup(&jb, 1);
+    void *inputs = int8q_setup(&jb, 1, use_simd);
     if (!inputs) return -1;
     const int rc = run_rows(&jb, int8q_rows_fn(use_simd), threads);
     free(inputs);
@@ -1619,7 +1674,7 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
     int64_t weights;
     struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, &weights);
     if (!jobs) return -1;
-    void *inputs = is_int8 ? int8q_setup(jobs, count) : NULL;
+    void *inputs = is_int8 ? int8q_setup(jobs, count, use_simd) : NULL;
     if (is_int8 && !inputs) {
         free(jobs);
         return -1;
