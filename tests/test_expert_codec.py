@@ -58,10 +58,17 @@ def test_store_holds_the_quantizer_output_of_every_expert(tiny_kl_path, kl_store
     assert ratio < {"int8": 0.6, "int4": 0.4, "mxfp4": 0.4}[codec], ratio
 
 
+# int8 products of at most 64 rows round x to int16 (2^-16 of a row's largest input): against the fp32
+# dequantized experts that measured 1.2e-4 to 1.6e-4 of the largest logit on this model (summation order
+# alone stays below 1e-4).
+INT8_TOLERANCE = 4e-4
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_quantized_experts_compute_what_their_fp32_dequantization_computes(kl_stores, codec):
     """The native decode kernels (and the torch path of longer prompts) against the same model
-    whose experts are the fp32 dequantized weights: only float32 summation order differs."""
+    whose experts are the fp32 dequantized weights: only float32 summation order differs, and for int8
+    the decode kernels' rounding of x (INT8_TOLERANCE)."""
     store = kl_stores[codec]
     fast = _load(store)
     ref = _load(store)
@@ -70,17 +77,18 @@ def test_quantized_experts_compute_what_their_fp32_dequantization_computes(kl_st
         for e, ws in list(layer.items()):
             layer[e] = tuple(dequantize(q) for q in ws)
     streamed = deltafin.load(store, device="cpu", stream="on")
+    tolerance = INT8_TOLERANCE if codec == "int8" else 1e-4
     # one decode-sized pass, one longer than the gemvs take (the torch path)
     for ids in ([5, 17, 99, 3], list(range(40, 48 + cpu_native.GEMV_MAX_ROWS))):
         a, b = fast.logits(ids), ref.logits(ids)
         err = (a - b).abs().max().item() / b.abs().max().item()
-        assert err < 1e-4, (codec, len(ids), err)
+        assert err < tolerance, (codec, len(ids), err)
         assert torch.equal(streamed.logits(ids), a)  # the streamer decodes the same bytes the same way
     state = fast.new_state()  # decode with the state: one row at a time through the gemvs
     fast.forward([5, 17, 99], state)
     step = fast.forward([3], state)[-1]
     whole = ref.logits([5, 17, 99, 3])
-    assert (step - whole[-1]).abs().max().item() < 1e-4 * whole.abs().max().item()
+    assert (step - whole[-1]).abs().max().item() < tolerance * whole.abs().max().item()
 
 
 # Measured on kl-code-tiny (trained), 4 prompts of its own Python text, every position (int8 spine
@@ -201,7 +209,7 @@ def test_a_store_of_per_row_int8_experts_stays_readable(tiny_kl_path, tmp_path):
         for e, ws in list(layer_experts.items()):
             layer_experts[e] = tuple(dequantize(q) for q in ws)
     a, b = fast.logits([5, 17, 99, 3]), ref.logits([5, 17, 99, 3])
-    assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+    assert (a - b).abs().max().item() < INT8_TOLERANCE * b.abs().max().item()
 
 
 def test_an_unfinished_conversion_resumes_only_with_the_same_experts(tiny_kl_path, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltafin.kernels import cpu_native, intq, linear, quantize
-from deltafin.kernels.int8 import int8_dequantize, int8_quantize
+from deltafin.kernels.int8 import int8_dequantize, int8_quantize, int8_round_inputs
 from deltafin.kernels.mxfp4 import mxfp4_dequantize
 from deltafin.model import ops
 
@@ -218,25 +218,17 @@ def _random_int8(out: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return codes, scale
 
 
-def _int8_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the native int8 products take it: each row rounded (half to even) to multiples of its own
-    step max |x| / 32767, computed in float64, the step kept in float32. (q, step) as float64."""
-    x64 = x.double()
-    a = x64.abs().amax(1, keepdim=True)
-    q = torch.where(a > 0, torch.round(x64 * (32767.0 / a.clamp_min(1e-300))), 0.0)
-    return q, (a / 32767.0).float().double()
-
-
 def _assert_int8_close(y: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """y is x, rounded as _int8_inputs rounds it, times W^T up to float32 summation order; so within
+    """y is x, rounded as int8_round_inputs rounds it, times W^T up to float32 summation order; so within
     half a step of each row's inputs (2^-16 of the row's largest) of the float32 product x @ W^T."""
     w = int8_dequantize(codes, scale).double()
-    q, step = _int8_inputs(x.float())
-    ref = (q * step) @ w.T
+    xr = int8_round_inputs(x.float())
+    ref = xr @ w.T
     assert y.shape == ref.shape and y.dtype == torch.float32
-    assert ((y.double() - ref).abs() <= 1e-5 * ((q * step).abs() @ w.abs().T) + 1e-37).all()
+    assert ((y.double() - ref).abs() <= 1e-5 * (xr.abs() @ w.abs().T) + 1e-37).all()
     exact = x.double() @ w.T
-    assert ((y.double() - exact).abs() <= step / 2 * w.abs().sum(1) + 1e-5 * (x.double().abs() @ w.abs().T)
+    half_step = x.double().abs().amax(1, keepdim=True) / 65534
+    assert ((y.double() - exact).abs() <= half_step * w.abs().sum(1) + 1e-5 * (x.double().abs() @ w.abs().T)
             + 1e-37).all()
 
 
@@ -268,8 +260,7 @@ def test_int8_gemv_zero_rows_zero_scales_and_extreme_codes(use_simd):
     _assert_int8_close(y, x, codes, scale)
     assert (y[:, 0] == 0).all() and (y[:, 4] == 0).all()
     # Sums of +-127 * the rounded x are exact integers before the scales: checked in float64 directly.
-    q, step = _int8_inputs(x)
-    x64 = (q * step).sum(1)
+    x64 = int8_round_inputs(x).sum(1)
     torch.testing.assert_close(y[:, 1].double(), 0.25 * 127 * x64, rtol=1e-6, atol=0)
     torch.testing.assert_close(y[:, 2].double(), -3.0 * 127 * x64, rtol=1e-6, atol=0)
 

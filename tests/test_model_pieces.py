@@ -202,7 +202,8 @@ def test_mla_decode_absorbs_a_stored_kv_b_without_decoding_it(monkeypatch, codec
         m.setattr(mla.KvB, "_native", lambda self, rows: None)
         decoded = run()
     assert len(calls) == 3
-    assert (got - decoded).abs().max() < 1e-5 * decoded.abs().max()
+    # float32 summation order; int8: the value side's product rounds the latent rows to int16 first
+    assert (got - decoded).abs().max() < (1e-4 if codec == "int8" else 1e-5) * decoded.abs().max()
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
@@ -301,7 +302,9 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
         assert (fused - loop).abs().max() < 1e-4  # outputs ~20: float32 rounding
     else:  # the same products, activation and sums in the same order
         assert torch.equal(fused, loop)
-    assert (fused - alone).abs().max() < 1e-4
+    # alone, the float32 latent projection sums in another order; int8 rounds its result to int16
+    # steps, which carries a last-bit difference up to one step (outputs ~20)
+    assert (fused - alone).abs().max() < (5e-4 if codec == "int8" else 1e-4)
     calls.clear()
     # 3 x GEMV_MAX_ROWS rows x 3 of 8 experts: some expert gets more rows than the native gemvs take
     long = torch.randn(3 * cpu_native.GEMV_MAX_ROWS, cfg.hidden_size, generator=gen)

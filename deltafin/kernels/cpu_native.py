@@ -2,9 +2,10 @@
 
 ``mxfp4_gemv``, ``int8_gemv``, ``intq_gemv`` (int4, int6) and ``bf16_gemv`` multiply a few float32 rows of x by a stored
 weight without materializing it (``dense_gemv_items`` many int8 or bf16 products in one call, and
-``dense_gemv_t_items`` the transposed products x @ W), at close to memory speed (AVX-512 where the CPU has it; the
-MXFP4, int8 and bf16 gemvs also have an AVX2+FMA path that differs from their portable C only in rounding
-order); ``mxfp4_dequant`` decodes MXFP4 rows
+``dense_gemv_t_items`` the transposed products x @ W), at close to memory speed (AVX-512 where the CPU has it, for
+int8 its VNNI integer dot products of x rounded to int16; the MXFP4, int8 and bf16 gemvs also have an AVX2+FMA path
+that differs from their portable C only in rounding order; ``limit_simd`` narrows the choice); ``mxfp4_dequant``
+decodes MXFP4 rows
 bit-for-bit like ``mxfp4.mxfp4_dequantize``; ``kda_steps`` runs a KDA layer's recurrence between its
 projections (conv, norms, decay, the delta rule on S, output norm and gate) for the sequences of a pass. The library is an optional part of the install (setup.py): when it
 was not built, ``available()`` is False and callers use the torch references in mxfp4.py,
@@ -267,12 +268,14 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
               threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
     """y [M, out] float32 = x [M, in] @ W^T for an int8 weight (int8.py's layout).
 
-    Row scales: y[m, r] = scale[r] * sum_k codes[r, k] * x[m, k], summed in float32 with the row's
-    scale applied once, after the sum; this matches int8_dequantize-then-matmul to float32 rounding.
-    Group scales: every weight is decoded to the float32 value int8_dequantize gives (exactly), so
-    this matches dequantize-then-matmul up to float32 summation order.
-    x is converted to contiguous float32 first if it is not. use_simd=False runs the portable C
-    code even where AVX-512 is present.
+    Each row of x is first rounded to int16 on its own, q = round(x / step) with step = max |x| / 32767
+    (an input moves by at most step / 2, 2^-16 of the row's largest; a row holding inf or NaN gives
+    NaN), and codes times q are summed exactly in integers per group (row scales: per 2048 inputs)
+    before the scales: y[m, r] = step[m] * sum_g scale[r, g] * sum_{k in g} codes[r, k] * q[m, k].
+    Against int8_dequantize-then-matmul that is the rounding of x plus float32 summation order; a
+    row's result never depends on the other rows of x. x is converted to contiguous float32 first if
+    it is not. use_simd=False runs the portable C code (the same integers) even where AVX-512 is
+    present.
     """
     _lib_or_raise()  # "not built" before any complaint about the arguments
     out, n, _ = int8_check_shapes(codes, scale)

@@ -83,3 +83,15 @@ def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor,
         return (codes.float() * scale).to(dtype)
     w = codes.float().view(out, n // group, group) * scale.float().unsqueeze(-1)
     return w.view(out, n).to(dtype)
+
+
+def int8_round_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x [M, in] as the native int8 products take it (the torch statement of their rounding,
+    _cpu_kernels.c "int8 on the integer units"): each row to the nearest (ties to even) multiple of
+    its own step max |x[m]| / 32767, the quotient taken in float64, the step kept in float32. A row of
+    zeros stays zero; a row holding inf or NaN becomes NaN. Returns float64 [M, in]."""
+    x64 = x.double()
+    a = x64.abs().amax(-1, keepdim=True)
+    q = torch.round(x64 * (32767.0 / torch.where(a > 0, a, 1.0)))
+    step = (a / 32767.0).float().double()
+    return torch.where(torch.isfinite(a), q * step, float("nan"))
