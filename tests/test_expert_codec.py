@@ -145,11 +145,12 @@ def test_trained_model_decodes_the_same_through_the_fused_native_paths(trained_s
     calls = []
     for name in ("routed", "routed_and_shared"):
         real = getattr(experts_cpu, name)
-        monkeypatch.setattr(experts_cpu, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+        monkeypatch.setattr(experts_cpu, name,
+                            lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     fused = decode()
     assert "routed_and_shared" in calls  # the fused path ran, the shared expert in its calls
     with monkeypatch.context() as p:
-        p.setattr(experts_cpu, "routed_and_shared", lambda *a: None)
+        p.setattr(experts_cpu, "routed_and_shared", lambda *a, **k: None)
         assert torch.equal(decode(), fused)  # the shared expert apart
         p.setattr(experts_cpu, "applies", lambda z, e: False)
         assert torch.equal(decode(), fused)

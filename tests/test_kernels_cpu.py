@@ -1082,3 +1082,72 @@ def test_a_library_built_from_other_source_is_ignored_with_a_warning(monkeypatch
     monkeypatch.setattr(cpu_native.ctypes, "CDLL", lambda path: types.SimpleNamespace(cpu_kernels_abi=abi))
     with pytest.warns(RuntimeWarning, match=f"ABI {cpu_native.ABI - 1}, this deltafin needs {cpu_native.ABI}"):
         assert cpu_native._library.__wrapped__() is None
+
+
+# ---------------------------------------------------------------- a MoE layer's experts in one call
+
+@native
+@SIMD
+def test_silu_glu_matches_torch_within_its_exp_rounding_and_keeps_special_values(use_simd):
+    g = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([0.0, -0.0, 88.5, -88.5, 1e-30])])
+    u = torch.randn(g.shape[0], generator=torch.Generator().manual_seed(2))
+    act = cpu_native.silu_glu(g, u, use_simd=use_simd)
+    ref = (g.double() * torch.sigmoid(g.double()) * u.double())
+    # relative 4e-7 (torch's own silu: 1.4e-7 here); below ~1e-36, where 1 + exp(-g) overflows float32
+    # (g < -88.7), the result is 0 as torch's is
+    assert ((act.double() - ref).abs() <= 4e-7 * ref.abs() + 1e-36).all()
+    assert torch.equal(act[g < -90], torch.nn.functional.silu(g[g < -90]) * u[g < -90])
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), -1e4, 1e4])
+    got = cpu_native.silu_glu(special, torch.ones(5), use_simd=use_simd)
+    assert got[0] == float("inf") and got[2].isnan() and got[3] == 0 and got[4] == 1e4
+    assert got[1] == 0 or got[1].isnan()  # -inf / (1 + inf): the limit 0, or NaN as torch's inf * 0
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("T,k,shared", [(1, 4, True), (5, 2, True), (3, 3, False)])
+def test_moe_silu_equals_its_products_activation_and_weighted_sum_apart(kind, T, k, shared, use_simd):
+    """One native call for a MoE layer's experts against the same steps apart (dense_gemv_items, the
+    native activation, index_add_): bit for bit, whatever the thread count."""
+    H, I, E = 64, 96, 6
+    g = torch.Generator().manual_seed(T * k)
+    mats = [_dense_weights(kind, 2, I, H, seed=10 * e) + _dense_weights(kind, 1, H, I, seed=10 * e + 5)
+            for e in range(E + 1)]
+    z = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    chosen, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    experts, counts, rows = [mats[e] for e in chosen.tolist()], counts.tolist(), order // k
+    pair_w = w.reshape(-1)[order].contiguous()
+    for threads in (1, 2, 3):
+        y, ys = cpu_native.moe_silu(z, counts, rows.tolist(), pair_w, experts, mats[E] if shared else None,
+                                    threads=threads, use_simd=use_simd)
+        xs = list(z[rows].split(counts)) + ([z] if shared else [])
+        items = experts + ([mats[E]] if shared else [])
+        gu = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in items] + [d[1][0] for d in items],
+                                         [d[0][1] for d in items] + [d[1][1] for d in items], use_simd=use_simd)
+        R = gu.shape[0] // 2
+        act = cpu_native.silu_glu(gu[:R].contiguous(), gu[R:].contiguous(), use_simd=use_simd)
+        out = cpu_native.dense_gemv_items(list(act.split([x.shape[0] for x in xs])), [d[2][0] for d in items],
+                                          [d[2][1] for d in items], use_simd=use_simd)
+        want = torch.zeros(T, H).index_add_(0, rows, out[:len(rows)] * pair_w.unsqueeze(-1))
+        assert torch.equal(y, want)
+        assert (ys is None) == (not shared) and (ys is None or torch.equal(ys, out[len(rows):]))
+
+
+@native
+def test_moe_silu_refuses_what_does_not_fit():
+    H, I = 32, 64
+    e = _dense_weights("int8", 2, I, H, seed=1) + _dense_weights("int8", 1, H, I, seed=2)
+    b = _dense_weights("bf16", 2, I, H, seed=3) + _dense_weights("bf16", 1, H, I, seed=4)
+    z, pw = torch.zeros(2, H), torch.ones(2)
+    cases = [((z, [1], [0, 1], pw, [e]), "one count per expert"), ((z, [2], [0, 2], pw, [e]), "pair rows"),
+             ((z, [2], [0, 1], torch.ones(3), [e]), "pair weights"), ((z.double(), [2], [0, 1], pw, [e]), "float32"),
+             ((z, [1, 1], [0, 1], pw, [e, b]), "one shape and kind"), ((z, [], [], torch.ones(0), []), "at least one"),
+             ((torch.zeros(2, 16), [2], [0, 1], pw, [e]), r"gate and up \[I, 16\]")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cpu_native.moe_silu(*args)

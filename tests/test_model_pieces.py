@@ -285,8 +285,8 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
     calls = []
     real = experts_cpu.routed
 
-    def counted(*args):
-        calls.append(real(*args))
+    def counted(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
         return calls[-1]
     monkeypatch.setattr(experts_cpu, "routed", counted)
 
@@ -323,10 +323,11 @@ def test_routed_experts_of_a_batch_in_two_native_calls_equal_the_per_expert_loop
 
 @pytest.mark.parametrize("codec", ["int8", "bf16"])
 def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bits(monkeypatch, codec):
-    """A Kimi Linear MoE layer (shared expert of the routed experts' shape, no latent projection) with
-    its routed experts in memory: the shared expert's products join the routed experts' two native
-    calls (2 calls a layer instead of 4), and the output equals computing it apart bit for bit, for
-    one row and for several; a streamed layer whose experts are still arriving keeps them apart."""
+    """A Kimi Linear MoE layer (shared expert of the routed experts' shape, no latent projection, SiLU)
+    with its routed experts in memory: the shared expert joins the routed experts' one native call
+    (products, activation and weighted sum: 1 call a layer instead of 3), and the output equals
+    computing it apart bit for bit, for one row and for several; a streamed layer whose experts are
+    still arriving keeps them apart."""
     from concurrent.futures import Future
     from deltafin.checkpoint.synthetic import config_dict
     from deltafin.kernels import cpu_native, quantize
@@ -347,19 +348,19 @@ def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bi
     experts = {e: (q(torch.randn(I, H, generator=gen) * 3 / H ** .5), q(torch.randn(I, H, generator=gen) / H ** .5),
                    q(torch.randn(H, I, generator=gen) / I ** .5)) for e in range(cfg.num_experts)}
     calls = []
-    for name in ("dense_gemv", "dense_gemv_items"):
+    for name in ("dense_gemv", "dense_gemv_items", "moe_silu"):
         real = getattr(cpu_native, name)
         monkeypatch.setattr(cpu_native, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     for rows in (1, 5):
         x = torch.randn(rows, H, generator=gen)
         calls.clear()
         together = moe(x, fetch_from(experts))
-        assert calls == ["dense_gemv_items"] * 2
+        assert calls == ["moe_silu"]
         with monkeypatch.context() as m:
             m.setattr(MoE, "_routed_and_shared", lambda *a: None)
             calls.clear()
             apart = moe(x, fetch_from(experts))
-            assert len(calls) == 4  # the routed experts' two calls, the shared expert's two
+            assert len(calls) == 3  # the routed experts' call, the shared expert's two products
         assert torch.equal(together, apart)
         # A streamed read not finished when the layer looks: the shared expert computes meanwhile.
         calls.clear()
@@ -368,7 +369,7 @@ def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bi
         def arriving(ids, x, residual):
             pending.result = lambda timeout=None: {e: experts[e] for e in chosen_experts(ids)}
             return pending
-        assert torch.equal(moe(x, arriving), apart) and len(calls) == 4
+        assert torch.equal(moe(x, arriving), apart) and len(calls) == 3
 
 
 def test_kda_steps_sequences_of_equal_length_together_like_each_alone():

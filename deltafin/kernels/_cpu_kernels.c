@@ -1684,6 +1684,117 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
     return rc;
 }
 
+/* ------------------------------------------------------------------ a MoE layer's experts */
+
+/* act[k] = silu(g[k]) * u[k] = g / (1 + exp(-g)) * u, in float32. The AVX-512 exp: n = round(x log2 e),
+   r = x - n ln 2 (in two parts), e^r by Cephes' expf polynomial (~1 ulp), times 2^n by vscalefps (which
+   rounds under- and overflow as the hardware does); x is first held to [-104, 89], where exp is 0 or
+   inf in float32 anyway (a NaN gate stays NaN through the division). */
+static void silu_glu_portable(const float *g, const float *u, float *act, int64_t count) {
+    for (int64_t k = 0; k < count; k++) act[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+}
+
+#ifdef KERNELS_X86
+static inline __attribute__((always_inline)) AVX512 __m512 exp_avx512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static AVX512 void silu_glu_avx512(const float *g, const float *u, float *act, int64_t count) {
+    int64_t k = 0;
+    for (; k + 16 <= count; k += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + k);
+        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(act + k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                                _mm512_loadu_ps(u + k)));
+    }
+    silu_glu_portable(g + k, u + k, act + k, count - k);
+}
+#endif
+
+static void (*silu_glu_fn(int use_simd))(const float *, const float *, float *, int64_t) {
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) return silu_glu_avx512;
+#endif
+    (void)use_simd;
+    return silu_glu_portable;
+}
+
+/* act [count] = silu(g) * u as moe_silu_f32 computes it (act may be g or u). Returns 0. */
+int silu_glu_f32(const float *g, const float *u, float *act, int64_t count, int use_simd) {
+    silu_glu_fn(use_simd)(g, u, act, count);
+    return 0;
+}
+
+/* A MoE layer's chosen experts and its shared expert (shared = 1) over rows x [T, H] in one call, int8
+   (codes and scales, int8.py's layout) or bf16 experts (is_int8 = 0) with a SiLU-GLU:
+     pair p (P = sum counts, grouped by expert, counts[e] pairs of chosen expert e in order) takes row
+     pair_row[p] of x; expert e's gate and up products (w[e], w[items + e]; items = E + shared) run over
+     its pairs' rows, act = silu(gate) * up, its down product (w[2 items + e]) over act, and
+     y [T, H] = the sum over pairs, in pair order, of pair_weight[p] * down output (y starts at zero);
+     the shared expert (item E) runs the same over every row of x into y_shared [T, H].
+   Each product is the one dense_gemv_items_f32 computes for those rows (gate and up: [I, H], group
+   group_in; down: [H, I], group group_out); the activation differs from torch's by its exp's rounding.
+   In place of two item calls with the activation, the gathers and the weighted sum between them in torch
+   (~250 us of small ops a layer of a decode token). Returns 0, -1 when out of memory, -2 for a group that
+   does not fit, -3 for a pair row or count out of range. */
+int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *counts,
+                 const int64_t *pair_row, const float *pair_weight, const void *const *w, const void *const *scale,
+                 int shared, int is_int8, int64_t group_in, int64_t group_out, float *y, float *y_shared,
+                 int threads, int use_simd) {
+    if (T < 0 || H <= 0 || I <= 0 || E < 0) return -3;
+    int64_t P = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (counts[e] < 0) return -3;
+        P += counts[e];
+    }
+    for (int64_t p = 0; p < P; p++)
+        if (pair_row[p] < 0 || pair_row[p] >= T) return -3;
+    const int64_t items = E + (shared ? 1 : 0), R = P + (shared ? T : 0);
+    float *xg = malloc((size_t)(R * H + 1) * sizeof *xg), *gu = malloc((size_t)(2 * R * I + 1) * sizeof *gu);
+    float *dn = malloc((size_t)(R * H + 1) * sizeof *dn);
+    const float **xs = malloc((size_t)(2 * items + 1) * sizeof *xs);
+    float **ys = malloc((size_t)(2 * items + 1) * sizeof *ys);
+    int64_t *m = malloc((size_t)(2 * items + 1) * sizeof *m);
+    int rc = -1;
+    if (!xg || !gu || !dn || !xs || !ys || !m) goto done;
+    for (int64_t p = 0; p < P; p++) memcpy(xg + p * H, x + pair_row[p] * H, (size_t)H * sizeof *xg);
+    if (shared) memcpy(xg + P * H, x, (size_t)(T * H) * sizeof *xg);
+    for (int64_t i = 0, at = 0; i < items; at += m[i], i++) {
+        m[i] = m[items + i] = i < E ? counts[i] : T;
+        xs[i] = xs[items + i] = xg + at * H;
+        ys[i] = gu + at * I, ys[items + i] = gu + (R + at) * I;
+    }
+    rc = dense_gemv_items_f32(xs, m, w, scale, ys, 2 * items, I, H, is_int8, group_in, threads, use_simd);
+    if (rc) goto done;
+    silu_glu_fn(use_simd)(gu, gu + R * I, gu, R * I);  /* act over the gate outputs */
+    for (int64_t i = 0, at = 0; i < items; at += m[i], i++) xs[i] = gu + at * I, ys[i] = dn + at * H;
+    rc = dense_gemv_items_f32(xs, m, w + 2 * items, scale + 2 * items, ys, items, H, I, is_int8, group_out, threads,
+                              use_simd);
+    if (rc) goto done;
+    memset(y, 0, (size_t)(T * H) * sizeof *y);
+    for (int64_t p = 0; p < P; p++) {
+        float *yr = y + pair_row[p] * H;
+        const float *d = dn + p * H, wp = pair_weight[p];
+        for (int64_t j = 0; j < H; j++) yr[j] += d[j] * wp;
+    }
+    if (shared) memcpy(y_shared, dn + P * H, (size_t)(T * H) * sizeof *y_shared);
+done:
+    free(xg), free(gu), free(dn), free(xs), free(ys), free(m);
+    return rc;
+}
+
 /* Transposed dense products: y [m, n] = x [m, depth] @ W for W [depth, n] (a weight applied from
    its input side, as attention absorbs a key projection into the query). Columns c0..c1-1.
    int8: y[i, c] = sum_d (x[i, d] * scale[d]) * codes[d, c], grouped int8: sum_d x[i, d] * (codes[d, c] *

@@ -85,6 +85,11 @@ def _library() -> ctypes.CDLL | None:
         for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
             items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _i64, _int, _int]
             items.restype = _int
+        lib.moe_silu_f32.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _int, _int, _i64, _i64, _p, _p,
+                                     _int, _int]
+        lib.moe_silu_f32.restype = _int
+        lib.silu_glu_f32.argtypes = [_p, _p, _p, _i64, _int]
+        lib.silu_glu_f32.restype = _int
         lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
                                       _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
         lib.kda_steps_f32.restype = _int
@@ -231,12 +236,9 @@ def mxfp4_gemv_items(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Te
     if any(r < 0 or a < 0 or b < 0 or a + r > x.shape[0] or b + r > y_len for a, b, r in zip(x_rows, y_rows, rows)):
         raise ValueError(f"an item's rows fall outside x ({x.shape[0]} rows) or y ({y_len} rows)")
     y = torch.zeros(y_len, out, dtype=torch.float32)
-
-    def array(ctype, values):
-        return (ctype * count)(*values)
-    rc = lib.mxfp4_gemv_items_f32(x.data_ptr(), array(_p, [p.data_ptr() for p, _ in checked]),
-                                  array(_p, [s.data_ptr() for _, s in checked]), array(_i64, x_rows),
-                                  array(_i64, y_rows), array(_i64, rows), count, out, n, y.data_ptr(),
+    rc = lib.mxfp4_gemv_items_f32(x.data_ptr(), _array(_p, [p.data_ptr() for p, _ in checked]),
+                                  _array(_p, [s.data_ptr() for _, s in checked]), _array(_i64, x_rows),
+                                  _array(_i64, y_rows), _array(_i64, rows), count, out, n, y.data_ptr(),
                                   _threads(threads), int(use_simd))
     if rc != 0:
         raise MemoryError(f"MXFP4 gemv could not allocate scratch for {count} products")
@@ -384,15 +386,12 @@ def _int8_group(out: int, n: int, scale: torch.Tensor) -> int | None:
     return None
 
 
-def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
-                 x_width: int, y_width: int) -> tuple[torch.Tensor, list, int, int]:
-    """Checks the items (one weight shape and kind, contiguous CPU tensors, float32 x [M, x_width])
-    and returns y float32 [sum of M, y_width] (item i's rows after item i-1's), the ctypes arrays
-    (x, rows, weights, scales, y), the kind (1 int8, 0 bf16) and the int8 group size (0: row
-    scales). The checks are what keeps a wrong pointer out of C; they run for every item of every
-    call, so they use torch's cheapest queries."""
-    count = len(ws)
-    if not count == len(xs) == len(scales) or count == 0:
+def _dense_weights(ws: list[torch.Tensor], scales: list[torch.Tensor | None]) -> tuple[int, int]:
+    """Checks weights of one native dense call (one shape and kind, contiguous CPU tensors) and returns
+    the kind (1 int8, 0 bf16) and the int8 group size (0: row scales). The checks are what keeps a
+    wrong pointer out of C; they run for every weight of every call, so they use torch's cheapest
+    queries."""
+    if not len(ws) == len(scales) or not ws:
         raise ValueError("dense items need one x and one scale (None for bf16) per weight, and at least one")
     w0, s0 = ws[0], scales[0]
     group = 0
@@ -405,17 +404,33 @@ def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[to
         raise ValueError(f"a dense item needs int8 codes with a scale or a bf16 weight, got {w0.dtype} "
                          f"{tuple(w0.shape)} with{'out' if s0 is None else ''} a scale")
     shape, dtype = w0.shape, w0.dtype
-    for x, w, s in zip(xs, ws, scales):
+    for w, s in zip(ws, scales):
         if w.shape != shape or w.dtype != dtype or (s is None) != (kind == 0) or \
                 (s is not None and (s.shape != scale_shape or s.dtype != s0.dtype)):
             raise ValueError(f"dense items need weights of one shape and kind: {tuple(w.shape)} {w.dtype} "
                              f"and {tuple(shape)} {dtype}")
+        if not (w.is_contiguous() and (s is None or s.is_contiguous())):
+            raise ValueError("dense items need contiguous tensors")
+        if not (w.is_cpu and (s is None or s.is_cpu)):
+            raise ValueError("the native dense items need CPU tensors")
+    return kind, group
+
+
+def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
+                 x_width: int, y_width: int) -> tuple[torch.Tensor, list, int, int]:
+    """Checks the items (``_dense_weights``, and float32 contiguous CPU x [M, x_width]) and returns y
+    float32 [sum of M, y_width] (item i's rows after item i-1's), the ctypes arrays (x, rows, weights,
+    scales, y), the kind (1 int8, 0 bf16) and the int8 group size (0: row scales)."""
+    count = len(ws)
+    if count != len(xs):
+        raise ValueError("dense items need one x and one scale (None for bf16) per weight, and at least one")
+    kind, group = _dense_weights(ws, scales)
+    for x in xs:
         if x.dim() != 2 or x.shape[1] != x_width or x.dtype != torch.float32:
             raise ValueError(f"each x must be float32 [M, {x_width}], got {x.dtype} {tuple(x.shape)}")
-        if not (x.is_contiguous() and w.is_contiguous() and (s is None or s.is_contiguous())):
-            raise ValueError("dense items need contiguous tensors")
-        if not (x.is_cpu and w.is_cpu and (s is None or s.is_cpu)):
-            raise ValueError("the native dense items need CPU tensors")
+        if not (x.is_contiguous() and x.is_cpu):
+            raise ValueError("dense items need contiguous tensors" if x.is_cpu else
+                             "the native dense items need CPU tensors")
     rows = [x.shape[0] for x in xs]
     y = torch.empty(sum(rows), y_width, dtype=torch.float32)
     at, base, ys = 0, y.data_ptr(), []
@@ -423,11 +438,13 @@ def _dense_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[to
         ys.append(base + at * y_width * 4)
         at += m
 
-    def array(ctype, values):
-        return (ctype * count)(*values)
-    args = [array(_p, [x.data_ptr() for x in xs]), array(_i64, rows), array(_p, [w.data_ptr() for w in ws]),
-            array(_p, [0 if s is None else s.data_ptr() for s in scales]), array(_p, ys)]
+    args = [_array(_p, [x.data_ptr() for x in xs]), _array(_i64, rows), _array(_p, [w.data_ptr() for w in ws]),
+            _array(_p, [0 if s is None else s.data_ptr() for s in scales]), _array(_p, ys)]
     return y, args, kind, group
+
+
+def _array(ctype, values: list):
+    return (ctype * len(values))(*values)
 
 
 def dense_gemv_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -462,6 +479,69 @@ def _dense_call(transposed: bool, xs, ws, scales, threads: int | None, use_simd:
     if rc != 0:
         raise RuntimeError(f"dense gemv failed with code {rc}")
     return y
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor, use_simd: bool = True) -> torch.Tensor:
+    """silu(gate) * up for contiguous CPU float32 tensors of one shape, as ``moe_silu`` computes its
+    activation (g / (1 + exp(-g)) * u; the exp differs from torch's by ~1 ulp), so that the products
+    of a decode-sized pass and its activation give the same bits in every path that computes them."""
+    lib = _lib_or_raise()
+    if not (gate.dtype == up.dtype == torch.float32 and gate.shape == up.shape and gate.is_contiguous()
+            and up.is_contiguous() and gate.is_cpu and up.is_cpu):
+        raise ValueError(f"silu_glu needs contiguous CPU float32 tensors of one shape, got {gate.dtype} "
+                         f"{tuple(gate.shape)} and {up.dtype} {tuple(up.shape)}")
+    act = torch.empty_like(gate)
+    lib.silu_glu_f32(gate.data_ptr(), up.data_ptr(), act.data_ptr(), gate.numel(), int(use_simd))
+    return act
+
+
+def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weights: torch.Tensor,
+             experts: list[tuple], shared: tuple | None = None, threads: int | None = None,
+             use_simd: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A MoE layer's chosen experts (and its shared expert) with a SiLU-GLU over the rows z [T, H] in one
+    native call: pair p (grouped by expert, counts[e] pairs of experts[e] in order) is row pair_rows[p]
+    of z with routing weight pair_weights[p] (float32 [P]); each expert is (gate, up, down) as
+    ``native_dense`` gives them, int8 or bf16 of one kind, gate and up [I, H], down [H, I]. Returns the
+    routed sum [T, H] (each row's pairs added in pair order, as ``index_add_`` adds them) and the shared
+    expert's output [T, H] (None without one). Each product equals ``dense_gemv_items``' for those rows;
+    the activation differs from torch's silu by its exp's rounding (~1 ulp)."""
+    lib = _lib_or_raise()
+    if not (z.dim() == 2 and z.dtype == torch.float32 and z.is_contiguous() and z.is_cpu):
+        raise ValueError(f"moe_silu needs contiguous CPU float32 rows [T, H], got {z.dtype} {tuple(z.shape)}")
+    T, H = z.shape
+    P = len(pair_rows)
+    if len(counts) != len(experts) or any(c < 0 for c in counts) or sum(counts) != P:
+        raise ValueError(f"moe_silu needs one count per expert summing to the {P} pairs, got {counts}")
+    if any(not 0 <= r < T for r in pair_rows):
+        raise ValueError(f"moe_silu: pair rows must lie in 0..{T - 1}")
+    if not (pair_weights.dtype == torch.float32 and pair_weights.is_contiguous() and pair_weights.is_cpu
+            and tuple(pair_weights.shape) == (P,)):
+        raise ValueError(f"moe_silu needs float32 pair weights [{P}], got {pair_weights.dtype} "
+                         f"{tuple(pair_weights.shape)}")
+    items = list(experts) + ([shared] if shared is not None else [])
+    if not items:
+        raise ValueError("moe_silu needs at least one expert")
+    gate_up = [d[0] for d in items] + [d[1] for d in items]
+    down = [d[2] for d in items]
+    kind, group_in = _dense_weights([w for w, _ in gate_up], [s for _, s in gate_up])
+    kind_out, group_out = _dense_weights([w for w, _ in down], [s for _, s in down])
+    I = gate_up[0][0].shape[0]
+    if kind_out != kind or gate_up[0][0].shape[1] != H or tuple(down[0][0].shape) != (H, I):
+        raise ValueError(f"moe_silu needs gate and up [I, {H}] and down [{H}, I] of one kind, got "
+                         f"{tuple(gate_up[0][0].shape)} and {tuple(down[0][0].shape)}")
+    y = torch.zeros(T, H, dtype=torch.float32)
+    y_shared = torch.zeros(T, H, dtype=torch.float32) if shared is not None else None
+    weights = gate_up + down
+    rc = lib.moe_silu_f32(z.data_ptr(), T, H, I, len(experts), _array(_i64, counts), _array(_i64, pair_rows),
+                          pair_weights.data_ptr(), _array(_p, [w.data_ptr() for w, _ in weights]),
+                          _array(_p, [0 if s is None else s.data_ptr() for _, s in weights]), int(shared is not None),
+                          kind, group_in, group_out, y.data_ptr(), 0 if y_shared is None else y_shared.data_ptr(),
+                          _threads(threads), int(use_simd)) if T else 0
+    if rc == -1:
+        raise MemoryError(f"moe_silu could not allocate scratch for {P} pairs")
+    if rc != 0:
+        raise RuntimeError(f"moe_silu failed with code {rc}")
+    return y, y_shared
 
 
 # The widest KDA head the native decode step takes (KDA_MAX_D in _cpu_kernels.c).

@@ -34,30 +34,33 @@ def applies(z: torch.Tensor, experts) -> bool:
     return _is_mxfp4(w1) or native_dense(w1) is not None
 
 
-def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict) -> torch.Tensor | None:
+def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict,
+           silu: bool = False) -> torch.Tensor | None:
     """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) as fp32 [T, H], or None when an int8 or bf16
     expert has more rows than the native gemvs take (a prompt: the per-expert path multiplies those
     faster; MXFP4 experts take such rows in pieces) or the chosen experts are not all of one kind the
     native calls take. ``glu(gate, up)`` is the model's
-    activation; ``experts`` maps each chosen id to (w1, w3, w2)."""
-    done = _routed(glu, z, ids, weights, experts, None)
+    activation (``silu``: it is the SiLU-GLU, which int8 and bf16 experts then compute in the same native
+    call as their products, ``cpu_native.moe_silu``); ``experts`` maps each chosen id to (w1, w3, w2)."""
+    done = _routed(glu, z, ids, weights, experts, None, silu)
     return None if done is None else done[0]
 
 
 def routed_and_shared(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict,
-                      shared: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      shared: tuple, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``routed``'s sum and the shared expert's output for every row of z, (routed, shared) fp32 [T, H]
     each, with the shared expert's products in the same two native calls as the routed experts' (two
     calls a layer fewer: a decode token of kl_medium makes ~77), or None where ``routed`` gives None
     or the shared expert's (gate, up, down) are not int8 or bf16 weights of the routed experts' shape
-    and kind. Each value equals the separate computation's bit for bit: the same row kernel per
-    product, the activation elementwise."""
+    and kind. Each value equals the separate computation's bit for bit (the same row kernel per
+    product, the activation elementwise) where the activation runs in torch; with ``silu`` the native
+    call's activation differs from torch's by its exp's rounding."""
     if ids.shape[0] > cpu_native.GEMV_MAX_ROWS or _is_mxfp4(next(iter(experts.values()))[0]):
         return None  # apart, the shared expert's rows would take the torch path; MXFP4 calls take no int8/bf16
-    return _routed(glu, z, ids, weights, experts, shared)
+    return _routed(glu, z, ids, weights, experts, shared, silu)
 
 
-def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _routed(glu, z, ids, weights, experts, shared, silu) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     T, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
@@ -71,24 +74,27 @@ def _routed(glu, z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.
         return None
     P = T * k
     rows = order // k
-    x = z[rows]  # [P, H]: each pair's row, grouped by expert
-    extra = None
+    pair_w = weights.reshape(-1)[order].float()
     if mxfp4:
-        out = _mxfp4_pairs(glu, x, w, counts)
+        out, extra = _mxfp4_pairs(glu, z[rows], w, counts), None
     else:
         dense = [[native_dense(m) for m in ws] for ws in w]
         if not all(d is not None for ds in dense for d in ds) or len({dense_kind(d) for ds in dense for d in ds}) != 1:
             return None
-        xs = list(x.split(counts))  # each expert's rows
+        extra = None
         if shared is not None:  # one more item of each call: the shared expert over every row of z
             extra = [native_dense(m) for m in shared]
             if any(d is None or (d[0].shape, dense_kind(d)) != (r[0].shape, dense_kind(r))
                    for d, r in zip(extra, dense[0])):
                 return None
+        if silu:  # products, activation and the weighted sum in one native call
+            return cpu_native.moe_silu(z.contiguous(), counts, rows.tolist(), pair_w.contiguous(), dense, extra)
+        xs = list(z[rows].split(counts))  # each expert's rows
+        if extra is not None:
             xs, dense = xs + [z.contiguous()], dense + [extra]
         out = _dense_pairs(glu, xs, dense)
     y = torch.zeros(T, out.shape[1], dtype=torch.float32)
-    y.index_add_(0, rows, out[:P] * weights.reshape(-1)[order].float().unsqueeze(-1))
+    y.index_add_(0, rows, out[:P] * pair_w.unsqueeze(-1))
     return y, (out[P:] if extra is not None else None)
 
 

@@ -158,12 +158,13 @@ class MoE(Bindable):
         if not experts_cpu.applies(x, experts):
             return None
         return experts_cpu.routed_and_shared(lambda g, u: glu(c, g, u), x, ids, weights, experts,
-                                             (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj))
+                                             (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj),
+                                             silu=c.hidden_act != "situ")
 
     def _per_expert(self, z, ids, weights, experts, rows: ExpertRows | None) -> torch.Tensor:
         c = self.cfg
         if experts_cpu.applies(z, experts):
-            y = experts_cpu.routed(lambda g, u: glu(c, g, u), z, ids, weights, experts)
+            y = experts_cpu.routed(lambda g, u: glu(c, g, u), z, ids, weights, experts, silu=c.hidden_act != "situ")
             if y is not None:
                 return y
         host = {} if isinstance(experts, Stacked) else {e: w for e, w in experts.items() if _device(w) != z.device}

@@ -171,4 +171,11 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up. Decode-sized float32 rows on the CPU take the native activation, the one the
+    native MoE call computes (``cpu_native.moe_silu``), so a layer's experts give the same bits in one
+    call or apart."""
+    if (gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and up.device == gate.device
+            and gate.shape == up.shape and gate.numel() // max(1, gate.shape[-1]) <= cpu_native.GEMV_MAX_ROWS
+            and cpu_native.available()):
+        return cpu_native.silu_glu(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
