@@ -1151,3 +1151,31 @@ def test_moe_silu_refuses_what_does_not_fit():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             cpu_native.moe_silu(*args)
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("wdtype", [None, torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_torch_formula(wdtype, use_simd):
+    """The native RMSNorm of decode-sized rows against ops.rms_norm's torch formula (float32 rounding),
+    rows of zeros (eps alone) and a row holding inf or NaN (NaN out, the other rows untouched)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2307, generator=g) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    x[2] = 0
+    w = None if wdtype is None else torch.randn(2307, generator=g).to(wdtype)
+    y = cpu_native.rms_norm(x, w, 1e-6, use_simd=use_simd)
+    x64 = x.double()
+    ref = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 if w is None else w.double())
+    assert ((y.double() - ref).abs() <= 1e-6 * ref.abs().amax(-1, keepdim=True)).all()
+    assert (y[2] == 0).all()
+    bad = x.clone()
+    bad[1, 7], bad[3, 0] = float("inf"), float("nan")
+    yb = cpu_native.rms_norm(bad, w, 1e-6, use_simd=use_simd)
+    assert yb[1].isnan().any() and yb[3].isnan().all() and torch.equal(yb[[0, 2, 4]], y[[0, 2, 4]])
+    with pytest.raises(ValueError, match="weight"):
+        cpu_native.rms_norm(x, torch.ones(5), 1e-6)
+    with pytest.raises(ValueError, match="float32 rows"):
+        cpu_native.rms_norm(x.double(), None, 1e-6)
+    # ops.rms_norm takes it for decode-sized rows, the torch formula for more (equal to float32 rounding)
+    many = torch.randn(cpu_native.GEMV_MAX_ROWS + 1, 64, generator=g)
+    assert torch.allclose(ops.rms_norm(many[:3], None, 1e-6), ops.rms_norm(many, None, 1e-6)[:3], rtol=1e-6, atol=1e-6)

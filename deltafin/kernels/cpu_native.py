@@ -90,6 +90,8 @@ def _library() -> ctypes.CDLL | None:
         lib.moe_silu_f32.restype = _int
         lib.silu_glu_f32.argtypes = [_p, _p, _p, _i64, _int]
         lib.silu_glu_f32.restype = _int
+        lib.rms_norm_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int]
+        lib.rms_norm_f32.restype = _int
         lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
                                       _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
         lib.kda_steps_f32.restype = _int
@@ -478,6 +480,27 @@ def _dense_call(transposed: bool, xs, ws, scales, threads: int | None, use_simd:
         raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
     if rc != 0:
         raise RuntimeError(f"dense gemv failed with code {rc}")
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, use_simd: bool = True) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim of contiguous CPU float32 x, the weight float32
+    or bf16 [n] (or None), in float32: ops.rms_norm's formula in one native call (its torch ops cost
+    ~50 us a call in a decode token); equal to it up to float32 rounding."""
+    lib = _lib_or_raise()
+    n = x.shape[-1] if x.dim() else 0
+    if not (x.dtype == torch.float32 and x.dim() >= 1 and n > 0 and x.is_contiguous() and x.is_cpu):
+        raise ValueError(f"rms_norm needs contiguous CPU float32 rows, got {x.dtype} {tuple(x.shape)}")
+    w_bf16 = 0
+    if weight is not None:
+        if not (weight.dtype in (torch.float32, torch.bfloat16) and tuple(weight.shape) == (n,)
+                and weight.is_contiguous() and weight.is_cpu):
+            raise ValueError(f"rms_norm needs a contiguous CPU float32 or bf16 weight [{n}], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        w_bf16 = int(weight.dtype == torch.bfloat16)
+    y = torch.empty_like(x)
+    lib.rms_norm_f32(x.data_ptr(), x.numel() // n, n, 0 if weight is None else weight.data_ptr(), w_bf16, eps,
+                     y.data_ptr(), int(use_simd))
     return y
 
 

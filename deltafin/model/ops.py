@@ -142,10 +142,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """RMSNorm with the mean square taken in fp32; the result has x's dtype.
 
     On CUDA torch's fused kernel computes the same formula in one launch instead of six (a decode
-    step is bound by launches there); elsewhere the ops below (the reference)."""
+    step is bound by launches there); decode-sized float32 rows on the CPU take the native kernel
+    (one call instead of six ops); elsewhere the ops below (the reference)."""
     if x.is_cuda:
         w = weight.float() if weight is not None else None
         return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+    if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] and x.is_contiguous()
+            and x.numel() // x.shape[-1] <= cpu_native.GEMV_MAX_ROWS and cpu_native.available()
+            and (weight is None or (weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+                                    and weight.device.type == "cpu" and tuple(weight.shape) == (x.shape[-1],)))):
+        return cpu_native.rms_norm(x, weight, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
