@@ -1123,8 +1123,9 @@ def test_moe_silu_equals_its_products_activation_and_weighted_sum_apart(kind, T,
     experts, counts, rows = [mats[e] for e in chosen.tolist()], counts.tolist(), order // k
     pair_w = w.reshape(-1)[order].contiguous()
     for threads in (1, 2, 3):
-        y, ys = cpu_native.moe_silu(z, counts, rows.tolist(), pair_w, experts, mats[E] if shared else None,
-                                    threads=threads, use_simd=use_simd)
+        y, ys = cpu_native.moe_silu(z, counts, rows.tolist(), pair_w, [cpu_native.moe_expert(*d) for d in experts],
+                                    cpu_native.moe_expert(*mats[E]) if shared else None, threads=threads,
+                                    use_simd=use_simd)
         xs = list(z[rows].split(counts)) + ([z] if shared else [])
         items = experts + ([mats[E]] if shared else [])
         gu = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in items] + [d[1][0] for d in items],
@@ -1143,14 +1144,20 @@ def test_moe_silu_refuses_what_does_not_fit():
     H, I = 32, 64
     e = _dense_weights("int8", 2, I, H, seed=1) + _dense_weights("int8", 1, H, I, seed=2)
     b = _dense_weights("bf16", 2, I, H, seed=3) + _dense_weights("bf16", 1, H, I, seed=4)
+    me, mb = cpu_native.moe_expert(*e), cpu_native.moe_expert(*b)
     z, pw = torch.zeros(2, H), torch.ones(2)
-    cases = [((z, [1], [0, 1], pw, [e]), "one count per expert"), ((z, [2], [0, 2], pw, [e]), "pair rows"),
-             ((z, [2], [0, 1], torch.ones(3), [e]), "pair weights"), ((z.double(), [2], [0, 1], pw, [e]), "float32"),
-             ((z, [1, 1], [0, 1], pw, [e, b]), "one shape and kind"), ((z, [], [], torch.ones(0), []), "at least one"),
-             ((torch.zeros(2, 16), [2], [0, 1], pw, [e]), r"gate and up \[I, 16\]")]
+    cases = [((z, [1], [0, 1], pw, [me]), "one count per expert"), ((z, [2], [0, 2], pw, [me]), "pair rows"),
+             ((z, [2], [0, 1], torch.ones(3), [me]), "pair weights"), ((z.double(), [2], [0, 1], pw, [me]), "float32"),
+             ((z, [1, 1], [0, 1], pw, [me, mb]), "one shape and kind"), ((z, [], [], torch.ones(0), []), "at least one"),
+             ((z, [2], [0, 1], pw, [e]), "made by moe_expert"),
+             ((torch.zeros(2, 16), [2], [0, 1], pw, [me]), "width 16")]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             cpu_native.moe_silu(*args)
+    for bad, message in [((e[0], e[1], e[0]), r"down \[H, I\]"), ((e[0], b[1], e[2]), "one shape and kind"),
+                         ((e[0], e[1], (e[2][0].T.contiguous().T, e[2][1])), "contiguous")]:
+        with pytest.raises(ValueError, match=message):
+            cpu_native.moe_expert(*bad)
 
 
 @native

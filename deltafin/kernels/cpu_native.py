@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from dataclasses import dataclass
 from itertools import accumulate
 import functools
 import importlib.util
@@ -518,16 +519,40 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor, use_simd: bool = True) -> tor
     return act
 
 
+@dataclass(frozen=True)
+class MoeExpert:
+    """One expert's (gate, up, down) checked for ``moe_silu`` (``moe_expert``), kept so that a decode
+    token's MoE layers check each expert once, not every token: its weights' pointers, what the
+    experts of one call must share (kind, group of gate/up, group of down, I, H), and the weights."""
+    pointers: tuple[int, ...]   # gate, up, down weights, then their scales (0: bf16)
+    signature: tuple[int, int, int, int, int]
+    tensors: tuple
+
+
+def moe_expert(gate: tuple, up: tuple, down: tuple) -> MoeExpert:
+    """An expert's (gate, up, down), each (weight, scale) as ``native_dense`` gives them (int8 codes and
+    scales, or a bf16 weight and None), checked as the native dense items check their weights: gate and
+    up [I, H] and down [H, I], contiguous on the CPU, of one kind."""
+    kind, group_in = _dense_weights([gate[0], up[0]], [gate[1], up[1]])
+    kind_out, group_out = _dense_weights([down[0]], [down[1]])
+    I, H = gate[0].shape
+    if kind_out != kind or tuple(down[0].shape) != (H, I):
+        raise ValueError(f"a MoE expert needs gate and up [I, H] and down [H, I] of one kind, got "
+                         f"{tuple(gate[0].shape)} and {tuple(down[0].shape)}")
+    mats = (gate, up, down)
+    return MoeExpert(tuple(w.data_ptr() for w, _ in mats) + tuple(0 if s is None else s.data_ptr() for _, s in mats),
+                     (kind, group_in, group_out, I, H), mats)
+
+
 def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weights: torch.Tensor,
-             experts: list[tuple], shared: tuple | None = None, threads: int | None = None,
+             experts: list[MoeExpert], shared: MoeExpert | None = None, threads: int | None = None,
              use_simd: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A MoE layer's chosen experts (and its shared expert) with a SiLU-GLU over the rows z [T, H] in one
     native call: pair p (grouped by expert, counts[e] pairs of experts[e] in order) is row pair_rows[p]
-    of z with routing weight pair_weights[p] (float32 [P]); each expert is (gate, up, down) as
-    ``native_dense`` gives them, int8 or bf16 of one kind, gate and up [I, H], down [H, I]. Returns the
-    routed sum [T, H] (each row's pairs added in pair order, as ``index_add_`` adds them) and the shared
-    expert's output [T, H] (None without one). Each product equals ``dense_gemv_items``' for those rows;
-    the activation differs from torch's silu by its exp's rounding (~1 ulp)."""
+    of z with routing weight pair_weights[p] (float32 [P]); the experts (``moe_expert``) of one
+    signature. Returns the routed sum [T, H] (each row's pairs added in pair order, as ``index_add_``
+    adds them) and the shared expert's output [T, H] (None without one). Each product equals
+    ``dense_gemv_items``' for those rows; the activation is ``silu_glu``'s."""
     lib = _lib_or_raise()
     if not (z.dim() == 2 and z.dtype == torch.float32 and z.is_contiguous() and z.is_cpu):
         raise ValueError(f"moe_silu needs contiguous CPU float32 rows [T, H], got {z.dtype} {tuple(z.shape)}")
@@ -542,22 +567,20 @@ def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weig
         raise ValueError(f"moe_silu needs float32 pair weights [{P}], got {pair_weights.dtype} "
                          f"{tuple(pair_weights.shape)}")
     items = list(experts) + ([shared] if shared is not None else [])
-    if not items:
-        raise ValueError("moe_silu needs at least one expert")
-    gate_up = [d[0] for d in items] + [d[1] for d in items]
-    down = [d[2] for d in items]
-    kind, group_in = _dense_weights([w for w, _ in gate_up], [s for _, s in gate_up])
-    kind_out, group_out = _dense_weights([w for w, _ in down], [s for _, s in down])
-    I = gate_up[0][0].shape[0]
-    if kind_out != kind or gate_up[0][0].shape[1] != H or tuple(down[0][0].shape) != (H, I):
-        raise ValueError(f"moe_silu needs gate and up [I, {H}] and down [{H}, I] of one kind, got "
-                         f"{tuple(gate_up[0][0].shape)} and {tuple(down[0][0].shape)}")
+    if not items or not all(isinstance(e, MoeExpert) for e in items):
+        raise ValueError("moe_silu needs at least one expert, each made by moe_expert")
+    signature = items[0].signature
+    kind, group_in, group_out, I, width = signature
+    if width != H or any(e.signature != signature for e in items):
+        raise ValueError(f"moe_silu needs experts of one shape and kind reading rows of width {H}, got "
+                         f"{sorted({e.signature for e in items})}")
     y = torch.zeros(T, H, dtype=torch.float32)
     y_shared = torch.zeros(T, H, dtype=torch.float32) if shared is not None else None
-    weights = gate_up + down
+    # gate, up, down weights of every item, then their scales, as the C call reads them
+    order = [e.pointers[j] for j in range(3) for e in items]
+    scales = [e.pointers[3 + j] for j in range(3) for e in items]
     rc = lib.moe_silu_f32(z.data_ptr(), T, H, I, len(experts), _array(_i64, counts), _array(_i64, pair_rows),
-                          pair_weights.data_ptr(), _array(_p, [w.data_ptr() for w, _ in weights]),
-                          _array(_p, [0 if s is None else s.data_ptr() for _, s in weights]), int(shared is not None),
+                          pair_weights.data_ptr(), _array(_p, order), _array(_p, scales), int(shared is not None),
                           kind, group_in, group_out, y.data_ptr(), 0 if y_shared is None else y_shared.data_ptr(),
                           _threads(threads), int(use_simd)) if T else 0
     if rc == -1:

@@ -88,7 +88,9 @@ def _routed(glu, z, ids, weights, experts, shared, silu) -> tuple[torch.Tensor, 
                    for d, r in zip(extra, dense[0])):
                 return None
         if silu:  # products, activation and the weighted sum in one native call
-            return cpu_native.moe_silu(z.contiguous(), counts, rows.tolist(), pair_w.contiguous(), dense, extra)
+            return cpu_native.moe_silu(z.contiguous(), counts, rows.tolist(), pair_w.contiguous(),
+                                       [_moe_expert(ws, ds) for ws, ds in zip(w, dense)],
+                                       None if extra is None else _moe_expert(shared, extra))
         xs = list(z[rows].split(counts))  # each expert's rows
         if extra is not None:
             xs, dense = xs + [z.contiguous()], dense + [extra]
@@ -96,6 +98,20 @@ def _routed(glu, z, ids, weights, experts, shared, silu) -> tuple[torch.Tensor, 
     y = torch.zeros(T, out.shape[1], dtype=torch.float32)
     y.index_add_(0, rows, out[:P] * pair_w.unsqueeze(-1))
     return y, (out[P:] if extra is not None else None)
+
+
+def _moe_expert(ws: tuple, dense: list) -> cpu_native.MoeExpert:
+    """cpu_native.moe_expert of an expert's weights ws (w1, w3, w2) and their native_dense, kept on its
+    first weight while the other two are the same objects (a decode token asks for each chosen expert
+    in every layer; a caller may swap weights in place, see io.ram ``held``)."""
+    w1, w3, w2 = ws
+    if not isinstance(w1, QWeight):
+        return cpu_native.moe_expert(*dense)
+    kept = w1.__dict__.get("_moe_expert")
+    if kept is None or kept[0] is not w3 or kept[1] is not w2:
+        kept = (w3, w2, cpu_native.moe_expert(*dense))
+        w1.__dict__["_moe_expert"] = kept
+    return kept[2]
 
 
 def _is_mxfp4(w) -> bool:
