@@ -62,6 +62,8 @@ def routed_and_shared(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Te
 
 def _routed(glu, z, ids, weights, experts, shared, silu) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     T, k = ids.shape
+    if silu and T <= cpu_native.GEMV_MAX_ROWS and (done := _moe_silu(z, ids, weights, experts, shared)) is not None:
+        return done
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, rows in order within each
     chosen, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -87,10 +89,6 @@ def _routed(glu, z, ids, weights, experts, shared, silu) -> tuple[torch.Tensor, 
             if any(d is None or (d[0].shape, dense_kind(d)) != (r[0].shape, dense_kind(r))
                    for d, r in zip(extra, dense[0])):
                 return None
-        if silu:  # products, activation and the weighted sum in one native call
-            return cpu_native.moe_silu(z.contiguous(), counts, rows.tolist(), pair_w.contiguous(),
-                                       [_moe_expert(ws, ds) for ws, ds in zip(w, dense)],
-                                       None if extra is None else _moe_expert(shared, extra))
         xs = list(z[rows].split(counts))  # each expert's rows
         if extra is not None:
             xs, dense = xs + [z.contiguous()], dense + [extra]
@@ -100,18 +98,49 @@ def _routed(glu, z, ids, weights, experts, shared, silu) -> tuple[torch.Tensor, 
     return y, (out[P:] if extra is not None else None)
 
 
-def _moe_expert(ws: tuple, dense: list) -> cpu_native.MoeExpert:
-    """cpu_native.moe_expert of an expert's weights ws (w1, w3, w2) and their native_dense, kept on its
-    first weight while the other two are the same objects (a decode token asks for each chosen expert
-    in every layer; a caller may swap weights in place, see io.ram ``held``)."""
+def _moe_silu(z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The routed sum and the shared expert's output in one native call (``cpu_native.moe_silu``), or None
+    where the experts are not int8 or bf16 experts of one shape and kind (the other paths decide). The
+    pairs are ordered as torch's stable argsort orders them, in Python: a decode pass has a few dozen,
+    and the torch ops cost ~10 us each between the products."""
+    T, k = ids.shape
+    flat = ids.reshape(-1).tolist()
+    order = sorted(range(len(flat)), key=flat.__getitem__)  # stable: by expert, rows in order within each
+    chosen, counts = [], []
+    for i in order:
+        if chosen and chosen[-1] == flat[i]:
+            counts[-1] += 1
+        else:
+            chosen.append(flat[i])
+            counts.append(1)
+    items = [_moe_expert(experts[e]) for e in chosen] + ([_moe_expert(shared)] if shared is not None else [])
+    if any(it is None for it in items) or len({it.signature for it in items}) != 1:
+        return None
+    pair_w = weights.reshape(-1).float().tolist()
+    return cpu_native.moe_silu(z.contiguous(), counts, [i // k for i in order],
+                               torch.tensor([pair_w[i] for i in order], dtype=torch.float32),
+                               items[:len(chosen)], items[-1] if shared is not None else None)
+
+
+def _moe_expert(ws: tuple) -> cpu_native.MoeExpert | None:
+    """cpu_native.moe_expert of an expert's weights (w1, w3, w2), None unless all three are int8 or bf16
+    weights the native products take; kept on its first weight while the other two are the same
+    objects (a decode token asks for each chosen expert in every layer; a caller may swap weights in
+    place, see io.ram ``held``)."""
     w1, w3, w2 = ws
-    if not isinstance(w1, QWeight):
-        return cpu_native.moe_expert(*dense)
-    kept = w1.__dict__.get("_moe_expert")
-    if kept is None or kept[0] is not w3 or kept[1] is not w2:
-        kept = (w3, w2, cpu_native.moe_expert(*dense))
-        w1.__dict__["_moe_expert"] = kept
-    return kept[2]
+    kept = w1.__dict__.get("_moe_expert") if isinstance(w1, QWeight) else None
+    if kept is not None and kept[0] is w3 and kept[1] is w2:
+        return kept[2]
+    dense = [native_dense(m) for m in ws]
+    if any(d is None for d in dense) or len({dense_kind(d)[:2] for d in dense}) != 1:
+        return None
+    try:
+        item = cpu_native.moe_expert(*dense)
+    except ValueError:  # shapes that do not make an expert: the other paths decide (and say why)
+        return None
+    if isinstance(w1, QWeight):
+        w1.__dict__["_moe_expert"] = (w3, w2, item)
+    return item
 
 
 def _is_mxfp4(w) -> bool:
