@@ -1148,7 +1148,8 @@ def test_moe_silu_refuses_what_does_not_fit():
     z, pw = torch.zeros(2, H), torch.ones(2)
     cases = [((z, [1], [0, 1], pw, [me]), "one count per expert"), ((z, [2], [0, 2], pw, [me]), "pair rows"),
              ((z, [2], [0, 1], torch.ones(3), [me]), "pair weights"), ((z.double(), [2], [0, 1], pw, [me]), "float32"),
-             ((z, [1, 1], [0, 1], pw, [me, mb]), "one shape and kind"), ((z, [], [], torch.ones(0), []), "at least one"),
+             ((z, [1, 1], [0, 1], pw, [me, mb]), "one shape and kind"),
+             ((z, [], [], torch.ones(0), []), "at least one"),
              ((z, [2], [0, 1], pw, [e]), "made by moe_expert"),
              ((torch.zeros(2, 16), [2], [0, 1], pw, [me]), "width 16")]
     for args, message in cases:
@@ -1186,3 +1187,33 @@ def test_rms_norm_matches_the_torch_formula(wdtype, use_simd):
     # ops.rms_norm takes it for decode-sized rows, the torch formula for more (equal to float32 rounding)
     many = torch.randn(cpu_native.GEMV_MAX_ROWS + 1, 64, generator=g)
     assert torch.allclose(ops.rms_norm(many[:3], None, 1e-6), ops.rms_norm(many, None, 1e-6)[:3], rtol=1e-6, atol=1e-6)
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_sigmoid_matches_the_torch_router(gate_dtype, renormalize, use_simd):
+    """The native sigmoid router against moe.route's torch formula: the same experts in the same order
+    (no near-ties among these seeded scores) and weights within float32 rounding; equal choices take
+    the lower expert first; k out of range is refused."""
+    g = torch.Generator().manual_seed(5)
+    T, H, E, k = 6, 200, 64, 8
+    x = torch.randn(T, H, generator=g)
+    gate = (torch.randn(E, H, generator=g) / H ** .5).to(gate_dtype)
+    bias = torch.randn(E, generator=g) * 0.1
+    ids, w = cpu_native.route_sigmoid(x, gate, bias, k, renormalize, 2.5, use_simd=use_simd)
+    scores = torch.sigmoid(x @ gate.float().T)
+    want = (scores + bias).topk(k, dim=-1).indices
+    assert torch.equal(ids, want)
+    ref = scores.gather(1, want)
+    if renormalize:
+        ref = ref / (ref.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(w, ref * 2.5, rtol=1e-5, atol=0)
+    tied, _ = cpu_native.route_sigmoid(torch.zeros(1, H), gate, torch.zeros(E), 3, True, 1.0, use_simd=use_simd)
+    assert tied.tolist() == [[0, 1, 2]]
+    for bad in (0, E + 1):
+        with pytest.raises(ValueError, match="experts a row"):
+            cpu_native.route_sigmoid(x, gate, bias, bad, True, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_native.route_sigmoid(x, gate, bias[:3], k, True, 1.0)

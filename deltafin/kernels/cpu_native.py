@@ -93,6 +93,8 @@ def _library() -> ctypes.CDLL | None:
         lib.silu_glu_f32.restype = _int
         lib.rms_norm_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int]
         lib.rms_norm_f32.restype = _int
+        lib.route_sigmoid_f32.argtypes = [_p, _i64, _i64, _p, _int, _p, _i64, _i64, _int, ctypes.c_float, _p, _p, _int]
+        lib.route_sigmoid_f32.restype = _int
         lib.kda_steps_f32.argtypes = [_i64, _p, _p, _p, _p, _int, _p, _p, _int, _p, _int, _p, _int, ctypes.c_float,
                                       _p, _p, _int, ctypes.c_float, _p, _p, _i64, _i64, _i64, _int]
         lib.kda_steps_f32.restype = _int
@@ -503,6 +505,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, use_simd:
     lib.rms_norm_f32(x.data_ptr(), x.numel() // n, n, 0 if weight is None else weight.data_ptr(), w_bf16, eps,
                      y.data_ptr(), int(use_simd))
     return y
+
+
+def route_sigmoid(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
+                  scale: float, use_simd: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid router without expert groups over contiguous CPU float32 rows x [T, H] (gate float32 or
+    bf16 [E, H], bias float32 [E]): the ids [T, k] of the k largest sigmoid(x @ gate^T) + bias, in
+    descending order, and their weights [T, k] (the scores, renormalized to sum 1 if asked, times
+    scale), as model/moe.py route computes them, in one native call; scores differ from torch's by
+    float32 rounding."""
+    lib = _lib_or_raise()
+    if not (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu):
+        raise ValueError(f"route_sigmoid needs contiguous CPU float32 rows [T, H], got {x.dtype} {tuple(x.shape)}")
+    T, H = x.shape
+    if not (gate.dim() == 2 and gate.shape[1] == H and gate.dtype in (torch.float32, torch.bfloat16)
+            and gate.is_contiguous() and gate.is_cpu):
+        raise ValueError(f"route_sigmoid needs a contiguous CPU float32 or bf16 gate [E, {H}], got {gate.dtype} "
+                         f"{tuple(gate.shape)}")
+    E = gate.shape[0]
+    if not (bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous() and bias.is_cpu):
+        raise ValueError(f"route_sigmoid needs a float32 bias [{E}], got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= k <= E:
+        raise ValueError(f"route_sigmoid picks 1..{E} experts a row, got {k}")
+    ids = torch.empty(T, k, dtype=torch.int64)
+    w = torch.empty(T, k, dtype=torch.float32)
+    rc = lib.route_sigmoid_f32(x.data_ptr(), T, H, gate.data_ptr(), int(gate.dtype == torch.bfloat16),
+                               bias.data_ptr(), E, k, int(renormalize), scale, ids.data_ptr(), w.data_ptr(),
+                               int(use_simd))
+    if rc == -1:
+        raise MemoryError("route_sigmoid could not allocate its scores")
+    return ids, w
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor, use_simd: bool = True) -> torch.Tensor:

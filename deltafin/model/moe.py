@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels import experts_cpu
+from ..kernels import cpu_native, experts_cpu
 from ..kernels.grouped import Stacked, grouped_mlp
 from .binding import Bindable
 from .ops import linear, linears, rms_norm, silu_glu, situ_glu
@@ -34,7 +34,15 @@ class DenseMLP(Bindable):
 
 
 def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert ids [T, k] and their weights [T, k] (fp32) for rows x [T, H]."""
+    """Top-k expert ids [T, k] and their weights [T, k] (fp32) for rows x [T, H]. Decode-sized float32
+    rows on the CPU with a sigmoid router and no expert groups take one native call
+    (cpu_native.route_sigmoid, the same formula up to float32 rounding)."""
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= cpu_native.GEMV_MAX_ROWS
+            and cfg.router_activation == "sigmoid" and cfg.num_expert_group <= cfg.topk_group
+            and gate_w.device.type == "cpu" and gate_w.dtype in (torch.float32, torch.bfloat16)
+            and cpu_native.available()):
+        return cpu_native.route_sigmoid(x.contiguous(), gate_w.contiguous(), bias.float().contiguous(),
+                                        cfg.experts_per_token, cfg.renormalize, cfg.routed_scaling_factor)
     logits = torch.nn.functional.linear(x.float(), gate_w.float())
     scores = torch.sigmoid(logits) if cfg.router_activation == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores + bias.float()  # the correction bias steers selection only
