@@ -52,12 +52,12 @@ def routed(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
 def routed_and_shared(glu, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: dict,
                       shared: tuple, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``routed``'s sum and the shared expert's output for every row of z, (routed, shared) fp32 [T, H]
-    each, with the shared expert's products in the same two native calls as the routed experts' (two
-    calls a layer fewer: a decode token of kl_medium makes ~77), or None where ``routed`` gives None
+    each, with the shared expert's products in the same native calls as the routed experts' (one call
+    with ``silu``, else two: two calls a layer fewer than apart), or None where ``routed`` gives None
     or the shared expert's (gate, up, down) are not int8 or bf16 weights of the routed experts' shape
-    and kind. Each value equals the separate computation's bit for bit (the same row kernel per
-    product, the activation elementwise) where the activation runs in torch; with ``silu`` the native
-    call's activation differs from torch's by its exp's rounding."""
+    and kind. Each value equals the separate computation's bit for bit: the same row kernel per
+    product, the same activation (with ``silu`` the native one, which ops.silu_glu takes for such rows
+    too)."""
     if ids.shape[0] > cpu_native.GEMV_MAX_ROWS or _is_mxfp4(next(iter(experts.values()))[0]):
         return None  # apart, the shared expert's rows would take the torch path; MXFP4 calls take no int8/bf16
     return _routed(glu, z, ids, weights, experts, shared, silu)

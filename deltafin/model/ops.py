@@ -181,7 +181,8 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     native MoE call computes (``cpu_native.moe_silu``), so a layer's experts give the same bits in one
     call or apart."""
     if (gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and up.device == gate.device
-            and gate.shape == up.shape and gate.numel() // max(1, gate.shape[-1]) <= cpu_native.GEMV_MAX_ROWS
+            and gate.shape == up.shape and gate.dim() >= 1
+            and gate.numel() // max(1, gate.shape[-1]) <= cpu_native.GEMV_MAX_ROWS
             and cpu_native.available()):
         return cpu_native.silu_glu(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
