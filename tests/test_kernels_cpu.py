@@ -1217,3 +1217,31 @@ def test_route_sigmoid_matches_the_torch_router(gate_dtype, renormalize, use_sim
             cpu_native.route_sigmoid(x, gate, bias, bad, True, 1.0)
     with pytest.raises(ValueError, match="bias"):
         cpu_native.route_sigmoid(x, gate, bias[:3], k, True, 1.0)
+
+
+@native
+@SIMD
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_dense_gemv_outs_equal_each_product_alone(kind, use_simd, monkeypatch):
+    """One x against weights of one width and kind but other output sizes (a KDA layer's beta and its
+    low-rank projections): each output equals the single product bit for bit, whatever the thread count;
+    ops.linears takes that call for them; mixed kinds or widths are refused."""
+    n = 256
+    ws = [w for out, seed in ((32, 1), (128, 2), (7, 3)) for w in _dense_weights(kind, 1, out, n, seed)]
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(9))
+    want = [_one_product(kind, x, w, s, use_simd) for w, s in ws]
+    for threads in (1, 2, 3):
+        got = cpu_native.dense_gemv_outs(x, [w for w, _ in ws], [s for _, s in ws], threads=threads,
+                                         use_simd=use_simd)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    calls = []
+    real = cpu_native.dense_gemv_outs
+    monkeypatch.setattr(cpu_native, "dense_gemv_outs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    qs = [quantize(torch.randn(out, n, generator=torch.Generator().manual_seed(out)), "int8") for out in (32, 128)]
+    ys = ops.linears(x, qs)
+    assert calls == [1] and all(torch.equal(y, ops.linear(x, q)) for y, q in zip(ys, qs))
+    other = _dense_weights("bf16" if kind == "int8" else "int8", 1, 16, n, seed=4)[0]
+    with pytest.raises(ValueError, match="one kind"):
+        real(x, [ws[0][0], other[0]], [ws[0][1], other[1]])
+    with pytest.raises(ValueError, match="input width"):
+        real(x, [ws[0][0], ws[0][0][:, :128].contiguous()], [ws[0][1], ws[0][1]])

@@ -1373,14 +1373,15 @@ static void run_parallel(task_fn fn, void *args, size_t size, int t) {
     pthread_mutex_unlock(&pool.busy);
 }
 
-/* Rows 0..out-1 of every job, handed out in chunks that the threads claim as they come free: a thread
-   that starts late (woken late, or sharing its core with another process) takes fewer chunks, and no
-   thread waits at the end for another's fixed share. A chunk is `chunk` rows (a multiple of the
-   kernel's block); a row's result never depends on the chunk it falls in. */
+/* Rows 0..out-1 of every job (its own out: jobs of one call may differ), handed out in chunks that the
+   threads claim as they come free: a thread that starts late (woken late, or sharing its core with
+   another process) takes fewer chunks, and no thread waits at the end for another's fixed share. A
+   chunk is `chunk` rows (a multiple of the kernel's block); a row's result never depends on the chunk
+   it falls in. */
 struct row_chunks {
     const struct job *jobs;
     rows_fn fn;
-    int64_t out, chunk, per_job, total;
+    int64_t chunk, per_job, total;
     int64_t next;  /* the next chunk to claim (atomic) */
 };
 
@@ -1389,28 +1390,30 @@ static void *run_row_chunks(void *arg) {
     for (;;) {
         const int64_t i = __atomic_fetch_add(&rc->next, 1, __ATOMIC_RELAXED);
         if (i >= rc->total) break;
+        const struct job *jb = &rc->jobs[i / rc->per_job];
         const int64_t r0 = (i % rc->per_job) * rc->chunk;
-        rc->fn(&rc->jobs[i / rc->per_job], r0, r0 + rc->chunk < rc->out ? r0 + rc->chunk : rc->out);
+        if (r0 < jb->out) rc->fn(jb, r0, r0 + rc->chunk < jb->out ? r0 + rc->chunk : jb->out);
     }
     return NULL;
 }
 
-/* Run fn over rows 0..out-1 of `count` jobs on up to `threads` threads (fewer when there are fewer
-   than MIN_WEIGHTS_PER_THREAD weight-rows of work each); `weights` is the call's total (weights x rows
-   of x), `align` the rows a chunk is a multiple of. Returns 0. */
+/* Run fn over rows 0..out-1 of each of `count` jobs (out: the largest job's) on up to `threads`
+   threads (fewer when there are fewer than MIN_WEIGHTS_PER_THREAD weight-rows of work each);
+   `weights` is the call's total (weights x rows of x), `align` the rows a chunk is a multiple of.
+   Returns 0. */
 static int run_chunked(const struct job *jobs, int64_t count, rows_fn fn, int64_t out, int64_t weights,
                        int64_t align, int threads) {
     int64_t t = threads, by_size = weights / MIN_WEIGHTS_PER_THREAD, by_rows = count * ((out + align - 1) / align);
     if (t > by_size) t = by_size;
     if (t > by_rows) t = by_rows;
     if (t <= 1) {
-        for (int64_t i = 0; i < count; i++) fn(&jobs[i], 0, out);
+        for (int64_t i = 0; i < count; i++) fn(&jobs[i], 0, jobs[i].out);
         return 0;
     }
     /* About four chunks per thread and job: even shares, while most rows still have the kernels'
        prefetch of the rows after them. */
     const int64_t want = (out + 4 * t - 1) / (4 * t), chunk = (want + align - 1) / align * align;
-    struct row_chunks rc = {jobs, fn, out, chunk, (out + chunk - 1) / chunk, 0, 0};
+    struct row_chunks rc = {jobs, fn, chunk, (out + chunk - 1) / chunk, 0, 0};
     rc.total = count * rc.per_job;
     run_parallel(run_row_chunks, &rc, 0, (int)t);
     return 0;
@@ -1910,6 +1913,32 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
     if (shared) memcpy(y_shared, dn + P * H, (size_t)(T * H) * sizeof *y_shared);
 done:
     free(xg), free(gu), free(dn), free(xs), free(ys), free(m);
+    return rc;
+}
+
+/* One x [m, n] against `count` dense weights of one kind and width n but each its own out[i] rows (a
+   KDA layer's beta and low-rank decay and gate projections): y[i] [m, out[i]] = x @ W_i^T, each exactly
+   as int8_gemv_f32 / bf16_gemv_f32 computes it alone, in one call (x rounded once for int8). Returns 0,
+   -1 when out of memory, -2 for a group that does not fit. */
+int dense_gemv_outs_f32(const float *x, int64_t m, const void *const *w, const void *const *scale, float *const *y,
+                        int64_t count, const int64_t *out, int64_t n, int is_int8, int64_t group, int threads,
+                        int use_simd) {
+    if (group < 0 || (group && (group % 32 || n % group))) return -2;
+    struct job *jobs = malloc((size_t)(count > 0 ? count : 1) * sizeof *jobs);
+    if (!jobs) return -1;
+    int64_t weights = 0, most = 0;
+    for (int64_t i = 0; i < count; i++) {
+        jobs[i] = (struct job){.x = x, .y = y[i], .m = m, .out = out[i], .n = n};
+        if (is_int8) jobs[i].codes = (const int8_t *)w[i], int8_scales(&jobs[i], scale[i], group);
+        else jobs[i].bf16 = (const uint16_t *)w[i];
+        weights += out[i] * n * (m > 0 ? m : 1);
+        most = out[i] > most ? out[i] : most;
+    }
+    void *inputs = is_int8 ? int8q_setup(jobs, count, use_simd) : NULL;
+    int rc = -1;
+    if (!is_int8 || inputs) rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), most, weights, ROW_BLOCK,
+                                             threads);
+    free(inputs), free(jobs);
     return rc;
 }
 

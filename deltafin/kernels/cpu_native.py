@@ -83,6 +83,8 @@ def _library() -> ctypes.CDLL | None:
         lib.intq_gemv_f32.restype = _int
         lib.bf16_gemv_f32.argtypes = [_p, _i64, _p, _i64, _i64, _p, _int, _int]
         lib.bf16_gemv_f32.restype = _int
+        lib.dense_gemv_outs_f32.argtypes = [_p, _i64, _p, _p, _p, _i64, _p, _i64, _int, _i64, _int, _int]
+        lib.dense_gemv_outs_f32.restype = _int
         for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
             items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _i64, _int, _int]
             items.restype = _int
@@ -460,6 +462,36 @@ def dense_gemv_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: lis
     Returns float32 [sum of M_i, out], item i's rows after item i-1's, each equal bit for bit to
     ``int8_gemv`` / ``bf16_gemv`` of that item alone; the threads share every item's rows."""
     return _dense_call(False, xs, ws, scales, threads, use_simd)
+
+
+def dense_gemv_outs(x: torch.Tensor, ws: list[torch.Tensor], scales: list[torch.Tensor | None],
+                    threads: int | None = None, use_simd: bool = True) -> list[torch.Tensor]:
+    """One x [M, in] float32 against several int8 or bf16 weights of one kind and width `in` but any
+    number of output rows each (a KDA layer's beta and low-rank projections), in one native call:
+    [x @ W_i^T float32 [M, out_i]], each equal bit for bit to ``int8_gemv`` / ``bf16_gemv`` of it alone."""
+    lib = _lib_or_raise()
+    if not ws or any(w.dim() != 2 or w.shape[1] != ws[0].shape[1] for w in ws):
+        raise ValueError("dense outs need at least one 2-D weight, all of one input width")
+    n = ws[0].shape[1]
+    if not (x.dim() == 2 and x.shape[1] == n and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu):
+        raise ValueError(f"dense outs need contiguous CPU float32 x [M, {n}], got {x.dtype} {tuple(x.shape)}")
+    if len(scales) != len(ws):
+        raise ValueError("dense outs need one scale (None for bf16) per weight")
+    checked = {_dense_weights([w], [s]) for w, s in zip(ws, scales)}  # the items' checks, weight by weight
+    if len(checked) != 1:
+        raise ValueError("dense outs need weights of one kind (and one int8 group size)")
+    kind, group = checked.pop()
+    ys = [torch.empty(x.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
+    rc = lib.dense_gemv_outs_f32(x.data_ptr(), x.shape[0], _array(_p, [w.data_ptr() for w in ws]),
+                                 _array(_p, [0 if s is None else s.data_ptr() for s in scales]),
+                                 _array(_p, [y.data_ptr() for y in ys]), len(ws),
+                                 _array(_i64, [w.shape[0] for w in ws]), n, kind, group, _threads(threads),
+                                 int(use_simd)) if x.shape[0] else 0
+    if rc == -1:
+        raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
+    if rc != 0:
+        raise RuntimeError(f"dense gemv failed with code {rc}")
+    return ys
 
 
 def dense_gemv_t_items(xs: list[torch.Tensor], ws: list[torch.Tensor], scales: list[torch.Tensor | None],

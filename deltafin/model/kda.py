@@ -115,11 +115,13 @@ class KDAttention(Bindable):
         again (native_rollback)."""
         c = self.cfg
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
-        b = linear(x, self.b_proj).contiguous()
         if c.kda_full_rank_gate:
+            b = linear(x, self.b_proj).contiguous()
             r, gate = self._decay_input(x), self._gate(x)
-        else:  # the decay's and the gate's low-rank pairs: one native call for both halves of each
-            r, gate = products(linears(x, [self.f_a_proj, self.g_a_proj]), [self.f_b_proj, self.g_b_proj])
+        else:  # beta and the decay's and the gate's low-rank pairs: one native call for each half
+            b, f_a, g_a = linears(x, [self.b_proj, self.f_a_proj, self.g_a_proj])
+            b = b.contiguous()
+            r, gate = products([f_a, g_a], [self.f_b_proj, self.g_b_proj])
         r = r.contiguous()
         step = dict(conv_w=(self.q_conv, self.k_conv, self.v_conv), dt_bias=self.dt_bias, a_log=self.A_log,
                     lower_bound=c.kda_gate_lower_bound, o_norm=self.o_norm, eps=c.rms_norm_eps)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..kernels import cpu_native
 from ..kernels.linear import QWeight, native_dense
 from .binding import Bindable
-from .ops import HalfMatmul, linear, plain, rms_norm
+from .ops import HalfMatmul, linear, linears, plain, rms_norm
 from .state import MLAState, Rows, joined, stacked
 
 # The latent norms use a fixed eps of 1e-6 (not rms_norm_eps), like the published implementations.
@@ -52,12 +52,12 @@ class MLAttention(Bindable):
         c = self.cfg
         T, nh = x.shape[0], c.mla_num_heads
         nope, rope, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        if c.q_lora_rank:
-            q = linear(rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+        if c.q_lora_rank:  # the query's and the keys' down projections read x in one native call
+            q_a, kv = linears(x, [self.q_a_proj, self.kv_a_proj_with_mqa])
+            q = linear(rms_norm(q_a, self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
         else:
-            q = linear(x, self.q_proj)
+            q, kv = linear(x, self.q_proj), linear(x, self.kv_a_proj_with_mqa)
         q = q.view(T, nh, nope + rope)
-        kv = linear(x, self.kv_a_proj_with_mqa)
         ckv_new = rms_norm(kv[:, :r], self.kv_a_layernorm, LATENT_NORM_EPS)
         kv_b = KvB(plain(self.kv_b_proj), nh, nope, dv, x.dtype)
         # A fresh sequence's prompt attends with expanded keys and values; every other sequence in

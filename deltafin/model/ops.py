@@ -66,8 +66,18 @@ def _native_product(x: torch.Tensor, w) -> torch.Tensor | None:
 
 def linears(x: torch.Tensor, ws: list) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws], the same values; decode-sized float32 rows on the CPU against int8
-    or bf16 weights of one shape (a KDA layer's q, k and v; an MLP's gate and up) run as one native
-    call instead of one per weight."""
+    or bf16 weights of one shape (a KDA layer's q, k and v; an MLP's gate and up), or of one kind and
+    input width but other output sizes (a KDA layer's beta and low-rank projections), run as one
+    native call instead of one per weight."""
+    if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
+            and x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS:
+        dense = [native_dense(w) for w in ws]
+        if (all(d is not None for d in dense) and len({d[0].shape for d in dense}) > 1
+                and len({(d[0].shape[1], dense_kind(d)) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
+                and cpu_native.available()):
+            ys = cpu_native.dense_gemv_outs(x.reshape(-1, x.shape[-1]).contiguous(), [d[0] for d in dense],
+                                            [d[1] for d in dense])
+            return [y.view(*x.shape[:-1], -1) for y in ys]
     return products([x] * len(ws), ws)
 
 
@@ -147,11 +157,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x.is_cuda:
         w = weight.float() if weight is not None else None
         return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
-    if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] and x.is_contiguous()
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1]
             and x.numel() // x.shape[-1] <= cpu_native.GEMV_MAX_ROWS and cpu_native.available()
             and (weight is None or (weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
                                     and weight.device.type == "cpu" and tuple(weight.shape) == (x.shape[-1],)))):
-        return cpu_native.rms_norm(x, weight, eps)
+        return cpu_native.rms_norm(x.contiguous(), weight, eps)  # a slice (MLA's latent keys): one copy
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
