@@ -885,11 +885,11 @@ static int have_avx2_fma(void) {
 /* Inputs summed in int32 lanes before a conversion: each lane of an AVX-512 (AVX2) step takes 2 (4)
    products of at most 127 * 32767, so 2048 inputs keep every lane below 2^31. */
 #define INT8Q_SPAN 2048
-/* Rows of x per AVX-512 block (4 output rows each). */
 /* Blocks of output rows ahead that a block prefetches: 2 read 9216 x 2304 int8 weights from DRAM at
    21 GB/s on one core of a Zen 4 EPYC and 1024-wide ones at 17.7, against 21 / 13.4 for the next
    block (3: no faster). */
 #define INT8Q_AHEAD 2
+/* Rows of x per AVX-512 block (4 output rows each). */
 #define INT8Q_X_BLOCK 4
 
 static int16_t int8q_round(double v) {
@@ -914,7 +914,8 @@ static __attribute__((target("avx512f"))) void int8q_round_avx512(const float *x
     for (; k + 16 <= n; k += 16) {
         const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + k)), v));
         const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + k + 8)), v));
-        _mm256_storeu_si256((__m256i *)(q + k), _mm512_cvtsepi32_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        _mm256_storeu_si256((__m256i *)(q + k), _mm512_cvtsepi32_epi16(both));
     }
     int8q_round_portable(x + k, n - k, inv, q + k);
 }
@@ -1550,19 +1551,48 @@ static void int8_scales(struct job *jb, const void *scale, int64_t group) {
     else jb->row_scale = (const float *)scale;
 }
 
+static rows_fn dense_rows_fn(int is_int8, int use_simd) {
+    if (is_int8) return int8q_rows_fn(use_simd);
+#ifdef KERNELS_X86
+    if (use_simd && have_avx512()) return bf16_gemv_rows_avx512;
+    if (use_simd && have_avx2_fma()) return bf16_gemv_rows_avx2;
+    if (use_simd && have_avx2()) return dense_gemv_rows_avx2;
+#endif
+    (void)use_simd;
+    return dense_gemv_rows_portable;
+}
+
+/* One dense product's job: int8 codes w with their scales, or bf16 bits (is_int8 = 0); *weights grows
+   by its work (weights x rows of x). */
+static struct job dense_job(const float *x, int64_t m, const void *w, const void *scale, float *y, int64_t out,
+                            int64_t n, int is_int8, int64_t group, int64_t *weights) {
+    struct job jb = {.x = x, .y = y, .m = m, .out = out, .n = n};
+    if (is_int8) jb.codes = (const int8_t *)w, int8_scales(&jb, scale, group);
+    else jb.bf16 = (const uint16_t *)w;
+    *weights += out * n * (m > 0 ? m : 1);
+    return jb;
+}
+
+/* Run `count` dense jobs over all their rows (out: the largest job's), int8 ones on their rows of x
+   rounded first. Returns 0, or -1 when out of memory. */
+static int run_dense(struct job *jobs, int64_t count, int is_int8, int64_t out, int64_t weights, int threads,
+                     int use_simd) {
+    void *inputs = is_int8 ? int8q_setup(jobs, count, use_simd) : NULL;
+    if (is_int8 && !inputs) return -1;
+    const int rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
+    free(inputs);
+    return rc;
+}
+
 /* int8: y [m, out] = x [m, n] @ W^T, y[i, r] = scale[r] * sum_k codes[r, k] * x[i, k] (group 0),
    or sum_k codes[r, k] * scale[r, k / group] * x[i, k] (grouped; group a multiple of 32 dividing n).
    use_simd = 0 forces the portable code. Returns 0, -2 for a group that does not fit. */
 int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const void *scale,
                   int64_t out, int64_t n, int64_t group, float *y, int threads, int use_simd) {
     if (group < 0 || (group && (group % 32 || n % group))) return -2;
-    struct job jb = {.x = x, .codes = codes, .y = y, .m = m, .out = out, .n = n};
-    int8_scales(&jb, scale, group);
-    void *inputs = int8q_setup(&jb, 1, use_simd);
-    if (!inputs) return -1;
-    const int rc = run_rows(&jb, int8q_rows_fn(use_simd), threads);
-    free(inputs);
-    return rc;
+    int64_t weights = 0;
+    struct job jb = dense_job(x, m, codes, scale, y, out, n, 1, group, &weights);
+    return run_dense(&jb, 1, 1, out, weights, threads, use_simd);
 }
 
 /* int4 (bits 4) or int6 (bits 6): y [m, out] = x [m, n] @ W^T,
@@ -1638,17 +1668,6 @@ int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int
 
 /* ------------------------------------------------------------------ many dense products */
 
-static rows_fn dense_rows_fn(int is_int8, int use_simd) {
-    if (is_int8) return int8q_rows_fn(use_simd);
-#ifdef KERNELS_X86
-    if (use_simd && have_avx512()) return bf16_gemv_rows_avx512;
-    if (use_simd && have_avx2_fma()) return bf16_gemv_rows_avx2;
-    if (use_simd && have_avx2()) return dense_gemv_rows_avx2;
-#endif
-    (void)use_simd;
-    return dense_gemv_rows_portable;
-}
-
 /* Fill jobs[i] for the dense items; NULL when out of memory. */
 static struct job *dense_jobs(const float *const *x, const int64_t *m, const void *const *w,
                               const void *const *scale, float *const *y, int64_t count, int64_t out,
@@ -1656,12 +1675,8 @@ static struct job *dense_jobs(const float *const *x, const int64_t *m, const voi
     struct job *jobs = malloc((size_t)count * sizeof *jobs);
     if (!jobs) return NULL;
     *weights = 0;
-    for (int64_t i = 0; i < count; i++) {
-        jobs[i] = (struct job){.x = x[i], .y = y[i], .m = m[i], .out = out, .n = n};
-        if (is_int8) jobs[i].codes = (const int8_t *)w[i], int8_scales(&jobs[i], scale[i], group);
-        else jobs[i].bf16 = (const uint16_t *)w[i];
-        *weights += out * n * (m[i] > 0 ? m[i] : 1);
-    }
+    for (int64_t i = 0; i < count; i++)
+        jobs[i] = dense_job(x[i], m[i], w[i], scale[i], y[i], out, n, is_int8, group, weights);
     return jobs;
 }
 
@@ -1677,29 +1692,10 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
     int64_t weights;
     struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, &weights);
     if (!jobs) return -1;
-    void *inputs = is_int8 ? int8q_setup(jobs, count, use_simd) : NULL;
-    if (is_int8 && !inputs) {
-        free(jobs);
-        return -1;
-    }
-    const int rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), out, weights, ROW_BLOCK, threads);
-    free(inputs), free(jobs);
+    const int rc = run_dense(jobs, count, is_int8, out, weights, threads, use_simd);
+    free(jobs);
     return rc;
 }
-
-#ifdef KERNELS_X86
-/* The sum of x[0..]^2 over whole 16-wide steps in 16 lanes, then summed; *done: the elements taken. */
-static AVX512 float sum_squares_avx512(const float *x, int64_t n, int64_t *done) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) {
-        const __m512 v = _mm512_loadu_ps(x + k);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    *done = k;
-    return _mm512_reduce_add_ps(acc);
-}
-#endif
 
 #ifdef KERNELS_X86
 /* The dot product of x [n] and row elements at..at+n-1 of w (float32 or bf16 bits) over whole 16-wide
@@ -1722,6 +1718,19 @@ static AVX512 float dot_avx512(const float *x, const void *w, int bf16, int64_t 
 }
 #endif
 
+/* sum_k x[k] * w[at + k] for k < n, w float32 or bf16 bits: in 16 lanes then in order where avx512 (the
+   caller's have_avx512(), asked once), else in order. */
+static float dot_f32(const float *x, const void *w, int bf16, int64_t at, int64_t n, int avx512) {
+    float acc = 0.0f;
+    int64_t k = 0;
+#ifdef KERNELS_X86
+    if (avx512) acc = dot_avx512(x, w, bf16, at, n, &k);
+#endif
+    (void)avx512;
+    for (; k < n; k++) acc += x[k] * (bf16 ? bf16_to_float(((const uint16_t *)w)[at + k]) : ((const float *)w)[at + k]);
+    return acc;
+}
+
 /* ------------------------------------------------------------------ RMSNorm of decode-sized rows */
 
 /* y[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, in float32, for rows x [rows, n]; w float32 or bf16
@@ -1730,22 +1739,17 @@ static AVX512 float dot_avx512(const float *x, const void *w, int bf16, int64_t 
    runs in 16 lanes (AVX-512) or in order (portable): results differ from torch's by float32 rounding. */
 int rms_norm_f32(const float *x, int64_t rows, int64_t n, const void *w, int w_bf16, float eps, float *y,
                  int use_simd) {
+    const int avx512 = use_simd && have_avx512();
     for (int64_t i = 0; i < rows; i++) {
         const float *xi = x + i * n;
         float *yi = y + i * n;
-        float ss = 0.0f;
-        int64_t k = 0;
-#ifdef KERNELS_X86
-        if (use_simd && have_avx512()) ss = sum_squares_avx512(xi, n, &k);
-#endif
-        for (; k < n; k++) ss += xi[k] * xi[k];
-        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        const float inv = 1.0f / sqrtf(dot_f32(xi, xi, 0, 0, n, avx512) / (float)n + eps);
         if (!w)
-            for (k = 0; k < n; k++) yi[k] = xi[k] * inv;
+            for (int64_t k = 0; k < n; k++) yi[k] = xi[k] * inv;
         else if (w_bf16)
-            for (k = 0; k < n; k++) yi[k] = xi[k] * inv * bf16_to_float(((const uint16_t *)w)[k]);
+            for (int64_t k = 0; k < n; k++) yi[k] = xi[k] * inv * bf16_to_float(((const uint16_t *)w)[k]);
         else
-            for (k = 0; k < n; k++) yi[k] = xi[k] * inv * ((const float *)w)[k];
+            for (int64_t k = 0; k < n; k++) yi[k] = xi[k] * inv * ((const float *)w)[k];
     }
     return 0;
 }
@@ -1768,19 +1772,11 @@ int route_sigmoid_f32(const float *x, int64_t T, int64_t H, const void *gate, in
     float *score = malloc((size_t)(2 * E) * sizeof *score);
     if (!score) return -1;
     float *choice = score + E;
+    const int avx512 = use_simd && have_avx512();
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * H;
         for (int64_t e = 0; e < E; e++) {
-            float acc = 0.0f;
-            int64_t j = 0;
-#ifdef KERNELS_X86
-            if (use_simd && have_avx512()) acc = dot_avx512(xt, gate, gate_bf16, e * H, H, &j);
-#endif
-            for (; j < H; j++) {
-                const int64_t at = e * H + j;
-                acc += xt[j] * (gate_bf16 ? bf16_to_float(((const uint16_t *)gate)[at]) : ((const float *)gate)[at]);
-            }
-            score[e] = 1.0f / (1.0f + expf(-acc));
+            score[e] = 1.0f / (1.0f + expf(-dot_f32(xt, gate, gate_bf16, e * H, H, avx512)));
             choice[e] = score[e] + bias[e];
         }
         float sum = 0.0f;
@@ -1890,11 +1886,20 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
     int64_t *m = malloc((size_t)(2 * items + 1) * sizeof *m);
     int rc = -1;
     if (!xg || !gu || !dn || !xs || !ys || !m) goto done;
-    for (int64_t p = 0; p < P; p++) memcpy(xg + p * H, x + pair_row[p] * H, (size_t)H * sizeof *xg);
-    if (shared) memcpy(xg + P * H, x, (size_t)(T * H) * sizeof *xg);
     for (int64_t i = 0, at = 0; i < items; at += m[i], i++) {
         m[i] = m[items + i] = i < E ? counts[i] : T;
-        xs[i] = xs[items + i] = xg + at * H;
+        /* An item whose rows are consecutive rows of x (every expert of a one-row pass, the shared expert)
+           reads them in place: no copy, and items reading the same rows round them once (int8q_setup). */
+        const int64_t first = i < E && m[i] ? pair_row[at] : 0;
+        int64_t p = 0;
+        while (i < E && p < m[i] && pair_row[at + p] == first + p) p++;
+        if (i == E || p == m[i]) {
+            xs[i] = x + first * H;
+        } else {
+            for (p = 0; p < m[i]; p++) memcpy(xg + (at + p) * H, x + pair_row[at + p] * H, (size_t)H * sizeof *xg);
+            xs[i] = xg + at * H;
+        }
+        xs[items + i] = xs[i];
         ys[i] = gu + at * I, ys[items + i] = gu + (R + at) * I;
     }
     rc = dense_gemv_items_f32(xs, m, w, scale, ys, 2 * items, I, H, is_int8, group_in, threads, use_simd);
@@ -1928,17 +1933,11 @@ int dense_gemv_outs_f32(const float *x, int64_t m, const void *const *w, const v
     if (!jobs) return -1;
     int64_t weights = 0, most = 0;
     for (int64_t i = 0; i < count; i++) {
-        jobs[i] = (struct job){.x = x, .y = y[i], .m = m, .out = out[i], .n = n};
-        if (is_int8) jobs[i].codes = (const int8_t *)w[i], int8_scales(&jobs[i], scale[i], group);
-        else jobs[i].bf16 = (const uint16_t *)w[i];
-        weights += out[i] * n * (m > 0 ? m : 1);
+        jobs[i] = dense_job(x, m, w[i], scale[i], y[i], out[i], n, is_int8, group, &weights);
         most = out[i] > most ? out[i] : most;
     }
-    void *inputs = is_int8 ? int8q_setup(jobs, count, use_simd) : NULL;
-    int rc = -1;
-    if (!is_int8 || inputs) rc = run_chunked(jobs, count, dense_rows_fn(is_int8, use_simd), most, weights, ROW_BLOCK,
-                                             threads);
-    free(inputs), free(jobs);
+    const int rc = run_dense(jobs, count, is_int8, most, weights, threads, use_simd);
+    free(jobs);
     return rc;
 }
 
