@@ -375,9 +375,17 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, thr
     else:
         raise ValueError(f"dense_gemv needs int8 codes with a scale or a bf16 weight, got {w.dtype} "
                          f"with{'out' if scale is None else ''} a scale")
+    _check_dense(rc, 1)
+    return y
+
+
+def _check_dense(rc: int, count: int) -> None:
+    """A native dense call's return code as the error it stands for (-1: int8 x rounded into scratch
+    that could not be allocated)."""
+    if rc == -1:
+        raise MemoryError(f"dense gemv could not allocate scratch for {count} products")
     if rc != 0:
         raise RuntimeError(f"dense gemv failed with code {rc}")
-    return y
 
 
 def _int8_group(out: int, n: int, scale: torch.Tensor) -> int | None:
@@ -487,10 +495,7 @@ def dense_gemv_outs(x: torch.Tensor, ws: list[torch.Tensor], scales: list[torch.
                                  _array(_p, [y.data_ptr() for y in ys]), len(ws),
                                  _array(_i64, [w.shape[0] for w in ws]), n, kind, group, _threads(threads),
                                  int(use_simd)) if x.shape[0] else 0
-    if rc == -1:
-        raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
-    if rc != 0:
-        raise RuntimeError(f"dense gemv failed with code {rc}")
+    _check_dense(rc, len(ws))
     return ys
 
 
@@ -511,10 +516,7 @@ def _dense_call(transposed: bool, xs, ws, scales, threads: int | None, use_simd:
     y, args, kind, group = _dense_items(xs, ws, scales, rows if transposed else cols, cols if transposed else rows)
     fn = lib.dense_gemv_t_items_f32 if transposed else lib.dense_gemv_items_f32
     rc = fn(*args, len(ws), rows, cols, kind, group, _threads(threads), int(use_simd)) if y.numel() else 0
-    if rc == -1:
-        raise MemoryError(f"dense gemv could not allocate scratch for {len(ws)} products")
-    if rc != 0:
-        raise RuntimeError(f"dense gemv failed with code {rc}")
+    _check_dense(rc, len(ws))
     return y
 
 
@@ -566,6 +568,8 @@ def route_sigmoid(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: in
                                int(use_simd))
     if rc == -1:
         raise MemoryError("route_sigmoid could not allocate its scores")
+    if rc != 0:
+        raise RuntimeError(f"route_sigmoid failed with code {rc}")
     return ids, w
 
 

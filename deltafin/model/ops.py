@@ -69,32 +69,30 @@ def linears(x: torch.Tensor, ws: list) -> list[torch.Tensor]:
     or bf16 weights of one shape (a KDA layer's q, k and v; an MLP's gate and up), or of one kind and
     input width but other output sizes (a KDA layer's beta and low-rank projections), run as one
     native call instead of one per weight."""
-    if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
-            and x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS:
-        dense = [native_dense(w) for w in ws]
-        if (all(d is not None for d in dense) and len({d[0].shape for d in dense}) > 1
-                and len({(d[0].shape[1], dense_kind(d)) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
-                and cpu_native.available()):
-            ys = cpu_native.dense_gemv_outs(x.reshape(-1, x.shape[-1]).contiguous(), [d[0] for d in dense],
-                                            [d[1] for d in dense])
-            return [y.view(*x.shape[:-1], -1) for y in ys]
     return products([x] * len(ws), ws)
 
 
 def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
-    """[linear(x, w) for x, w in zip(xs, ws)], the same values; inputs of one shape against int8 or bf16
-    weights of one shape (KDA's two low-rank halves, each on its own input) run as one native call
-    when the rows are decode-sized float32 on the CPU."""
+    """[linear(x, w) for x, w in zip(xs, ws)], the same values; decode-sized float32 rows on the CPU
+    against int8 or bf16 weights of one kind and input width run as one native call: inputs of one
+    shape against weights of one shape (KDA's two low-rank halves, each on its own input), or one
+    input against weights of other output sizes."""
     x = xs[0]
-    if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1:
+    if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
+            and x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS:
         dense = [native_dense(w) for w in ws]
-        if (x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS and all(d is not None for d in dense)
-                and len({(d[0].shape, dense_kind(d)) for d in dense}) == 1 and dense[0][0].shape[1] == x.shape[-1]
+        if (all(d is not None and d[0].shape[1] == x.shape[-1] for d in dense)
+                and len({dense_kind(d) for d in dense}) == 1
                 and all(o.shape == x.shape and o.dtype == x.dtype and o.device == x.device for o in xs)
                 and cpu_native.available()):
-            rows = [o.reshape(-1, x.shape[-1]).contiguous() for o in xs]
-            y = cpu_native.dense_gemv_items(rows, [d[0] for d in dense], [d[1] for d in dense])
-            return list(y.view(len(ws), *x.shape[:-1], -1).unbind(0))
+            if len({d[0].shape for d in dense}) == 1:
+                rows = [o.reshape(-1, x.shape[-1]).contiguous() for o in xs]
+                y = cpu_native.dense_gemv_items(rows, [d[0] for d in dense], [d[1] for d in dense])
+                return list(y.view(len(ws), *x.shape[:-1], -1).unbind(0))
+            if all(o is x for o in xs):
+                ys = cpu_native.dense_gemv_outs(x.reshape(-1, x.shape[-1]).contiguous(), [d[0] for d in dense],
+                                                [d[1] for d in dense])
+                return [y.view(*x.shape[:-1], -1) for y in ys]
     return [linear(x, w) for x, w in zip(xs, ws)]
 
 
