@@ -1245,3 +1245,22 @@ def test_dense_gemv_outs_equal_each_product_alone(kind, use_simd, monkeypatch):
         real(x, [ws[0][0], other[0]], [ws[0][1], other[1]])
     with pytest.raises(ValueError, match="input width"):
         real(x, [ws[0][0], ws[0][0][:, :128].contiguous()], [ws[0][1], ws[0][1]])
+
+
+@native
+def test_silu_glu_and_limit_simd_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_native.silu_glu(torch.zeros(4), torch.zeros(5))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.silu_glu(torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_native.silu_glu(torch.zeros(4, 4).T, torch.zeros(4, 4))
+    before = cpu_native.simd()
+    for bad in ("avx1024", "", "AVX2"):
+        with pytest.raises(ValueError, match="limit_simd takes one of"):
+            with cpu_native.limit_simd(bad):
+                pass
+    assert cpu_native.simd() == before
+    with cpu_native.limit_simd("portable"):
+        assert cpu_native.simd() == "portable"
+    assert cpu_native.simd() == before
