@@ -656,8 +656,8 @@ def _decode(model, prompts: list[list[int]], tokens: int, piece: int | None = No
         flight.append((group, model.start_batch([d.next_pass(max_prompt=piece) for d in group])))
     while flight:  # every group ends after the same passes
         group, pending = flight.popleft()
-        for d, logits in zip(group, pending.result()):
-            d.take(logits)
+        for d, logits, ids in zip(group, pending.result(), pending.argmax()):
+            d.take(logits, ids)
         if not group[0].done:
             flight.append((group, model.start_batch([d.next_pass(max_prompt=piece) for d in group])))
     return runs[0].result().stats

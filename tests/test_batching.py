@@ -84,6 +84,23 @@ def test_batched_pass_equals_each_sequence_alone(model):
     assert full.max_abs_diff(batch[0]) <= ROUNDING
 
 
+def test_a_pass_reads_back_every_sequences_argmax_at_once(model):
+    """PendingPass.argmax: each sequence's wanted rows' argmax (none for a prompt piece that wants no
+    logits), the ids each row's own argmax gives; asked before the pass ended, an error."""
+    states = [model.new_state() for _ in range(3)]
+    seqs = [Seq(_ids(model, 7, 1), states[0], logits="none"), Seq(_ids(model, 4, 2), states[1], logits="all"),
+            Seq(_ids(model, 5, 3), states[2], logits="last")]
+    pending = model.start_batch(seqs)
+    with pytest.raises(RuntimeError, match="before result"):
+        pending.argmax()
+    logits = pending.result()
+    assert pending.argmax() == [[], logits[1].argmax(-1).tolist(), logits[2].argmax(-1).tolist()]
+    assert [len(a) for a in pending.argmax()] == [0, 4, 1]
+    # a pass none of whose sequences wants logits has no ids to give
+    pending = model.start_batch([Seq(_ids(model, 3, 4), model.new_state(), logits="none")])
+    assert pending.result() == [None] and pending.argmax() == [[]]
+
+
 def test_routed_experts_are_read_once_per_layer_for_the_batch(model):
     """The experts a batch asks for are the union of what its rows chose, each read once."""
     seqs = [Seq(_ids(model, 1, 20 + k), model.new_state()) for k in range(6)]

@@ -153,7 +153,7 @@ def sorted_mlp(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack:
     by_expert, order = ids.reshape(-1).sort(stable=True)  # pairs by expert, rows in order within each
     # where each expert's pairs end (bincount would read its maximum back to the host)
     ends = torch.searchsorted(by_expert, torch.arange(E, device=ids.device), right=True).to(torch.int32)
-    x = z[order // k].to(torch.bfloat16)
+    x = z.to(torch.bfloat16)[order // k]  # rounded before the gather: k times fewer rows to round
     gu = F.grouped_mm(x, stack.w13.transpose(1, 2), offs=ends).float()  # [P, 2I]
     act = glu(gu[:, :inter], gu[:, inter:]).to(torch.bfloat16)
     out = F.grouped_mm(act, stack.w2.transpose(1, 2), offs=ends)  # [P, H], pairs in expert order

@@ -195,7 +195,7 @@ class KDAttention(Bindable):
         q, k, v = F.silu(causal_conv(xin, conv0, w)).unbind(1)  # each [B, n, D]
         Km1 = conv0.shape[2]
         if Km1:
-            tails = torch.cat([conv0.to(xin.dtype), xin], dim=2)[:, :, -Km1:]
+            tails = torch.cat([conv0.to(xin.dtype), xin[:, :, -Km1:]], dim=2)[:, :, -Km1:]  # the last K-1 inputs
             if conv_run is not None:
                 if keep_states:  # the start tails, for a rollback, before the slots are overwritten
                     conv0 = conv0.clone()

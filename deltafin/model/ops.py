@@ -93,7 +93,22 @@ def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
                 ys = cpu_native.dense_gemv_outs(x.reshape(-1, x.shape[-1]).contiguous(), [d[0] for d in dense],
                                                 [d[1] for d in dense])
                 return [y.view(*x.shape[:-1], -1) for y in ys]
+    if len(ws) > 1 and x.is_cuda and all(o is x for o in xs) and (rounded := _rounded_once(x, ws)) is not None:
+        return [F.linear(rounded, w.weight).to(x.dtype) for w in ws]
     return [linear(x, w) for x, w in zip(xs, ws)]
+
+
+def _rounded_once(x: torch.Tensor, ws: list) -> torch.Tensor | None:
+    """x rounded to the 16-bit dtype of CUDA products ``ws`` that all take torch's matmul from it
+    (``_half_linear``'s path for them), so one rounding serves them all (a KDA layer's six
+    projections of one prompt piece each rounded the same rows again); else None."""
+    if not all(isinstance(w, HalfMatmul) and isinstance(w.weight, torch.Tensor) and w.weight.dtype == w.dtype
+               and w.weight.is_cuda for w in ws) or len({w.dtype for w in ws}) != 1:
+        return None
+    gemv = _half_gemv_kernels() if ws[0].dtype == torch.bfloat16 else None
+    if gemv is not None and any(gemv.applies(x, w.weight) for w in ws):
+        return None
+    return x.to(ws[0].dtype)
 
 
 def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:

@@ -247,8 +247,15 @@ class Decoding:
         self._pass = (self.state.num_tokens, draft)
         return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all", on_device=True)
 
-    def take(self, logits: torch.Tensor | None) -> None:
-        """The logits of the pass ``next_pass()`` asked for."""
+    @property
+    def picks_argmax(self) -> bool:
+        """Whether its tokens are its logits' argmax (greedy, unconstrained): what ``take`` can be
+        handed, found for a whole pass at once (``PendingPass.argmax``)."""
+        return self.rng is None and self.matcher is None
+
+    def take(self, logits: torch.Tensor | None, argmax: list[int] | None = None) -> None:
+        """The logits of the pass ``next_pass()`` asked for; ``argmax``, when given, their rows' argmax
+        ids, read back for the whole pass (used where ``picks_argmax``)."""
         if self._pass is None:
             raise RuntimeError("take() without a pass in flight: call next_pass() first")
         before, draft = self._pass
@@ -259,14 +266,14 @@ class Decoding:
                 self.on_prefill(self.state)
             if self.prefilling:
                 return
-            preds, _, logprobs = self._pick(logits, [])
+            preds, _, logprobs = self._pick(logits, [], argmax)
             self._times.append(time.perf_counter())
             self.context.append(preds[0])
             self._end(self._consume(preds[0], logprobs[0] if logprobs else None))
             return
         self.stats["passes"] += 1
         self.stats["drafted_tokens"] += len(draft)
-        preds, ok, logprobs = self._pick(logits, draft)
+        preds, ok, logprobs = self._pick(logits, draft, argmax)
         used = 0  # tokens of this burst (preds[:ok + 1]) that generation actually took
         reason = None
         for i, t in enumerate(preds[:ok + 1]):
@@ -305,7 +312,8 @@ class Decoding:
         return Generation(self.out.tokens, self.out.text(), self.finish, stats, self.generated, self.state,
                           logprobs)
 
-    def _pick(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int, list | None]:
+    def _pick(self, logits: torch.Tensor, draft: list[int],
+              argmax: list[int] | None = None) -> tuple[list[int], int, list | None]:
         """The tokens a pass produced: (picks, accepted, logprobs). ``picks[i]`` is the token after
         the i-th fed token, ``accepted`` how many draft tokens equal the picks before them (so
         picks[:accepted + 1] follow, the last being the verifier's own), ``logprobs`` their
@@ -316,7 +324,7 @@ class Decoding:
             if self.rng is not None:
                 picks = [_sample(logits[-1], p.temperature, p.top_k, p.top_p, self.rng)]
             else:
-                picks = logits.argmax(dim=-1).tolist()
+                picks = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
             ok = 0
             while ok < len(draft) and draft[ok] == picks[ok]:
                 ok += 1

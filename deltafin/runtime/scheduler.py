@@ -385,6 +385,9 @@ class Scheduler:
         t2 = time.perf_counter()
         try:
             logits = flight.logits if flight.pending is None else flight.pending.result()
+            # the greedy requests' picks: one argmax and read-back for the pass, not one per request
+            picks = flight.pending.argmax() if flight.pending is not None and any(
+                r.decoding.picks_argmax for r, _ in batch) else [None] * len(batch)
         except Exception as e:
             self._failed(batch, e)
             return
@@ -393,9 +396,9 @@ class Scheduler:
         self.costs.record(rows, t3 - flight.t1)
         prompt_rows = sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
         decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
-        for (r, _), out in zip(batch, logits):
+        for (r, _), out, ids in zip(batch, logits, picks):
             try:
-                r.decoding.take(out)
+                r.decoding.take(out, ids if r.decoding.picks_argmax else None)
             except Exception as e:  # this request's own callback or checks: only it fails
                 r.future.set_exception(e)
         t = self.tally  # counted before the finished requests are resolved, so their callers see it
