@@ -100,8 +100,8 @@ def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
 
 def _rounded_once(x: torch.Tensor, ws: list) -> torch.Tensor | None:
     """x rounded to the 16-bit dtype of CUDA products ``ws`` that all take torch's matmul from it
-    (``_half_linear``'s path for them), so one rounding serves them all (a KDA layer's six
-    projections of one prompt piece each rounded the same rows again); else None."""
+    (``_half_linear``'s path for them), so one rounding serves them all (a KDA layer's q, k and v
+    of a prompt piece each rounded the same rows again); else None."""
     if not all(isinstance(w, HalfMatmul) and isinstance(w.weight, torch.Tensor) and w.weight.dtype == w.dtype
                and w.weight.is_cuda for w in ws) or len({w.dtype for w in ws}) != 1:
         return None
