@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_native
 from .binding import Bindable
-from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm
+from .ops import HalfMatmul, l2_normalize, linear, linears, one_native_kind, products, rms_norm
 from .kda_recurrence import fused_decode_available, kda_decode_fused, kda_prompt, kda_recurrent
 from .state import KDAState, Rows, stacked
 
@@ -114,15 +114,19 @@ class KDAttention(Bindable):
         order. A sequence that checks drafts keeps what a rollback needs to step its accepted rows
         again (native_rollback)."""
         c = self.cfg
-        xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]), dim=1)  # [T, 3, D]
+        qkv = [self.q_proj, self.k_proj, self.v_proj]
         if c.kda_full_rank_gate:
-            b = linear(x, self.b_proj).contiguous()
+            q, k, v = linears(x, qkv)
+            b = linear(x, self.b_proj)
             r, gate = self._decay_input(x), self._gate(x)
         else:  # beta and the decay's and the gate's low-rank pairs: one native call for each half
-            b, f_a, g_a = linears(x, [self.b_proj, self.f_a_proj, self.g_a_proj])
-            b = b.contiguous()
+            lows = [self.b_proj, self.f_a_proj, self.g_a_proj]
+            # the first halves in q, k and v's call where all six are of one kind (one call fewer a layer)
+            q, k, v, b, f_a, g_a = linears(x, qkv + lows) if one_native_kind(qkv + lows) else \
+                linears(x, qkv) + linears(x, lows)
             r, gate = products([f_a, g_a], [self.f_b_proj, self.g_b_proj])
-        r = r.contiguous()
+        xin = torch.stack([q, k, v], dim=1)  # [T, 3, D]
+        b, r = b.contiguous(), r.contiguous()
         step = dict(conv_w=(self.q_conv, self.k_conv, self.v_conv), dt_bias=self.dt_bias, a_log=self.A_log,
                     lower_bound=c.kda_gate_lower_bound, o_norm=self.o_norm, eps=c.rms_norm_eps)
         counts = [n for _, n, _ in parts]

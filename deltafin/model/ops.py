@@ -81,8 +81,7 @@ def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
     if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
             and x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS:
         dense = [native_dense(w) for w in ws]
-        if (all(d is not None and d[0].shape[1] == x.shape[-1] for d in dense)
-                and len({dense_kind(d) for d in dense}) == 1
+        if (all(d is not None and d[0].shape[1] == x.shape[-1] for d in dense) and _one_kind(dense)
                 and all(o.shape == x.shape and o.dtype == x.dtype and o.device == x.device for o in xs)
                 and cpu_native.available()):
             if len({d[0].shape for d in dense}) == 1:
@@ -96,6 +95,16 @@ def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
     if len(ws) > 1 and x.is_cuda and all(o is x for o in xs) and (rounded := _rounded_once(x, ws)) is not None:
         return [F.linear(rounded, w.weight).to(x.dtype) for w in ws]
     return [linear(x, w) for x, w in zip(xs, ws)]
+
+
+def one_native_kind(ws: list) -> bool:
+    """Whether the weights are int8 or bf16 weights of one kind (and int8 group) that the native products
+    take: what ``products`` runs as one call (with inputs of its conditions)."""
+    return _one_kind([native_dense(w) for w in ws])
+
+
+def _one_kind(dense: list) -> bool:
+    return all(d is not None for d in dense) and len({dense_kind(d) for d in dense}) == 1
 
 
 def _rounded_once(x: torch.Tensor, ws: list) -> torch.Tensor | None:
