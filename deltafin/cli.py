@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
           f"{s['passes']} passes ({s['tokens_per_pass']:.2f} tokens/pass), finish: {g.finish_reason}",
           file=sys.stderr)
     if settings.profile:
-        print(format_summary(recorder.passes), file=sys.stderr)
+        print(format_summary(recorder.passes, made=max(s["generated_tokens"] - 1, 0)), file=sys.stderr)
         residency = model.residency_now()
         if residency is not None:
             print(f"  residency now: {residency}", file=sys.stderr)

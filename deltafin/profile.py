@@ -96,8 +96,10 @@ def summarize(passes: list[PassStats]) -> dict:
     }
 
 
-def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
-    """A short report: the prefill pass (the first, when `prefill`) and the decode passes after it."""
+def format_summary(passes: list[PassStats], prefill: bool = True, made: int | None = None) -> str:
+    """A short report: the prefill pass (the first, when `prefill`) and the decode passes after it.
+    ``made``: the tokens those decode passes produced, where checked drafts make them fewer than the
+    rows the passes fed (a speculating run): the rate is then of tokens made, the means per row fed."""
     lines = []
     if prefill and passes:
         p = passes[0]
@@ -107,10 +109,15 @@ def format_summary(passes: list[PassStats], prefill: bool = True) -> str:
     if passes:
         d = summarize(passes)
         t = max(d["seconds"], 1e-12)
-        lines.append(f"decode: {d['tokens']} tok in {d['passes']} passes, {d['tok_s']:.2f} tok/s, "
-                     f"{d['ms_per_token']:.1f} ms/tok")
+        drafts = made is not None and made != d["tokens"]
+        if drafts:
+            lines.append(f"decode: {made} tok in {d['passes']} passes ({d['tokens']} rows fed, drafts included), "
+                         f"{made / t:.2f} tok/s, {t * 1e3 / max(made, 1):.1f} ms/tok")
+        else:
+            lines.append(f"decode: {d['tokens']} tok in {d['passes']} passes, {d['tok_s']:.2f} tok/s, "
+                         f"{d['ms_per_token']:.1f} ms/tok")
         per = PassStats(**{field: round(d["bytes_by_source_per_token"][name]) for name, field in SOURCES})
-        lines.append(f"  per token: {_by_source(per)}, {d['experts_per_token']:.1f} experts; "
+        lines.append(f"  per {'row' if drafts else 'token'}: {_by_source(per)}, {d['experts_per_token']:.1f} experts; "
                      f"disk {d['read_gbps']:.2f} GB/s"
                      + (f"; host->device {d['h2d_bytes_per_token'] / MB:.2f} MB" if d["h2d_bytes_per_token"] else ""))
         if d["spine_cache_hit_rate"] is not None:

@@ -193,6 +193,15 @@ def test_pass_recorder_and_profile_lines(tiny_k3_path):
     assert "pass    1" in line and "MB" in line and "experts" in line
     text = format_summary(rec.passes)
     assert text.startswith(f"prefill: {len(PROMPT)} tok") and "decode: 3 tok in 3 passes" in text
+    assert format_summary(rec.passes, made=3) == text  # no drafts: the rows fed are the tokens made
+
+
+def test_profile_summary_counts_the_tokens_a_speculating_run_made():
+    """Passes that checked drafts fed more rows than they made tokens: the rate is of tokens made."""
+    passes = [PassStats(tokens=9, seconds=0.5)] + [PassStats(tokens=5, seconds=0.01) for _ in range(4)]
+    text = format_summary(passes, made=10)
+    assert "decode: 10 tok in 4 passes (20 rows fed, drafts included), 250.00 tok/s, 4.0 ms/tok" in text
+    assert "  per row: " in text
 
 
 def _bench_json(capsys, *argv) -> dict:
