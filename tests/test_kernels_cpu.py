@@ -950,8 +950,9 @@ def test_dense_gemv_t_items_match_the_dequantized_transposed_product(kind, depth
 
 @native
 def test_linears_equal_one_linear_per_weight(monkeypatch):
-    """ops.linears: one native call for int8 or bf16 weights of one shape (decode-sized rows), the
-    plain per-weight products otherwise; the values are ops.linear's bit for bit either way."""
+    """ops.linears: one native call for int8 or bf16 weights of one shape (decode-sized rows), one for
+    each kind where the kinds differ, the plain per-weight products otherwise; the values are
+    ops.linear's bit for bit either way."""
     g = torch.Generator().manual_seed(9)
     int8 = [quantize(torch.randn(48, 80, generator=g), "int8") for _ in range(3)]
     bf16 = [torch.randn(48, 80, generator=g).bfloat16() for _ in range(2)]
@@ -959,13 +960,13 @@ def test_linears_equal_one_linear_per_weight(monkeypatch):
     calls = []
     real = cpu_native.dense_gemv_items
     monkeypatch.setattr(cpu_native, "dense_gemv_items", lambda *a: calls.append(1) or real(*a))
-    for ws, native_call in [(int8, True), (bf16, True), (int8[:1] + bf16[:1], False), (int8[:1] + other[1:], False),
-                            (other[:1] * 2, False)]:
+    for ws, native_calls in [(int8, 1), (bf16, 1), (int8[:1] + bf16[:1], 0), (int8[:1] + other[1:], 0),
+                             (other[:1] * 2, 0), (int8[:2] + bf16 + int8[2:], 2)]:
         for shape in [(1, 80), (2, 3, 80), (cpu_native.GEMV_MAX_ROWS + 1, 80)]:
             x = torch.randn(*shape, generator=g)
             calls.clear()
             got = ops.linears(x, ws)
-            assert len(calls) == int(native_call and x.numel() // 80 <= cpu_native.GEMV_MAX_ROWS)
+            assert len(calls) == (native_calls if x.numel() // 80 <= cpu_native.GEMV_MAX_ROWS else 0)
             want = [ops.linear(x, w) for w in ws]
             assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_native
 from .binding import Bindable
-from .ops import HalfMatmul, l2_normalize, linear, linears, one_native_kind, products, rms_norm
+from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm
 from .kda_recurrence import fused_decode_available, kda_decode_fused, kda_prompt, kda_recurrent
 from .state import KDAState, Rows, stacked
 
@@ -119,11 +119,9 @@ class KDAttention(Bindable):
             q, k, v = linears(x, qkv)
             b = linear(x, self.b_proj)
             r, gate = self._decay_input(x), self._gate(x)
-        else:  # beta and the decay's and the gate's low-rank pairs: one native call for each half
-            lows = [self.b_proj, self.f_a_proj, self.g_a_proj]
-            # the first halves in q, k and v's call where all six are of one kind (one call fewer a layer)
-            q, k, v, b, f_a, g_a = linears(x, qkv + lows) if one_native_kind(qkv + lows) else \
-                linears(x, qkv) + linears(x, lows)
+        else:  # beta and the decay's and the gate's low-rank pairs: one native call for each half,
+            # the first halves in q, k and v's (one call a kind)
+            q, k, v, b, f_a, g_a = linears(x, qkv + [self.b_proj, self.f_a_proj, self.g_a_proj])
             r, gate = products([f_a, g_a], [self.f_b_proj, self.g_b_proj])
         xin = torch.stack([q, k, v], dim=1)  # [T, 3, D]
         b, r = b.contiguous(), r.contiguous()

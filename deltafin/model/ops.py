@@ -66,45 +66,50 @@ def _native_product(x: torch.Tensor, w) -> torch.Tensor | None:
 
 def linears(x: torch.Tensor, ws: list) -> list[torch.Tensor]:
     """[linear(x, w) for w in ws], the same values; decode-sized float32 rows on the CPU against int8
-    or bf16 weights of one shape (a KDA layer's q, k and v; an MLP's gate and up), or of one kind and
-    input width but other output sizes (a KDA layer's beta and low-rank projections), run as one
-    native call instead of one per weight."""
+    or bf16 weights run as one native call for the weights of each kind: of one shape (a KDA layer's
+    q, k and v; an MLP's gate and up) or of other output sizes (with them, a KDA layer's beta and
+    low-rank projections)."""
     return products([x] * len(ws), ws)
 
 
 def products(xs: list[torch.Tensor], ws: list) -> list[torch.Tensor]:
     """[linear(x, w) for x, w in zip(xs, ws)], the same values; decode-sized float32 rows on the CPU
-    against int8 or bf16 weights of one kind and input width run as one native call: inputs of one
-    shape against weights of one shape (KDA's two low-rank halves, each on its own input), or one
-    input against weights of other output sizes."""
+    against int8 or bf16 weights of one input width run as one native call for the weights of each
+    kind (and int8 group): inputs of one shape against weights of one shape (KDA's two low-rank
+    halves, each on its own input), or one input against weights of other output sizes."""
     x = xs[0]
     if len(ws) > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
             and x.numel() // max(1, x.shape[-1]) <= cpu_native.GEMV_MAX_ROWS:
         dense = [native_dense(w) for w in ws]
-        if (all(d is not None and d[0].shape[1] == x.shape[-1] for d in dense) and _one_kind(dense)
+        if (all(d is not None and d[0].shape[1] == x.shape[-1] for d in dense)
                 and all(o.shape == x.shape and o.dtype == x.dtype and o.device == x.device for o in xs)
                 and cpu_native.available()):
-            if len({d[0].shape for d in dense}) == 1:
-                rows = [o.reshape(-1, x.shape[-1]).contiguous() for o in xs]
-                y = cpu_native.dense_gemv_items(rows, [d[0] for d in dense], [d[1] for d in dense])
-                return list(y.view(len(ws), *x.shape[:-1], -1).unbind(0))
-            if all(o is x for o in xs):
-                ys = cpu_native.dense_gemv_outs(x.reshape(-1, x.shape[-1]).contiguous(), [d[0] for d in dense],
-                                                [d[1] for d in dense])
-                return [y.view(*x.shape[:-1], -1) for y in ys]
+            kinds = [dense_kind(d) for d in dense]
+            out: list = [None] * len(ws)
+            for kind in dict.fromkeys(kinds):
+                mine = [i for i, k in enumerate(kinds) if k == kind]
+                ys = _native_products([xs[i] for i in mine], [dense[i] for i in mine])
+                for j, i in enumerate(mine):
+                    out[i] = ys[j] if ys is not None else linear(xs[i], ws[i])
+            return out
     if len(ws) > 1 and x.is_cuda and all(o is x for o in xs) and (rounded := _rounded_once(x, ws)) is not None:
         return [F.linear(rounded, w.weight).to(x.dtype) for w in ws]
     return [linear(x, w) for x, w in zip(xs, ws)]
 
 
-def one_native_kind(ws: list) -> bool:
-    """Whether the weights are int8 or bf16 weights of one kind (and int8 group) that the native products
-    take: what ``products`` runs as one call (with inputs of its conditions)."""
-    return _one_kind([native_dense(w) for w in ws])
-
-
-def _one_kind(dense: list) -> bool:
-    return all(d is not None for d in dense) and len({dense_kind(d) for d in dense}) == 1
+def _native_products(xs: list[torch.Tensor], dense: list) -> list[torch.Tensor] | None:
+    """``products`` of weights of one native kind in one call, or None where one call cannot take them
+    (a single weight, or several inputs against weights of other shapes)."""
+    x = xs[0]
+    if len(dense) > 1 and len({d[0].shape for d in dense}) == 1:
+        rows = [o.reshape(-1, x.shape[-1]).contiguous() for o in xs]
+        y = cpu_native.dense_gemv_items(rows, [d[0] for d in dense], [d[1] for d in dense])
+        return list(y.view(len(dense), *x.shape[:-1], -1).unbind(0))
+    if len(dense) > 1 and all(o is x for o in xs):
+        ys = cpu_native.dense_gemv_outs(x.reshape(-1, x.shape[-1]).contiguous(), [d[0] for d in dense],
+                                        [d[1] for d in dense])
+        return [y.view(*x.shape[:-1], -1) for y in ys]
+    return None
 
 
 def _rounded_once(x: torch.Tensor, ws: list) -> torch.Tensor | None:

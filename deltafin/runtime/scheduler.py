@@ -398,7 +398,7 @@ class Scheduler:
         decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
         for (r, _), out, ids in zip(batch, logits, picks):
             try:
-                r.decoding.take(out, ids if r.decoding.picks_argmax else None)
+                r.decoding.take(out, ids)
             except Exception as e:  # this request's own callback or checks: only it fails
                 r.future.set_exception(e)
         t = self.tally  # counted before the finished requests are resolved, so their callers see it
