@@ -107,6 +107,40 @@ def test_cuda_kda_prompt_matches_reference():
     assert (S.cpu().double() - S_ref).abs().max().item() < 2e-3 * S_ref.abs().max().item()
 
 
+def test_cuda_kda_prompt_piece_in_the_fused_kernels_matches_the_reference():
+    """A prompt piece's conv (from and to its tail), normalizations, decay, beta and chunked recurrence in
+    flash-linear-attention's kernels (kda_prompt_fused) against deltafin's conv and formulas in float64
+    on the CPU, with and without K3's lower-bounded gate."""
+    pytest.importorskip("fla")
+    import torch.nn.functional as F
+    from deltafin.model.kda import causal_conv
+    from deltafin.model.kda_recurrence import fused_prompt_available, kda_chunked, kda_prompt_fused
+    from deltafin.model.ops import l2_normalize
+    assert fused_prompt_available()
+    gen = torch.Generator().manual_seed(8)
+    n, H, d, K = 300, 4, 64, 4
+    D = H * d
+    xin, tail = torch.randn(3, n, D, generator=gen), torch.randn(3, K - 1, D, generator=gen)
+    w = torch.randn(3, D, K, generator=gen) * 0.3
+    g, beta = torch.randn(1, n, H, d, generator=gen), torch.randn(1, n, H, generator=gen)
+    S0, a_log, dt_bias = (torch.randn(H, d, d, generator=gen) * 0.1, torch.randn(H, generator=gen) * 0.3,
+                          torch.randn(D, generator=gen) * 0.3)
+    for lower_bound in (None, -5.0):
+        o, S, new_tail = kda_prompt_fused(*(t.cuda() for t in (xin, tail, w, g, beta, S0)), a_log=a_log.cuda(),
+                                          dt_bias=dt_bias.cuda(), lower_bound=lower_bound, scale=d ** -0.5)
+        x64 = F.silu(causal_conv(xin[None].double(), tail[None].double(), w.double()))[0]
+        q, k, v = (t.view(n, H, d) for t in x64)
+        r = g[0].double() + dt_bias.double().view(H, d)
+        a = torch.exp(a_log.double()).view(1, H, 1)
+        decay = lower_bound * torch.sigmoid(a * r) if lower_bound is not None else -a * F.softplus(r)
+        o_ref, S_ref = kda_chunked(l2_normalize(q) * d ** -0.5, l2_normalize(k), v, decay,
+                                   torch.sigmoid(beta[0].double()), S0.double())
+        assert o.shape == (1, n, H, d) and S.shape == (H, d, d) and new_tail.shape == tail.shape
+        assert (o[0].cpu().double() - o_ref).abs().max().item() < 2e-3 * o_ref.abs().max().item()
+        assert (S.cpu().double() - S_ref).abs().max().item() < 2e-3 * S_ref.abs().max().item()
+        assert torch.equal(new_tail.cpu(), xin[:, -(K - 1):])
+
+
 def test_cuda_kda_decode_steps_in_the_fused_kernel_match_the_reference():
     """B sequences' decode steps in flash-linear-attention's fused recurrent kernel (which normalizes,
     scales, gates and steps S in place) against deltafin's formulas in float64 on the CPU, with and

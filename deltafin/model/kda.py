@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from ..kernels import cpu_native
 from .binding import Bindable
 from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm
-from .kda_recurrence import fused_decode_available, kda_decode_fused, kda_prompt, kda_recurrent
+from .kda_recurrence import (fused_decode_available, fused_prompt_available, kda_decode_fused, kda_prompt,
+                             kda_prompt_fused, kda_recurrent)
 from .state import KDAState, Rows, stacked
 
 
@@ -61,9 +62,13 @@ class KDAttention(Bindable):
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay g [T, H, Dk], fp32."""
+        return self._decay(self._decay_input(x))
+
+    def _decay(self, r_in: torch.Tensor) -> torch.Tensor:
+        """The log decay from its low-rank projection [T, D] (before dt_bias)."""
         c = self.cfg
         nh, d = c.kda_num_heads, c.kda_head_dim
-        r = self._decay_input(x).float() + self.dt_bias.float()
+        r = r_in.float() + self.dt_bias.float()
         r = r.view(-1, nh, d)
         a = torch.exp(self.A_log.float()).view(1, nh, 1)
         if c.kda_gate_lower_bound is not None:  # K3's bounded ("safe") gate
@@ -84,16 +89,25 @@ class KDAttention(Bindable):
         nh, d = c.kda_num_heads, c.kda_head_dim
         xin = torch.stack(linears(x, [self.q_proj, self.k_proj, self.v_proj]))  # [3, T, D]
         fused = self._fused_steps(x, parts)
-        if fused:  # the kernel forms the decay and beta from these itself
+        prompt_fused = not fused and self._fused_prompt(x)
+        if fused or prompt_fused:  # the kernels form the decay and beta from these themselves
             g, beta = self._decay_input(x).float(), linear(x, self.b_proj).float()
         else:
             g, beta = self.decay(x), torch.sigmoid(linear(x, self.b_proj).float())
         o = torch.empty(T, nh, d, dtype=torch.float32, device=x.device)
         for rows, n, states, keep_states in _groups(parts, x.device):
             B = len(states)
-            args = xin[:, rows].view(3, B, n, -1), g[rows].view(B, n, nh, d), beta[rows].view(B, n, nh), states
-            o[rows] = (self._recur_fused(*args, keep_states) if fused else
-                       self._recur(*args, keep_states, chunk)).reshape(B * n, nh, d)
+            g_rows, beta_rows = g[rows], beta[rows]
+            if prompt_fused and (n <= RECURRENT_MAX_ROWS or keep_states):  # the short rows of a mixed pass
+                g_rows, beta_rows = self._decay(g_rows), torch.sigmoid(beta_rows)
+            args = xin[:, rows].view(3, B, n, -1), g_rows.view(B, n, nh, d), beta_rows.view(B, n, nh), states
+            if fused:
+                out = self._recur_fused(*args, keep_states)
+            elif prompt_fused and n > RECURRENT_MAX_ROWS and not keep_states:
+                out = self._prompt_fused(*args)
+            else:
+                out = self._recur(*args, keep_states, chunk)
+            o[rows] = out.reshape(B * n, nh, d)
         gate = self._gate(x)
         o = rms_norm(o, self.o_norm, c.rms_norm_eps) * torch.sigmoid(gate.float().view(T, nh, d))
         return linear(o.reshape(T, nh * d).to(x.dtype), self.o_proj)
@@ -149,6 +163,29 @@ class KDAttention(Bindable):
         RECURRENT_MAX_ROWS rows (longer prompt pieces take the chunked kernels)."""
         return (x.is_cuda and isinstance(self.q_proj, HalfMatmul) and fused_decode_available()
                 and all(n <= RECURRENT_MAX_ROWS for _, n, _ in parts))
+
+    def _fused_prompt(self, x: torch.Tensor) -> bool:
+        """Whether a pass's long prompt pieces run the conv, the normalizations, the decay and beta in
+        flash-linear-attention's kernels (``_prompt_fused``): CUDA, 16-bit products, the package's conv
+        and chunked kernels installed."""
+        return x.is_cuda and isinstance(self.q_proj, HalfMatmul) and fused_prompt_available()
+
+    def _prompt_fused(self, xin, g, beta, states: list[KDAState]) -> torch.Tensor:
+        """One sequence's prompt piece (B = 1, n rows) in two launches of flash-linear-attention's kernels:
+        its causal conv with the SiLU (from the state's conv tail, returning the new tail) and its
+        chunked KDA with the normalizations, the scale, the decay from its low-rank input and beta's
+        sigmoid inside. xin [3, 1, n, D] (pre-conv q, k, v), g the decay's input before dt_bias, beta
+        logits. Where deltafin's own path copies the piece three times to lay it out for a conv and
+        normalizes, decays and gates in separate element-wise passes (docs/benchmarks.md)."""
+        c = self.cfg
+        _, _, n, D = xin.shape
+        nh, d = c.kda_num_heads, c.kda_head_dim
+        st = states[0]
+        o, S, conv = kda_prompt_fused(xin[:, 0], st.conv, torch.stack([self.q_conv, self.k_conv, self.v_conv]),
+                                      g.view(1, n, nh, d), beta.view(1, n, nh), st.S, a_log=self.A_log,
+                                      dt_bias=self.dt_bias, lower_bound=c.kda_gate_lower_bound, scale=d ** -0.5)
+        st.conv, st.S = conv, S
+        return o
 
     def _recur_fused(self, xin, g, beta, states: list[KDAState], keep_states: bool) -> torch.Tensor:
         """``_recur`` in flash-linear-attention's fused kernel (see _fused_steps): g is the decay's

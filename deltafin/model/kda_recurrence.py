@@ -88,6 +88,55 @@ def kda_prompt(q, k, v, g, beta, S, chunk: int = 64, fused: bool = True):
     return o[0].float(), S[0].float()
 
 
+def kda_prompt_fused(xin, tail, conv_w, g, beta, S, *, a_log, dt_bias, lower_bound, scale: float):
+    """One sequence's prompt piece in flash-linear-attention's kernels: its causal conv with the SiLU,
+    from and to the conv tail, then its chunked KDA with q and k normalized, q scaled, the decay
+    formed from its low-rank input and beta's sigmoid taken inside. xin [3, n, D] float32 pre-conv q,
+    k, v; tail [3, K-1, D] their previous K-1 inputs; conv_w [3, D, K]; g [1, n, H, Dk] the decay's
+    input before dt_bias; beta [1, n, H] logits; S [H, Dk, Dv] float32. Returns (o [1, n, H, Dv]
+    float32, the new S, the new tail [3, K-1, D]) (callers check ``fused_prompt_available``)."""
+    conv, chunk = _fla_causal_conv(), _fla_chunk_kda()
+    if conv is None or chunk is None:
+        raise RuntimeError("KDA: flash-linear-attention's conv and chunked kernels are not installed")
+    _, n, D = xin.shape
+    K = conv_w.shape[-1]
+    x = xin.transpose(0, 1).reshape(1, n, 3 * D)  # time-major, channels q | k | v
+    # the kernel's state holds the last K inputs, oldest first; the conv reads the last K - 1 of them
+    start = x.new_zeros(1, 3 * D, K)
+    start[0, :, 1:] = tail.to(x.dtype).transpose(1, 2).reshape(3 * D, K - 1)
+    y, end = conv(x, conv_w.reshape(3 * D, K).to(x.dtype), initial_state=start, output_final_state=True,
+                  activation="silu")
+    new_tail = end[0, :, 1:].reshape(3, D, K - 1).transpose(1, 2).contiguous()
+    H, Dk = g.shape[2], g.shape[3]
+    q, k, v = (t.reshape(1, n, H, -1).contiguous() for t in y.view(1, n, 3, D).unbind(2))
+    o, S_new = chunk(q, k, v, g.contiguous(), beta.contiguous(), scale=scale, initial_state=S[None].float(),
+                     output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, A_log=a_log.float(), dt_bias=dt_bias.float(),
+                     lower_bound=lower_bound)
+    return o.float(), S_new[0].float(), new_tail.to(tail.dtype)
+
+
+@functools.cache
+def fused_prompt_available() -> bool:
+    """Whether ``kda_prompt_fused`` has its kernels here (flash-linear-attention installed, this version's)."""
+    chunk, conv = _fla_chunk_kda(), _fla_causal_conv()
+    if chunk is None or conv is None:
+        return False
+    wanted = {"use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "lower_bound"}
+    return wanted <= set(inspect.signature(chunk).parameters) and \
+        {"initial_state", "output_final_state", "activation"} <= set(inspect.signature(conv).parameters)
+
+
+@functools.cache
+def _fla_causal_conv():
+    """flash-linear-attention's causal conv (Triton), or None where the package is not installed."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
 def kda_decode_fused(q, k, v, g, beta, S, *, a_log, dt_bias, lower_bound, scale: float):
     """B sequences' steps of n rows each in one launch of flash-linear-attention's fused recurrent KDA
     kernel, S [B, H, Dk, Dv] (contiguous float32) stepped in place: the kernel takes what the torch
