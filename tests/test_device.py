@@ -197,6 +197,60 @@ def test_cuda_grouped_mxfp4_kernels_match_reference():
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
 
+def test_sorted_tiles_cover_each_experts_pairs_once():
+    """The sorted MXFP4 kernels' tiles: each covers at most TILE_ROWS pairs of one expert, together every
+    sorted pair exactly once, whatever the routing (experts never chosen, one expert taking all)."""
+    from deltafin.kernels.grouped import TILE_ROWS, sorted_tiles
+    gen = torch.Generator().manual_seed(8)
+    for E, P in ((6, 200), (64, 9), (3, 1), (5, 96)):
+        for ids in (torch.randint(0, E, (P,), generator=gen), torch.full((P,), E - 1)):
+            by = ids.sort().values
+            ends = torch.searchsorted(by, torch.arange(E), right=True).to(torch.int32)
+            tile_e, first = sorted_tiles(ends, P)
+            assert tile_e.shape == first.shape == (-(-P // TILE_ROWS) + E,)
+            seen = []
+            for e, f in zip(tile_e.tolist(), first.tolist()):
+                if e < 0:
+                    continue
+                rows = list(range(f, min(f + TILE_ROWS, int(ends[e]))))
+                assert rows and all(by[r] == e for r in rows)
+                seen += rows
+            assert sorted(seen) == list(range(P))
+            # the tiles of no expert all come after the real ones
+            real = (tile_e >= 0).tolist()
+            assert real == sorted(real, reverse=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_sorted_mxfp4_kernels_match_reference():
+    """Many pairs of MXFP4 experts (a prompt's worth; some experts chosen by many rows, some never)
+    through the sorted tiles, tuned and with fixed tiles, against the reference that decodes first."""
+    from deltafin.kernels import grouped, grouped_triton
+    from deltafin.kernels.linear import quantize
+    gen = torch.Generator().manual_seed(9)
+    E, I, H, T, k = 7, 96, 160, 100, 4
+    experts = [tuple(quantize(torch.randn(*shape, generator=gen), "mxfp4") for shape in ((I, H), (I, H), (H, I)))
+               for _ in range(E)]
+    stack = grouped.MXFP4Stack.from_experts(experts)
+    dev = grouped.MXFP4Stack(*(t.cuda() for t in (stack.w13_packed, stack.w13_scale, stack.w2_packed,
+                                                   stack.w2_scale)))
+    assert dev.sorted_gemm() and not stack.sorted_gemm() and dev.applies(T * k)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert 6 never
+    w, z = torch.rand(T, k, generator=gen), torch.randn(T, H, generator=gen)
+    cfgs = _routed(gen, E, H, 1, 1)[3]
+    for cfg in cfgs:
+        ref = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
+        got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev, _glu(cfg)).cpu()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
+        by, order = ids.reshape(-1).cuda().sort(stable=True)
+        ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
+        out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, grouped.sorted_tiles(ends, T * k),
+                                              k, *(t for t in (dev.w13_packed, dev.w13_scale, dev.w2_packed,
+                                                                dev.w2_scale)), cfg, config={"BN": 16, "BK": 128})
+        fixed = torch.bmm(w.cuda().unsqueeze(1), out.view(T, k, -1)).squeeze(1).cpu()
+        assert ((fixed - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_half_gemv_matches_torch_products():
     """The one-launch bf16 row product against torch's three launches: the same rounding of the

@@ -479,7 +479,8 @@ def test_sorted_grouped_gemm_matches_each_pair(device):
         if device == "cuda":
             assert ExpertStack(dev.w13, dev.w2, bf16_products=True).sorted_gemm() == (
                 torch.cuda.get_device_capability() >= (8, 0))
-        got = sorted_mlp(z.to(device), ids.to(device), weights.to(device), dev, lambda g, u: glu(cfg, g, u)).cpu()
+        got = sorted_mlp(cfg, z.to(device), ids.to(device), weights.to(device), dev,
+                         lambda g, u: glu(cfg, g, u)).cpu()
         assert got.dtype == torch.float32 and got.shape == (T, H)
         # the same roundings; another summation order may move a bf16 result by one step
         assert ((got - ref).norm() / ref.norm()).item() < 4e-3, act

@@ -13,6 +13,9 @@ routing-weighted sum over each token's experts without reading the expert ids ba
   down), so each chosen expert's weights are read once for all of its rows, whatever their number — a
   prompt's thousands of rows as a batch's handful. The products round their inputs to bf16 and sum in
   fp32, like every other bf16 product of the model (``ops.HalfMatmul``).
+- MXFP4 experts on a CUDA device with Triton, from SORTED_MIN_PAIRS pairs (``sorted_mlp`` too): the
+  pairs sorted by expert and two Triton launches over tiles of one expert's rows, the codes decoded
+  in the tile loads (``grouped_triton.sorted_mxfp4_mlp``; fp32 products, any number of rows).
 - otherwise, for decode-sized inputs, on CUDA two Triton launches (gate and up fused with the
   activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
   (each pair reads its expert's weights: made for a few rows); elsewhere a torch reference that
@@ -38,6 +41,8 @@ GROUPED_MAX_PAIRS = 256
 # batch 8, 64 pairs, decoded 1,462 tok/s through the grouped GEMMs against 1,582 through Triton
 # (H200). At 128 pairs the Triton kernels read each chosen expert ~2.3 times.
 SORTED_MIN_PAIRS = 128
+# Pairs of one expert in a tile of the sorted MXFP4 kernels (``sorted_tiles``).
+TILE_ROWS = 32
 
 
 class Stacked:
@@ -109,6 +114,9 @@ class MXFP4Stack(Stacked):
     def __len__(self) -> int:
         return self.w13_packed.shape[0]
 
+    def sorted_gemm(self) -> bool:
+        return self.w13_packed.is_cuda and _triton_kernels() is not None
+
     def __getitem__(self, e: int) -> tuple:
         from .linear import QWeight
         inter = self.w13_packed.shape[1] // 2
@@ -126,7 +134,7 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) for rows z [T, H] -> fp32 [T, H]. ``glu(gate, up)``
     is the activation of the torch paths; the Triton kernels apply cfg's own (hidden_act, SiTU betas)."""
     if ids.numel() >= SORTED_MIN_PAIRS and stack.sorted_gemm():
-        return sorted_mlp(z, ids, weights, stack, glu)
+        return sorted_mlp(cfg, z, ids, weights, stack, glu)
     T, k = ids.shape
     flat = ids.reshape(-1).to(torch.int32)
     x = z.float().contiguous()
@@ -143,24 +151,44 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     return (out.view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
 
 
-def sorted_mlp(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack: "ExpertStack",
+def sorted_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack: Stacked,
                glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``grouped_mlp`` by grouped GEMMs over the pairs sorted by expert (see the module docstring):
-    fp32 [T, H]. Everything stays on the device (the group offsets are counted there), so a
-    recorded decode graph can hold it."""
+    """``grouped_mlp`` over the pairs sorted by expert (see the module docstring): fp32 [T, H].
+    Everything stays on the device (the group offsets are counted there), so a recorded decode graph
+    can hold it."""
     T, k = ids.shape
-    E, inter = stack.w13.shape[0], stack.w2.shape[2]
     by_expert, order = ids.reshape(-1).sort(stable=True)  # pairs by expert, rows in order within each
     # where each expert's pairs end (bincount would read its maximum back to the host)
-    ends = torch.searchsorted(by_expert, torch.arange(E, device=ids.device), right=True).to(torch.int32)
-    x = z.to(torch.bfloat16)[order // k]  # rounded before the gather: k times fewer rows to round
-    gu = F.grouped_mm(x, stack.w13.transpose(1, 2), offs=ends).float()  # [P, 2I]
-    act = glu(gu[:, :inter], gu[:, inter:]).to(torch.bfloat16)
-    out = F.grouped_mm(act, stack.w2.transpose(1, 2), offs=ends)  # [P, H], pairs in expert order
-    # back in token order ([T, k, H]: pair j is token j // k), each token's k outputs summed with
-    # their routing weights in one batched product (no atomic scatter)
-    mine = out[torch.argsort(order)].view(T, k, -1)
-    return torch.bmm(weights.float().unsqueeze(1), mine.float()).squeeze(1)
+    ends = torch.searchsorted(by_expert, torch.arange(len(stack), device=ids.device), right=True).to(torch.int32)
+    if isinstance(stack, MXFP4Stack):
+        codes = (stack.w13_packed, stack.w13_scale, stack.w2_packed, stack.w2_scale)
+        out = _triton_kernels().sorted_mxfp4_mlp(z.float().contiguous(), order.to(torch.int32), ends,
+                                                 sorted_tiles(ends, order.numel()), k, *codes, cfg)
+    else:
+        inter = stack.w2.shape[2]
+        x = z.to(torch.bfloat16)[order // k]  # rounded before the gather: k times fewer rows to round
+        gu = F.grouped_mm(x, stack.w13.transpose(1, 2), offs=ends).float()  # [P, 2I]
+        act = glu(gu[:, :inter], gu[:, inter:]).to(torch.bfloat16)
+        out = F.grouped_mm(act, stack.w2.transpose(1, 2), offs=ends)  # [P, H], pairs in expert order
+        out = out[torch.argsort(order)]  # back in pair order
+    # [T, k, H] (pair j is token j // k): each token's k outputs summed with their routing weights in
+    # one batched product (no atomic scatter)
+    return torch.bmm(weights.float().unsqueeze(1), out.view(T, k, -1).float()).squeeze(1)
+
+
+def sorted_tiles(ends: torch.Tensor, pairs: int, rows: int = TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles of at most `rows` pairs of one expert over pairs sorted by expert (``ends``: int32 [E],
+    where each expert's pairs end): each tile's expert and first sorted pair, int32 [cdiv(pairs, rows)
+    + E] each (a count fixed by the shapes, enough for any routing); the tiles past the last
+    expert's have expert -1. Made on the device from ``ends``, nothing read back."""
+    E = ends.numel()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    per = (counts + rows - 1) // rows
+    tile_ends = torch.cumsum(per, 0)
+    t = torch.arange(-(-pairs // rows) + E, device=ends.device, dtype=tile_ends.dtype)
+    e = torch.searchsorted(tile_ends, t, right=True).clamp_(max=E - 1)
+    first = ends[e] - counts[e] + (t - (tile_ends[e] - per[e])) * rows
+    return torch.where(t < tile_ends[-1], e, -1).to(torch.int32), first.to(torch.int32)
 
 
 @functools.cache

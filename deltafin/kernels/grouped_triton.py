@@ -10,6 +10,13 @@ Two weight formats: plain (bf16 / fp32 stacks) and MXFP4, whose codes and scales
 the kernel as they are read (the stored 4.25 bits per weight are all that crosses memory), with
 the decoding of ``triton_kernels`` (codes as twice their E2M1 value, scales as 2^(s - 128)),
 exactly the reference's values.
+
+Past a few hundred pairs (a prompt, a wide check pass) the pair kernels would read an expert's
+weights once per pair. ``sorted_mxfp4_mlp`` takes the pairs sorted by expert instead: each program
+takes a tile of BM pairs of one expert and BN outputs, decodes the expert's MXFP4 tile once for all
+BM rows and multiplies by matrix products (fp32 inputs and sums, no TF32: the pair kernels' values
+up to summation order), so each chosen expert's codes are read about once per BN columns whatever
+its rows. The tiles are laid out on the device (no routing read back), so a recorded graph holds it.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grouped import TILE_ROWS
 from .triton_kernels import _scale_factors
 
 MXFP4 = tl.constexpr(2)  # triton_kernels' codec id
@@ -153,6 +161,75 @@ def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, stride_w
     tl.store(out_ptr + j * H + n, tl.sum(acc, 1), mask=nmask)
 
 
+@triton.jit
+def _mxfp4_tile(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BK: tl.constexpr):
+    """MXFP4 rows `rows` (BN of them) at inputs k0 .. k0 + BK, decoded and transposed for a product:
+    fp32 [BK/2, BN] of the even inputs (low nibbles) and of the odd ones (high nibbles)."""
+    byte = k0 // 2 + tl.arange(0, BK // 2)
+    m = (byte < K // 2)[:, None] & nmask[None, :]
+    b = tl.load(w_ptr + rows[None, :] * stride_w + byte[:, None], mask=m, other=0).to(tl.int32)
+    sc = tl.load(s_ptr + rows[None, :] * stride_s + (byte // (GROUP // 2))[:, None], mask=m, other=0)
+    f = _scale_factors(sc, MXFP4) * 32768.0  # as in _mxfp4_groups
+    return _e2m1_fp16(b, 0) * f, _e2m1_fp16(b, 4) * f
+
+
+@triton.jit
+def _tile_rows(tile_e_ptr, tile_r_ptr, ends_ptr, BM: tl.constexpr):
+    """Tile program_id(0)'s expert (-1: no tile) and its sorted rows (with their mask)."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t)
+    r = tl.load(tile_r_ptr + t) + tl.arange(0, BM)
+    end = tl.load(ends_ptr + tl.maximum(e, 0))
+    return e, r, r < end
+
+
+@triton.jit
+def _rows_times_tile(acc, x_ptr, row_off, rmask, w_ptr, s_ptr, wrows, nmask, K, stride_w, stride_s,
+                     BK: tl.constexpr):
+    """acc [BM, BN] += x[rows, :K] @ w[wrows, :K]^T, the MXFP4 tile decoded BK inputs at a time."""
+    for k0 in range(0, K, BK):
+        i = k0 + 2 * tl.arange(0, BK // 2)
+        m = rmask[:, None] & (i < K)[None, :]
+        xe = tl.load(x_ptr + row_off[:, None] + i[None, :], mask=m, other=0.0)
+        xo = tl.load(x_ptr + row_off[:, None] + i[None, :] + 1, mask=m, other=0.0)
+        lo, hi = _mxfp4_tile(w_ptr, s_ptr, wrows, nmask, k0, K, stride_w, stride_s, BK)
+        acc += tl.dot(xe, lo, input_precision="ieee") + tl.dot(xo, hi, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _sorted_mxfp4_gate_up_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H,
+                                 INTER, stride_w, stride_s, TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA,
+                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e, r, rmask = _tile_rows(tile_e_ptr, tile_r_ptr, ends_ptr, BM)
+    if e < 0:
+        return
+    token = (tl.load(order_ptr + r, mask=rmask, other=0) // TOPK).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < INTER
+    gate_rows = e.to(tl.int64) * (2 * INTER) + n
+    acc_g = _rows_times_tile(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, token * H, rmask, w_ptr, s_ptr,
+                             gate_rows, nmask, H, stride_w, stride_s, BK)
+    acc_u = _rows_times_tile(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, token * H, rmask, w_ptr, s_ptr,
+                             gate_rows + INTER, nmask, H, stride_w, stride_s, BK)
+    y = _glu(acc_g, acc_u, SITU, BETA, LBETA)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * INTER + n[None, :], y, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sorted_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
+                              stride_w, stride_s, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e, r, rmask = _tile_rows(tile_e_ptr, tile_r_ptr, ends_ptr, BM)
+    if e < 0:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < H
+    acc = _rows_times_tile(tl.zeros([BM, BN], dtype=tl.float32), a_ptr, r.to(tl.int64) * INTER, rmask, w_ptr,
+                           s_ptr, e.to(tl.int64) * H + n, nmask, INTER, stride_w, stride_s, BK)
+    pair = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)  # stored at the pair's own place
+    tl.store(out_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+
+
 def _glu_args(cfg) -> dict:
     situ = cfg.hidden_act == "situ"
     return dict(SITU=situ, BETA=float(cfg.situ_beta or 0.0) if situ else 0.0,
@@ -166,6 +243,13 @@ _MXFP4_CONFIGS = [triton.Config({"BN": bn, "G": g}, num_warps=w, num_stages=st)
                                        (16, 4, 4, 3))]
 _mxfp4_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER", "TOPK"])(_mxfp4_gate_up_kernel)
 _mxfp4_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_mxfp4_down_kernel)
+
+
+# Sorted tiles: grouped.TILE_ROWS pairs of one expert x BN outputs, BK inputs a step.
+_SORTED_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
+                   for bn, bk, w, st in ((64, 64, 4, 2), (32, 128, 4, 2), (128, 64, 8, 2))]
+_sorted_gate_up_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_gate_up_kernel)
+_sorted_down_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_down_kernel)
 
 
 def _mxfp4_args(packed: torch.Tensor, scale: torch.Tensor) -> tuple:
@@ -221,4 +305,31 @@ def grouped_down(act: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor) -> torc
     pairs, (_, H, inter) = ids.numel(), w2.shape
     out = torch.empty(pairs, H, dtype=torch.float32, device=act.device)
     _down_kernel[(pairs, triton.cdiv(H, BN))](act, ids, w2.contiguous(), out, H, inter, BN=BN, BK=BK)
+    return out
+
+
+def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, tiles: tuple, topk: int, packed13,
+                     scale13, packed2, scale2, cfg, config: dict | None = None) -> torch.Tensor:
+    """Every pair's w2 @ glu(w1 x, w3 x) from MXFP4 stacks (as ``mxfp4_gate_up``), the pairs sorted by
+    expert: x fp32 [T, H]; order int32 [P], the pair at each sorted place (pair j: token j // topk);
+    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P)`` -> fp32 [P, H] in pair order. config: fixed
+    {"BN", "BK"} instead of tuning (tests)."""
+    pairs, (_, two_i, half) = order.numel(), packed13.shape
+    inter, H = two_i // 2, 2 * half
+    tile_e, tile_r = tiles
+    act = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)  # in sorted order
+    out = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
+    w13, s13, sw13, ss13 = _mxfp4_args(packed13, scale13)
+    w2, s2, sw2, ss2 = _mxfp4_args(packed2, scale2)
+    tiles = tile_e.numel()
+    gate_up = (x, order, tile_e, tile_r, ends, w13, s13, act, H, inter, sw13, ss13)
+    down = (act, order, tile_e, tile_r, ends, w2, s2, out, H, inter, sw2, ss2)
+    glu = dict(TOPK=topk, **_glu_args(cfg))
+    if config:
+        _sorted_mxfp4_gate_up_kernel[(tiles, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BM=TILE_ROWS,
+                                                                                 **config)
+        _sorted_mxfp4_down_kernel[(tiles, triton.cdiv(H, config["BN"]))](*down, BM=TILE_ROWS, **config)
+    else:
+        _sorted_gate_up_tuned[lambda m: (tiles, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BM=TILE_ROWS)
+        _sorted_down_tuned[lambda m: (tiles, triton.cdiv(H, m["BN"]))](*down, BM=TILE_ROWS)
     return out
