@@ -244,9 +244,10 @@ def test_cuda_sorted_mxfp4_kernels_match_reference():
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
         by, order = ids.reshape(-1).cuda().sort(stable=True)
         ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
-        out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, grouped.sorted_tiles(ends, T * k),
-                                              k, *(t for t in (dev.w13_packed, dev.w13_scale, dev.w2_packed,
-                                                                dev.w2_scale)), cfg, config={"BN": 16, "BK": 128})
+        tiles = grouped.sorted_tiles(ends, T * k)
+        codes = (dev.w13_packed, dev.w13_scale, dev.w2_packed, dev.w2_scale)
+        out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, tiles, grouped.TILE_ROWS, k,
+                                              *codes, cfg, config={"BN": 16, "BK": 128})
         fixed = torch.bmm(w.cuda().unsqueeze(1), out.view(T, k, -1)).squeeze(1).cpu()
         assert ((fixed - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 

@@ -163,7 +163,7 @@ def sorted_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     if isinstance(stack, MXFP4Stack):
         codes = (stack.w13_packed, stack.w13_scale, stack.w2_packed, stack.w2_scale)
         out = _triton_kernels().sorted_mxfp4_mlp(z.float().contiguous(), order.to(torch.int32), ends,
-                                                 sorted_tiles(ends, order.numel()), k, *codes, cfg)
+                                                 sorted_tiles(ends, order.numel()), TILE_ROWS, k, *codes, cfg)
     else:
         inter = stack.w2.shape[2]
         x = z.to(torch.bfloat16)[order // k]  # rounded before the gather: k times fewer rows to round

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped import TILE_ROWS
 from .triton_kernels import _scale_factors
 
 MXFP4 = tl.constexpr(2)  # triton_kernels' codec id
@@ -245,7 +244,7 @@ _mxfp4_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER", "TOPK"
 _mxfp4_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_mxfp4_down_kernel)
 
 
-# Sorted tiles: grouped.TILE_ROWS pairs of one expert x BN outputs, BK inputs a step.
+# Sorted tiles: BM pairs of one expert (grouped.TILE_ROWS, the layout's) x BN outputs, BK inputs a step.
 _SORTED_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
                    for bn, bk, w, st in ((64, 64, 4, 2), (32, 128, 4, 2), (128, 64, 8, 2))]
 _sorted_gate_up_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_gate_up_kernel)
@@ -308,11 +307,11 @@ def grouped_down(act: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor) -> torc
     return out
 
 
-def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, tiles: tuple, topk: int, packed13,
-                     scale13, packed2, scale2, cfg, config: dict | None = None) -> torch.Tensor:
+def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, tiles: tuple, tile_rows: int,
+                     topk: int, packed13, scale13, packed2, scale2, cfg, config: dict | None = None) -> torch.Tensor:
     """Every pair's w2 @ glu(w1 x, w3 x) from MXFP4 stacks (as ``mxfp4_gate_up``), the pairs sorted by
     expert: x fp32 [T, H]; order int32 [P], the pair at each sorted place (pair j: token j // topk);
-    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P)`` -> fp32 [P, H] in pair order. config: fixed
+    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P, tile_rows)`` -> fp32 [P, H] in pair order. config: fixed
     {"BN", "BK"} instead of tuning (tests)."""
     pairs, (_, two_i, half) = order.numel(), packed13.shape
     inter, H = two_i // 2, 2 * half
@@ -326,10 +325,10 @@ def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, t
     down = (act, order, tile_e, tile_r, ends, w2, s2, out, H, inter, sw2, ss2)
     glu = dict(TOPK=topk, **_glu_args(cfg))
     if config:
-        _sorted_mxfp4_gate_up_kernel[(tiles, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BM=TILE_ROWS,
+        _sorted_mxfp4_gate_up_kernel[(tiles, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BM=tile_rows,
                                                                                  **config)
-        _sorted_mxfp4_down_kernel[(tiles, triton.cdiv(H, config["BN"]))](*down, BM=TILE_ROWS, **config)
+        _sorted_mxfp4_down_kernel[(tiles, triton.cdiv(H, config["BN"]))](*down, BM=tile_rows, **config)
     else:
-        _sorted_gate_up_tuned[lambda m: (tiles, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BM=TILE_ROWS)
-        _sorted_down_tuned[lambda m: (tiles, triton.cdiv(H, m["BN"]))](*down, BM=TILE_ROWS)
+        _sorted_gate_up_tuned[lambda m: (tiles, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BM=tile_rows)
+        _sorted_down_tuned[lambda m: (tiles, triton.cdiv(H, m["BN"]))](*down, BM=tile_rows)
     return out
