@@ -95,6 +95,47 @@ def test_recorded_mode_with_speculation_snapshot_and_rollback(tiny_k3_path):
     assert s.max_abs_diff(ref) < 1e-4
 
 
+def _storage_bytes(state) -> int:
+    """Bytes of the storages a state's tensors (rollback records included) keep alive."""
+    seen = {}
+    for st in state.layers:
+        ts = [v for v in vars(st).values() if isinstance(v, torch.Tensor)]
+        ts += [v for v in (st.pending or {}).values() if isinstance(v, torch.Tensor)] if hasattr(st, "pending") else []
+        for t in ts:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_a_snapshot_of_a_state_in_the_slots_holds_only_its_own_tensors(tiny_k3_path):
+    """Three sequences decoding together live in the recorder's slots, views of buffers that hold every
+    slot: a snapshot copies its own entries only (the bytes nbytes() counts; a deep copy kept whole
+    buffers), equals the state, does not change as the state decodes on, and after a check pass rolls
+    back and restores as the state itself does."""
+    m = _recorded(tiny_k3_path)
+    prompts = [PROMPT, PROMPT[:2], PROMPT[:4]]
+    _, states = _batched(m, [[0, 1, 2]] * 4, prompts, [_tokens(4, 20 + j) for j in range(3)])
+    st = states[1]
+    assert _storage_bytes(st) > 2 * st.nbytes()  # the slots' buffers behind the views
+    snap = st.snapshot()
+    assert snap.max_abs_diff(st) == 0 and _storage_bytes(snap) == snap.nbytes() == st.nbytes()
+    before = snap.snapshot()
+    _decode(m, st, _tokens(2, 30))
+    assert snap.max_abs_diff(before) == 0 and st.max_abs_diff(before) > 0
+
+    plain = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    ref = plain.new_state()
+    plain.forward(PROMPT, ref)
+    draft = _tokens(3, 31)
+    plain.forward(draft, ref, keep_states=True)
+    kept = ref.snapshot()  # its rollback records copied with it
+    ref.rollback(ref.num_tokens - 2)
+    kept.rollback(kept.num_tokens - 2)
+    assert kept.max_abs_diff(ref) == 0
+    again = plain.new_state()
+    again.restore(kept)
+    assert again.max_abs_diff(ref) == 0 and torch.equal(plain.forward([7], again), plain.forward([7], ref))
+
+
 def _batched(model, plan, prompts, tokens):
     """Sequences decoding together as `plan` says: per pass, the indices of the sequences in it (in
     that order). Returns each sequence's logits, in its passes' order, and its state."""

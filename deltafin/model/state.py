@@ -18,7 +18,6 @@ state cannot be cut back to a shorter prefix: keep snapshots where they may be w
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -72,6 +71,27 @@ class MLAState:
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ckv[: self.length], self.krot[: self.length]
+
+
+def _copy_layer(st):
+    """A layer state's own copy (``DecodeState.snapshot``): the tensors it holds, each alone."""
+    if isinstance(st, KDAState):
+        return KDAState(st.conv.clone(), st.S.clone(), _copied(st.pending))
+    if isinstance(st, MLAState):
+        ckv, krot = st.view()
+        return MLAState(ckv.clone(), krot.clone(), st.length)
+    raise TypeError(f"a decode state holds KDA and MLA layer states, not {type(st).__name__}")
+
+
+def _copied(v):
+    """Tensors in (nested dicts, lists and tuples of) a rollback record, each copied alone."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _copied(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_copied(x) for x in v)
+    return v
 
 
 def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
@@ -142,14 +162,14 @@ class DecodeState:
         self._pass_start = self.num_tokens if keep_states else None
 
     def snapshot(self) -> "DecodeState":
-        snap = copy.deepcopy(self)
-        for st in snap.layers:
-            if isinstance(st, MLAState):  # drop unused capacity
-                st.ckv, st.krot = st.ckv[: st.length].clone(), st.krot[: st.length].clone()
-        return snap
+        """A copy that shares no memory with this state: each of its tensors copied alone, MLA caches cut
+        to their length. (A deep copy copies a view's whole storage: every slot of a decode graph's
+        stacked buffers for a state living in one, the whole pass's rows for a check pass's rollback
+        records, so a kept snapshot held several times the memory it counted.)"""
+        return DecodeState([_copy_layer(st) for st in self.layers], self.num_tokens, self._pass_start)
 
     def restore(self, snap: "DecodeState") -> None:
-        fresh = copy.deepcopy(snap)
+        fresh = DecodeState.snapshot(snap)
         self.layers, self.num_tokens, self._pass_start = fresh.layers, fresh.num_tokens, fresh._pass_start
 
     def nbytes(self) -> int:
