@@ -178,18 +178,24 @@ def test_cuda_grouped_kernels_match_reference():
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
 
+def _mxfp4_stacks(gen, E: int, I: int, H: int) -> tuple:
+    """E random MXFP4 experts stacked on the CPU and the same stack on the GPU."""
+    from deltafin.kernels import grouped
+    from deltafin.kernels.linear import quantize
+    experts = [tuple(quantize(torch.randn(*shape, generator=gen), "mxfp4") for shape in ((I, H), (I, H), (H, I)))
+               for _ in range(E)]
+    stack = grouped.MXFP4Stack.from_experts(experts)
+    return stack, grouped.MXFP4Stack(*(t.cuda() for t in (stack.w13_packed, stack.w13_scale, stack.w2_packed,
+                                                          stack.w2_scale)))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_grouped_mxfp4_kernels_match_reference():
     """The fused MXFP4 kernels (codes decoded as read) against the reference that decodes first."""
     from deltafin.kernels import grouped
-    from deltafin.kernels.linear import quantize
     gen = torch.Generator().manual_seed(4)
     E, I, H, T, k = 6, 96, 160, 3, 4
-    experts = [tuple(quantize(torch.randn(*shape, generator=gen), "mxfp4") for shape in ((I, H), (I, H), (H, I)))
-               for _ in range(E)]
-    stack = grouped.MXFP4Stack.from_experts(experts)
-    dev = grouped.MXFP4Stack(*(t.cuda() for t in (stack.w13_packed, stack.w13_scale, stack.w2_packed,
-                                                   stack.w2_scale)))
+    stack, dev = _mxfp4_stacks(gen, E, I, H)
     ids, w, z, cfgs = _routed(gen, E, H, T, k)
     for cfg in cfgs:
         ref = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
@@ -226,14 +232,9 @@ def test_cuda_sorted_mxfp4_kernels_match_reference():
     """Many pairs of MXFP4 experts (a prompt's worth; some experts chosen by many rows, some never)
     through the sorted tiles, tuned and with fixed tiles, against the reference that decodes first."""
     from deltafin.kernels import grouped, grouped_triton
-    from deltafin.kernels.linear import quantize
     gen = torch.Generator().manual_seed(9)
     E, I, H, T, k = 7, 96, 160, 100, 4
-    experts = [tuple(quantize(torch.randn(*shape, generator=gen), "mxfp4") for shape in ((I, H), (I, H), (H, I)))
-               for _ in range(E)]
-    stack = grouped.MXFP4Stack.from_experts(experts)
-    dev = grouped.MXFP4Stack(*(t.cuda() for t in (stack.w13_packed, stack.w13_scale, stack.w2_packed,
-                                                   stack.w2_scale)))
+    stack, dev = _mxfp4_stacks(gen, E, I, H)
     assert dev.sorted_gemm() and not stack.sorted_gemm() and dev.applies(T * k)
     ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert 6 never
     w, z = torch.rand(T, k, generator=gen), torch.randn(T, H, generator=gen)
