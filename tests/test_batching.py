@@ -517,6 +517,30 @@ def test_load_tool_reports_a_run(model):
     assert b["forward_ms_per_pass"] > 0 and 0 < b["busy"]
 
 
+def test_engine_passes_tool_times_every_pass(tiny_k3_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = [sys.executable, str(Path(__file__).parent.parent / "tools" / "engine_passes.py"),
+            "--model", str(tiny_k3_path)]
+    for bad, says in ((["--clients", "0"], "--clients: expected positive integers"),
+                      (["--rounds", "x"], "--rounds: expected a positive integer")):
+        run = subprocess.run(tool + bad, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
+    run = subprocess.run(tool + ["--clients", "1,3", "--rounds", "1", "--max-tokens", "3", "--prompt-tokens", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert [x["clients"] for x in r["rounds"]] == [1, 3] and r["device"] == "cpu" and r["graphs"] is None
+    for x in r["rounds"]:
+        # a random prompt may draw EOS early; the round's prompts are read in its first pass, together
+        assert 0 < x["tokens"] <= 3 * x["clients"] and x["passes"] >= 1 and x["pass_ms_p50"] > 0
+        assert x["first_passes"][0]["rows"] == [4] and x["first_passes"][0]["sequences"] == x["clients"]
+        assert x["slowest_passes"][0]["ms"] >= x["pass_ms_p50"]
+
+
 def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost():
     costs = PassCosts()
     assert costs.rows_for(1) == PASS_ROWS  # nothing known yet: as many rows as a pass always takes
