@@ -101,6 +101,30 @@ def test_a_pass_reads_back_every_sequences_argmax_at_once(model):
     assert pending.result() == [None] and pending.argmax() == [[]]
 
 
+def test_the_scheduler_hands_greedy_requests_the_picks_of_one_read_back(model, alone):
+    """In one process too, every pass the scheduler runs is a pending pass whose argmax the greedy
+    requests take (one read-back a pass); the outputs stay each alone's."""
+    shapes = _Pending(model)
+    got = _run_all(Scheduler(shapes, 8, PREFILL_CHUNK), model, alone)
+    assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
+    decode = [p for p in shapes.pending if any(s.logits == "all" for s in p.seqs)]
+    assert decode and all(p._argmax is not None for p in decode)
+
+
+class _Pending:
+    """The model, keeping every pass the scheduler starts."""
+
+    def __init__(self, model):
+        self.model, self.pending = model, []
+
+    def start_batch(self, seqs):
+        self.pending.append(self.model.start_batch(seqs))
+        return self.pending[-1]
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
 def test_routed_experts_are_read_once_per_layer_for_the_batch(model):
     """The experts a batch asks for are the union of what its rows chose, each read once."""
     seqs = [Seq(_ids(model, 1, 20 + k), model.new_state()) for k in range(6)]
@@ -210,9 +234,9 @@ class _Shapes:
     def __init__(self, model):
         self.model, self.passes = model, []
 
-    def forward_batch(self, seqs):
+    def start_batch(self, seqs):
         self.passes.append(([len(s.ids) for s in seqs], [s.logits for s in seqs]))
-        return self.model.forward_batch(seqs)
+        return self.model.start_batch(seqs)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -242,10 +266,10 @@ class _SmallDevice(_Shapes):
         super().__init__(model)
         self.rows = rows
 
-    def forward_batch(self, seqs):
+    def start_batch(self, seqs):
         if any(len(s.ids) > self.rows for s in seqs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return super().forward_batch(seqs)
+        return super().start_batch(seqs)
 
 
 def test_a_prompt_too_long_for_the_device_ends_its_request_alone(tiny_k3_path, alone):
@@ -291,10 +315,10 @@ class _Widest:
     def __init__(self, model):
         self.model, self.widest, self.sequences = model, 0, []
 
-    def forward_batch(self, seqs):
+    def start_batch(self, seqs):
         self.widest = max(self.widest, sum(len(s.ids) for s in seqs))
         self.sequences.append(len(seqs))
-        return self.model.forward_batch(seqs)
+        return self.model.start_batch(seqs)
 
     def __getattr__(self, name):
         return getattr(self.model, name)

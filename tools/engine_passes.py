@@ -49,22 +49,29 @@ def _positive(text: str) -> int:
 
 
 class TimedPasses:
-    """Wraps a model's ``forward_batch`` so that every pass is timed (synchronized on CUDA) and logged."""
+    """Wraps a model's ``start_batch`` (what the scheduler calls) so that every pass is timed from its
+    start to the end of its ``result()`` (synchronized on CUDA) and logged."""
 
     def __init__(self, model):
         self.model, self.log = model, []
-        self._forward = model.forward_batch
+        self._start = model.start_batch
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-        model.forward_batch = self
+        model.start_batch = self
 
     def __call__(self, seqs):
         self._sync()
         t0 = time.perf_counter()
-        out = self._forward(seqs)
-        self._sync()
-        self.log.append({"sequences": len(seqs), "rows": sorted({len(s.ids) for s in seqs}),
-                         "check": any(s.keep_states for s in seqs), "ms": 1e3 * (time.perf_counter() - t0)})
-        return out
+        pending = self._start(seqs)
+        result = pending.result
+
+        def timed_result():
+            out = result()
+            self._sync()
+            self.log.append({"sequences": len(seqs), "rows": sorted({len(s.ids) for s in seqs}),
+                             "check": any(s.keep_states for s in seqs), "ms": 1e3 * (time.perf_counter() - t0)})
+            return out
+        pending.result = timed_result
+        return pending
 
 
 def run_round(scheduler: Scheduler, timed: TimedPasses, clients: int, prompt_tokens: int, max_tokens: int,

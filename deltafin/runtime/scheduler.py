@@ -5,7 +5,7 @@ eight, so the server runs every active request in the same pass. One engine thre
 any request is active:
 
     admit waiting requests (at most ``max_batch`` active)  ->  drop cancelled ones  ->
-    ask each active ``Decoding`` what to feed  ->  one ``forward_batch``  ->  hand each its logits
+    ask each active ``Decoding`` what to feed  ->  one pass (``start_batch``)  ->  hand each its logits
     ->  resolve the finished ones, which leave
 
 Requests join and leave between passes. While others decode, a pass carries at most PASS_ROWS
@@ -366,10 +366,14 @@ class Scheduler:
         seqs = [seq for _, seq in batch]
         flight = _Flight(batch, t0, time.perf_counter(), in_flight=len(self._flight) + 1)
         try:
-            if self._depth == 1:  # the whole pass now: a model scheduled one pass at a time needs only forward_batch
-                flight.logits = self.model.forward_batch(seqs)
+            # start_batch where the model has it (a deltafin model always does; its pending pass gives
+            # the greedy picks of the whole pass in one read-back, see _end); a model that only runs
+            # whole passes runs this one now
+            start = getattr(self.model, "start_batch", None)
+            if start is not None:
+                flight.pending = start(seqs)
             else:
-                flight.pending = self.model.start_batch(seqs)
+                flight.logits = self.model.forward_batch(seqs)
         except Exception as e:
             self._failed(batch, e)
             return False
