@@ -99,9 +99,8 @@ def _storage_bytes(state) -> int:
     """Bytes of the storages a state's tensors (rollback records included) keep alive."""
     seen = {}
     for st in state.layers:
-        ts = [v for v in vars(st).values() if isinstance(v, torch.Tensor)]
-        ts += [v for v in (st.pending or {}).values() if isinstance(v, torch.Tensor)] if hasattr(st, "pending") else []
-        for t in ts:
+        held = list(vars(st).values()) + list((getattr(st, "pending", None) or {}).values())
+        for t in (v for v in held if isinstance(v, torch.Tensor)):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 

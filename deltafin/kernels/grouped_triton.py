@@ -311,8 +311,8 @@ def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, t
                      topk: int, packed13, scale13, packed2, scale2, cfg, config: dict | None = None) -> torch.Tensor:
     """Every pair's w2 @ glu(w1 x, w3 x) from MXFP4 stacks (as ``mxfp4_gate_up``), the pairs sorted by
     expert: x fp32 [T, H]; order int32 [P], the pair at each sorted place (pair j: token j // topk);
-    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P, tile_rows)`` -> fp32 [P, H] in pair order. config: fixed
-    {"BN", "BK"} instead of tuning (tests)."""
+    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P, tile_rows)`` -> fp32 [P, H] in pair order.
+    config: fixed {"BN", "BK"} instead of tuning (tests)."""
     pairs, (_, two_i, half) = order.numel(), packed13.shape
     inter, H = two_i // 2, 2 * half
     tile_e, tile_r = tiles
@@ -320,15 +320,15 @@ def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, t
     out = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     w13, s13, sw13, ss13 = _mxfp4_args(packed13, scale13)
     w2, s2, sw2, ss2 = _mxfp4_args(packed2, scale2)
-    tiles = tile_e.numel()
+    count = tile_e.numel()
     gate_up = (x, order, tile_e, tile_r, ends, w13, s13, act, H, inter, sw13, ss13)
     down = (act, order, tile_e, tile_r, ends, w2, s2, out, H, inter, sw2, ss2)
     glu = dict(TOPK=topk, **_glu_args(cfg))
     if config:
-        _sorted_mxfp4_gate_up_kernel[(tiles, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BM=tile_rows,
+        _sorted_mxfp4_gate_up_kernel[(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BM=tile_rows,
                                                                                  **config)
-        _sorted_mxfp4_down_kernel[(tiles, triton.cdiv(H, config["BN"]))](*down, BM=tile_rows, **config)
+        _sorted_mxfp4_down_kernel[(count, triton.cdiv(H, config["BN"]))](*down, BM=tile_rows, **config)
     else:
-        _sorted_gate_up_tuned[lambda m: (tiles, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BM=tile_rows)
-        _sorted_down_tuned[lambda m: (tiles, triton.cdiv(H, m["BN"]))](*down, BM=tile_rows)
+        _sorted_gate_up_tuned[lambda m: (count, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BM=tile_rows)
+        _sorted_down_tuned[lambda m: (count, triton.cdiv(H, m["BN"]))](*down, BM=tile_rows)
     return out

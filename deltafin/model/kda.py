@@ -97,13 +97,14 @@ class KDAttention(Bindable):
         o = torch.empty(T, nh, d, dtype=torch.float32, device=x.device)
         for rows, n, states, keep_states in _groups(parts, x.device):
             B = len(states)
+            piece = prompt_fused and n > RECURRENT_MAX_ROWS and not keep_states  # a long prompt piece
             g_rows, beta_rows = g[rows], beta[rows]
-            if prompt_fused and (n <= RECURRENT_MAX_ROWS or keep_states):  # the short rows of a mixed pass
+            if prompt_fused and not piece:  # the short rows of a mixed pass take deltafin's steps
                 g_rows, beta_rows = self._decay(g_rows), torch.sigmoid(beta_rows)
             args = xin[:, rows].view(3, B, n, -1), g_rows.view(B, n, nh, d), beta_rows.view(B, n, nh), states
             if fused:
                 out = self._recur_fused(*args, keep_states)
-            elif prompt_fused and n > RECURRENT_MAX_ROWS and not keep_states:
+            elif piece:
                 out = self._prompt_fused(*args)
             else:
                 out = self._recur(*args, keep_states, chunk)
