@@ -7,16 +7,18 @@ layer is resident on one device. ``stack[e]`` gives expert e's (w1, w3, w2) as v
 per-expert path still works on it.
 
 ``grouped_mlp`` computes every (token, chosen expert) pair's ``w2 @ glu(w1 @ x, w3 @ x)`` and the
-routing-weighted sum over each token's experts without reading the expert ids back to the host:
-- bf16 experts of a model with bf16 products on a CUDA device with grouped GEMMs (``sorted_mlp``):
-  the pairs sorted by expert and two grouped matrix products over the sorted rows (gate and up, then
-  down), so each chosen expert's weights are read once for all of its rows, whatever their number — a
-  prompt's thousands of rows as a batch's handful. The products round their inputs to bf16 and sum in
-  fp32, like every other bf16 product of the model (``ops.HalfMatmul``).
-- MXFP4 experts on a CUDA device with Triton, from SORTED_MIN_PAIRS pairs (``sorted_mlp`` too): the
-  pairs sorted by expert and two Triton launches over tiles of one expert's rows, the codes decoded
-  in the tile loads (``grouped_triton.sorted_mxfp4_mlp``; fp32 products, any number of rows).
-- otherwise, for decode-sized inputs, on CUDA two Triton launches (gate and up fused with the
+routing-weighted sum over each token's experts without reading the expert ids back to the host, by
+one of three paths (which one, from its pairs per expert: ``Stacked.takes_sorted``):
+- bf16 experts of a model with bf16 products on a CUDA device with grouped GEMMs (``sorted_mlp``),
+  from a few pairs per expert on average: the pairs sorted by expert and two grouped matrix products
+  over the sorted rows (gate and up, then down), so each chosen expert's weights are read once for
+  all of its rows, whatever their number — a prompt's thousands of rows as a wide batch's. The
+  products round their inputs to bf16 and sum in fp32, like every other bf16 product of the model
+  (``ops.HalfMatmul``).
+- MXFP4 experts on a CUDA device with Triton, likewise (``sorted_mlp`` too): the pairs sorted by
+  expert and two Triton launches over tiles of one expert's rows, the codes decoded in the tile loads
+  (``grouped_triton.sorted_mxfp4_mlp``; tensor cores as exact as fp32 products, any number of rows).
+- otherwise (a few pairs per expert, as in decoding), on CUDA two Triton launches (gate and up fused with the
   activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
   (each pair reads its expert's weights: made for a few rows); elsewhere a torch reference that
   gathers the chosen experts' weights. Products are fp32 sums of fp32 inputs times the stored
@@ -35,12 +37,6 @@ import torch.nn.functional as F
 # (token, expert) pairs up to which the Triton kernels are used; a long prefill chooses most experts
 # for many tokens, where they would read each expert's weights once per pair.
 GROUPED_MAX_PAIRS = 256
-# (token, expert) pairs from which bf16 experts on CUDA take the grouped GEMMs (``sorted_mlp``).
-# Below, the pairs are mostly of distinct experts, so the Triton kernels re-read few weights and
-# their two launches cost less than the sort and the grouped products: kl_medium (top-8 of 64) at
-# batch 8, 64 pairs, decoded 1,462 tok/s through the grouped GEMMs against 1,582 through Triton
-# (H200). At 128 pairs the Triton kernels read each chosen expert ~2.3 times.
-SORTED_MIN_PAIRS = 128
 # Pairs of one expert in a tile of the sorted MXFP4 kernels (``sorted_tiles``).
 TILE_ROWS = 32
 
@@ -48,8 +44,19 @@ TILE_ROWS = 32
 class Stacked:
     """All of a layer's experts in stacked tensors (see the subclasses)."""
 
+    # Pairs per expert of the layer (pairs / E) from which ``sorted_mlp`` takes the layer: below, most
+    # pairs are of distinct experts, so the pair kernels re-read few weights, and their two launches
+    # cost less than the sort and the sorted products. bf16: kl_medium's layer (top-8 of 64 experts;
+    # H200, graph-replayed) took 252 us at 128 pairs in the pair kernels against 355 us sorted, 441
+    # against 427 us at 256 pairs. MXFP4Stack has its own.
+    sorted_min_rows = 4
+
     def applies(self, pairs: int) -> bool:
         return pairs <= GROUPED_MAX_PAIRS or self.sorted_gemm()
+
+    def takes_sorted(self, pairs: int) -> bool:
+        """Whether a layer of `pairs` (token, expert) pairs goes through ``sorted_mlp``."""
+        return pairs >= self.sorted_min_rows * len(self) and self.sorted_gemm()
 
     def sorted_gemm(self) -> bool:
         """Whether ``sorted_mlp`` takes these experts (any number of rows)."""
@@ -95,6 +102,10 @@ class MXFP4Stack(Stacked):
     w13_scale: torch.Tensor
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
+    # A K3-shaped layer (top-16 of 32 experts, 3,584 x 3,072; H200, graph-replayed): 256 pairs took
+    # 2.8 ms in the pair kernels against 3.2 ms sorted, 512 pairs 5.5 against 3.7 ms; at 128 pairs
+    # (batch 8) 1.4 against 3.0 ms.
+    sorted_min_rows = 16
 
     @classmethod
     def from_experts(cls, experts: list[tuple]) -> "MXFP4Stack":
@@ -133,7 +144,7 @@ def grouped_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                 glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) for rows z [T, H] -> fp32 [T, H]. ``glu(gate, up)``
     is the activation of the torch paths; the Triton kernels apply cfg's own (hidden_act, SiTU betas)."""
-    if ids.numel() >= SORTED_MIN_PAIRS and stack.sorted_gemm():
+    if stack.takes_sorted(ids.numel()):
         return sorted_mlp(cfg, z, ids, weights, stack, glu)
     T, k = ids.shape
     flat = ids.reshape(-1).to(torch.int32)
