@@ -925,6 +925,27 @@ def test_dense_gemv_items_refuse_bad_items():
 
 
 @native
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_dense_heads_gemv_equals_the_items_calls(kind, m):
+    """An attention layer's heads, checked once (``dense_heads``): each call's products are the items
+    calls' bit for bit, both ways (x @ W^T and, transposed, x @ W), and a wrong x is refused."""
+    ws = _dense_weights(kind, 4, 24, 64, seed=m)
+    heads = cpu_native.dense_heads([w for w, _ in ws], [s for _, s in ws])
+    g = torch.Generator().manual_seed(m)
+    x, xt = torch.randn(4, m, 64, generator=g), torch.randn(4, m, 24, generator=g)
+    want = cpu_native.dense_gemv_items(list(x.unbind(0)), [w for w, _ in ws], [s for _, s in ws])
+    want_t = cpu_native.dense_gemv_t_items(list(xt.unbind(0)), [w for w, _ in ws], [s for _, s in ws])
+    assert torch.equal(cpu_native.dense_heads_gemv(x, heads), want)
+    assert torch.equal(cpu_native.dense_heads_gemv(xt, heads, transposed=True), want_t)
+    for bad in (x[:3], x.double(), x.transpose(1, 2).contiguous(), x[..., :32], x.transpose(0, 1)):
+        with pytest.raises(ValueError, match="dense_heads_gemv needs"):
+            cpu_native.dense_heads_gemv(bad, heads)
+    with pytest.raises(ValueError, match="one shape and kind"):
+        cpu_native.dense_heads([ws[0][0], ws[1][0][:8]], [ws[0][1], None if ws[1][1] is None else ws[1][1][:8]])
+
+
+@native
 @SIMD
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 @pytest.mark.parametrize("depth,n,rows", [(7, 5, [1]), (128, 512, [1] * 4), (40, 100, [3, 16]), (64, 96, [2, 1, 2]),

@@ -189,19 +189,20 @@ def test_mla_decode_absorbs_a_stored_kv_b_without_decoding_it(monkeypatch, codec
     want = naive_mla(cfg, w, x)
     bind(attn, {**w, "kv_b_proj": stored})
     calls = []
-    real = cpu_native.dense_gemv_t_items
-    monkeypatch.setattr(cpu_native, "dense_gemv_t_items", lambda *a: calls.append(1) or real(*a))
+    real = cpu_native.dense_heads_gemv
+    monkeypatch.setattr(cpu_native, "dense_heads_gemv",
+                        lambda *a, **k: calls.append(k.get("transposed", False)) or real(*a, **k))
 
     def run():
         st = attn.new_state(torch.float32)
         steps = [x[:3], x[3:4], x[4:6], x[6:7]]  # a prompt, then steps of one and two rows
         return torch.cat([attn(xs, [Rows(st, len(xs), False)], 64) for xs in steps])
     got = run()
-    assert len(calls) == 3  # every step after the prompt
+    assert calls == [True, False] * 3  # every step after the prompt: the query's side, then the value's
     with monkeypatch.context() as m:
         m.setattr(mla.KvB, "_native", lambda self, rows: None)
         decoded = run()
-    assert len(calls) == 3
+    assert len(calls) == 6
     # float32 summation order; int8: the value side's product rounds the latent rows to int16 first
     assert (got - decoded).abs().max() < (1e-4 if codec == "int8" else 1e-5) * decoded.abs().max()
     assert (got - want).abs().max() < 1e-4 * want.abs().max()

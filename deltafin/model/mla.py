@@ -217,16 +217,17 @@ class KvB:
             return None
         return native_dense(self.w)
 
-    def _heads(self, dense, first: int, count: int) -> tuple[list, list]:
-        """Each head's rows first..first+count-1 of the stored weight (and of its scales). A quantized
-        weight keeps its lists (64 views a layer and token otherwise)."""
+    def _heads(self, dense, first: int, count: int) -> cpu_native.DenseHeads:
+        """Each head's rows first..first+count-1 of the stored weight (and of its scales), checked for the
+        native call. A quantized weight keeps them (64 views a layer and token otherwise)."""
         cache = self.w.derived("_kv_b_heads", dict) if isinstance(self.w, QWeight) else {}
         key = (self.nh, self.nope + self.dv, first, count)
         if key not in cache:
             w, s = dense
             step = self.nope + self.dv
-            cache[key] = ([w[h * step + first:h * step + first + count] for h in range(self.nh)],
-                          [None if s is None else s[h * step + first:h * step + first + count] for h in range(self.nh)])
+            cache[key] = cpu_native.dense_heads(
+                [w[h * step + first:h * step + first + count] for h in range(self.nh)],
+                [None if s is None else s[h * step + first:h * step + first + count] for h in range(self.nh)])
         return cache[key]
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
@@ -234,8 +235,8 @@ class KvB:
         dense = self._native(q_nope.shape[0])
         if dense is None:
             return torch.einsum("thd,hdr->htr", q_nope, self.full()[0])
-        xs = list(q_nope.transpose(0, 1).contiguous().unbind(0))
-        y = cpu_native.dense_gemv_t_items(xs, *self._heads(dense, 0, self.nope))
+        y = cpu_native.dense_heads_gemv(q_nope.transpose(0, 1).contiguous(), self._heads(dense, 0, self.nope),
+                                        transposed=True)
         return y.view(self.nh, q_nope.shape[0], -1)
 
     def absorb_value(self, lat: torch.Tensor) -> torch.Tensor:
@@ -243,5 +244,5 @@ class KvB:
         dense = self._native(lat.shape[1])
         if dense is None:
             return torch.einsum("htr,hdr->thd", lat, self.full()[1])
-        y = cpu_native.dense_gemv_items(list(lat.contiguous().unbind(0)), *self._heads(dense, self.nope, self.dv))
+        y = cpu_native.dense_heads_gemv(lat.contiguous(), self._heads(dense, self.nope, self.dv))
         return y.view(self.nh, lat.shape[1], self.dv).transpose(0, 1)
