@@ -227,6 +227,21 @@ def test_sorted_tiles_cover_each_experts_pairs_once():
             assert real == sorted(real, reverse=True)
 
 
+def test_a_layer_takes_the_sorted_path_from_its_pairs_per_expert(monkeypatch):
+    """``Stacked.takes_sorted``: where the sorted kernels run at all, a layer takes them from
+    ``sorted_min_rows`` pairs per expert of the layer (bf16 4, MXFP4 16: the measured crossovers), so a
+    decode batch keeps the pair kernels and a prompt takes the sorted tiles; nowhere else."""
+    from deltafin.kernels import grouped
+    bf16 = grouped.ExpertStack(torch.zeros(64, 8, 4, dtype=torch.bfloat16), torch.zeros(64, 4, 4, dtype=torch.bfloat16),
+                               bf16_products=True)
+    mx = grouped.MXFP4Stack(*(torch.zeros(32, 2, 2, dtype=torch.uint8) for _ in range(4)))
+    assert not bf16.takes_sorted(10 ** 6) and not mx.takes_sorted(10 ** 6)  # CPU tensors: never
+    monkeypatch.setattr(grouped.ExpertStack, "sorted_gemm", lambda self: True)
+    monkeypatch.setattr(grouped.MXFP4Stack, "sorted_gemm", lambda self: True)
+    assert [bf16.takes_sorted(p) for p in (64, 255, 256, 4096)] == [False, False, True, True]  # top-8 at b8, 32
+    assert [mx.takes_sorted(p) for p in (128, 511, 512)] == [False, False, True]  # top-16 at b8, a 32-row prompt
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_sorted_mxfp4_kernels_match_reference():
     """Many pairs of MXFP4 experts (a prompt's worth; some experts chosen by many rows, some never)
