@@ -126,7 +126,8 @@ class MXFP4Stack(Stacked):
         return self.w13_packed.shape[0]
 
     def sorted_gemm(self) -> bool:
-        return self.w13_packed.is_cuda and _triton_kernels() is not None
+        # the sorted kernels' bf16 tensor-core products need compute capability 8.0 or later
+        return self.w13_packed.is_cuda and _bf16_dot_on(self.w13_packed.device) and _triton_kernels() is not None
 
     def __getitem__(self, e: int) -> tuple:
         from .linear import QWeight
@@ -203,10 +204,14 @@ def sorted_tiles(ends: torch.Tensor, pairs: int, rows: int = TILE_ROWS) -> tuple
 
 
 @functools.cache
+def _bf16_dot_on(device: torch.device) -> bool:
+    """Whether this CUDA device multiplies bf16 on its tensor cores (compute capability 8.0 or later)."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def _grouped_gemm_on(device: torch.device) -> bool:
-    """Whether torch runs bf16 grouped GEMMs on this CUDA device (its kernels need compute
-    capability 8.0 or later)."""
-    return hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(device) >= (8, 0)
+    """Whether torch runs bf16 grouped GEMMs on this CUDA device (its kernels need bf16 tensor cores)."""
+    return hasattr(F, "grouped_mm") and _bf16_dot_on(device)
 
 
 def _grouped_reference(glu, x, flat, k, stack):
