@@ -548,11 +548,9 @@ def dense_heads_gemv(x: torch.Tensor, heads: DenseHeads, transposed: bool = Fals
     y = torch.empty(count * m, y_width, dtype=torch.float32)
     if y.numel():
         xp, yp = x.data_ptr(), y.data_ptr()
-        args = (_array(_p, [xp + i * m * x_width * 4 for i in range(count)]), _array(_i64, [m] * count),
-                heads.w_ptrs, heads.s_ptrs, _array(_p, [yp + i * m * y_width * 4 for i in range(count)]))
-        fn = lib.dense_gemv_t_items_f32 if transposed else lib.dense_gemv_items_f32
-        _check_dense(fn(*args, count, heads.rows, heads.cols, heads.kind, heads.group, _threads(threads),
-                        int(use_simd)), count)
+        args = [_array(_p, [xp + i * m * x_width * 4 for i in range(count)]), _array(_i64, [m] * count),
+                heads.w_ptrs, heads.s_ptrs, _array(_p, [yp + i * m * y_width * 4 for i in range(count)])]
+        _items_call(lib, transposed, args, count, heads.rows, heads.cols, heads.kind, heads.group, threads, use_simd)
     return y
 
 
@@ -562,10 +560,17 @@ def _dense_call(transposed: bool, xs, ws, scales, threads: int | None, use_simd:
         raise ValueError("dense items need at least one weight, each 2-D")
     rows, cols = ws[0].shape[0], ws[0].shape[-1]
     y, args, kind, group = _dense_items(xs, ws, scales, rows if transposed else cols, cols if transposed else rows)
-    fn = lib.dense_gemv_t_items_f32 if transposed else lib.dense_gemv_items_f32
-    rc = fn(*args, len(ws), rows, cols, kind, group, _threads(threads), int(use_simd)) if y.numel() else 0
-    _check_dense(rc, len(ws))
+    if y.numel():
+        _items_call(lib, transposed, args, len(ws), rows, cols, kind, group, threads, use_simd)
     return y
+
+
+def _items_call(lib, transposed: bool, args: list, count: int, rows: int, cols: int, kind: int, group: int,
+                threads: int | None, use_simd: bool) -> None:
+    """The native items call (``dense_gemv_items_f32``, or ``dense_gemv_t_items_f32`` when transposed) over
+    the ctypes arrays args (x, rows, weights, scales, y), its return code raised as the error it means."""
+    fn = lib.dense_gemv_t_items_f32 if transposed else lib.dense_gemv_items_f32
+    _check_dense(fn(*args, count, rows, cols, kind, group, _threads(threads), int(use_simd)), count)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, use_simd: bool = True) -> torch.Tensor:

@@ -11,7 +11,7 @@ the kernel as they are read (the stored 4.25 bits per weight are all that crosse
 the decoding of ``triton_kernels`` (codes as twice their E2M1 value, scales as 2^(s - 128)),
 exactly the reference's values.
 
-Past a few hundred pairs (a prompt, a wide check pass) the pair kernels would read an expert's
+With many pairs per expert (a prompt, a wide batch) the pair kernels would read an expert's
 weights once per pair. ``sorted_mxfp4_mlp`` takes the pairs sorted by expert instead: each program
 takes a tile of BM pairs of one expert and BN outputs, decodes the expert's MXFP4 tile once for all
 BM rows and multiplies on the tensor cores, as exact as fp32 products (``_exact_dot``: the pair
