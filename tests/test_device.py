@@ -229,8 +229,8 @@ def test_sorted_tiles_cover_each_experts_pairs_once():
 
 def test_a_layer_takes_the_sorted_path_from_its_pairs_per_expert(monkeypatch):
     """``Stacked.takes_sorted``: where the sorted kernels run at all, a layer takes them from
-    ``sorted_min_rows`` pairs per expert of the layer (bf16 4, MXFP4 16: the measured crossovers), so a
-    decode batch keeps the pair kernels and a prompt takes the sorted tiles; nowhere else."""
+    ``sorted_min_rows`` pairs per expert of the layer (bf16 and MXFP4 4: the measured crossovers), so a
+    decode batch of few rows per expert keeps the pair kernels; nowhere else."""
     from deltafin.kernels import grouped
     bf16 = grouped.ExpertStack(torch.zeros(64, 8, 4, dtype=torch.bfloat16), torch.zeros(64, 4, 4, dtype=torch.bfloat16),
                                bf16_products=True)
@@ -239,7 +239,7 @@ def test_a_layer_takes_the_sorted_path_from_its_pairs_per_expert(monkeypatch):
     monkeypatch.setattr(grouped.ExpertStack, "sorted_gemm", lambda self: True)
     monkeypatch.setattr(grouped.MXFP4Stack, "sorted_gemm", lambda self: True)
     assert [bf16.takes_sorted(p) for p in (64, 255, 256, 4096)] == [False, False, True, True]  # top-8 at b8, 32
-    assert [mx.takes_sorted(p) for p in (128, 511, 512)] == [False, False, True]  # top-16 at b8, a 32-row prompt
+    assert [mx.takes_sorted(p) for p in (64, 127, 128, 512)] == [False, False, True, True]  # top-16 at b4, b8, b32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -258,14 +258,22 @@ def test_cuda_sorted_mxfp4_kernels_match_reference():
         ref = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
         got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev, _glu(cfg)).cpu()
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
+        few = slice(0, 20)  # 80 pairs, 11 an expert: the 4-row tiles
+        ref_few = grouped.grouped_mlp(cfg, z[few], ids[few], w[few], stack, _glu(cfg))
+        got_few = grouped.grouped_mlp(cfg, z[few].cuda(), ids[few].cuda(), w[few].cuda(), dev, _glu(cfg)).cpu()
+        assert ((got_few - ref_few).norm() / ref_few.norm()).item() < 1e-5, cfg.hidden_act
         by, order = ids.reshape(-1).cuda().sort(stable=True)
         ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
-        tiles = grouped.sorted_tiles(ends, T * k)
         codes = (dev.w13_packed, dev.w13_scale, dev.w2_packed, dev.w2_scale)
-        out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, tiles, grouped.TILE_ROWS, k,
-                                              *codes, cfg, config={"BN": 16, "BK": 128})
-        fixed = torch.bmm(w.cuda().unsqueeze(1), out.view(T, k, -1)).squeeze(1).cpu()
-        assert ((fixed - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
+        # tiles of 4 rows on the CUDA cores and of TILE_ROWS on the tensor cores, tuned and fixed
+        for rows, config in ((4, {"BN": 16, "G": 2}), (4, None), (grouped.TILE_ROWS, {"BN": 16, "BK": 128})):
+            tiles = grouped.sorted_tiles(ends, T * k, rows)
+            out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, tiles, rows, k, *codes, cfg,
+                                                  config=config)
+            fixed = torch.bmm(w.cuda().unsqueeze(1), out.view(T, k, -1)).squeeze(1).cpu()
+            assert ((fixed - ref).norm() / ref.norm()).item() < 1e-5, (cfg.hidden_act, rows, config)
+    # the rule's tiles: 4 rows below 32 pairs per expert, TILE_ROWS from it; grouped_mlp took the latter above
+    assert [dev.sorted_tile_rows(p) for p in (28, 223, 224)] == [4, 4, grouped.TILE_ROWS] and T * k >= 32 * E
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -102,10 +102,19 @@ class MXFP4Stack(Stacked):
     w13_scale: torch.Tensor
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
-    # A K3-shaped layer (top-16 of 32 experts, 3,584 x 3,072; H200, graph-replayed): 256 pairs took
-    # 2.8 ms in the pair kernels against 3.2 ms sorted, 512 pairs 5.5 against 3.7 ms; at 128 pairs
-    # (batch 8) 1.4 against 3.0 ms.
-    sorted_min_rows = 16
+    # A K3-shaped layer (top-16 of 32 experts, 3,584 x 3,072; H200, graph-replayed, the sort included),
+    # by pairs per expert: at 2 the pair kernels took 739 us against 789 in 4-row tiles; at 4 (batch 8)
+    # 1,415 against 1,070; at 16, 5,459 against 3,481 in 4-row tiles and 3,772 in the tensor cores' tiles;
+    # at 32, 10,852 against 6,652 and 6,397.
+    sorted_min_rows = 4
+    tensor_min_rows = 32
+
+    def sorted_tile_rows(self, pairs: int) -> int:
+        """Pairs a tile of the sorted kernels holds for a layer of `pairs` pairs: four (the CUDA-core
+        tiles), or TILE_ROWS (the tensor cores') from tensor_min_rows pairs per expert."""
+        if pairs >= self.tensor_min_rows * len(self):
+            return TILE_ROWS
+        return _triton_kernels().CORE_TILE_ROWS
 
     @classmethod
     def from_experts(cls, experts: list[tuple]) -> "MXFP4Stack":
@@ -174,8 +183,9 @@ def sorted_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     ends = torch.searchsorted(by_expert, torch.arange(len(stack), device=ids.device), right=True).to(torch.int32)
     if isinstance(stack, MXFP4Stack):
         codes = (stack.w13_packed, stack.w13_scale, stack.w2_packed, stack.w2_scale)
+        rows = stack.sorted_tile_rows(order.numel())
         out = _triton_kernels().sorted_mxfp4_mlp(z.float().contiguous(), order.to(torch.int32), ends,
-                                                 sorted_tiles(ends, order.numel()), TILE_ROWS, k, *codes, cfg)
+                                                 sorted_tiles(ends, order.numel(), rows), rows, k, *codes, cfg)
     else:
         inter = stack.w2.shape[2]
         x = z.to(torch.bfloat16)[order // k]  # rounded before the gather: k times fewer rows to round

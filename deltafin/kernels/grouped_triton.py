@@ -112,21 +112,39 @@ def _e2m1_fp16(b, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_ptr, K, k0, stride_w, stride_s, BN: tl.constexpr,
-                  G: tl.constexpr):
-    """fp32 [BN, G]: for MXFP4 rows `rows` (codes stride_w bytes apart, scales stride_s apart) and
-    the G groups of 32 inputs from k0 of x: each group's sum of weight x input."""
+def _mxfp4_decoded(w_ptr, s_ptr, rows, nmask, K, k0, stride_w, stride_s, G: tl.constexpr):
+    """MXFP4 rows `rows` (codes stride_w bytes apart, scales stride_s apart) at the G groups of 32 inputs
+    from k0: the low and the high nibbles' values fp32 [BN, G, 16] (times 2^-14) and each group's
+    factor fp32 [BN, G] that takes them back to the weights (applied to the groups' sums)."""
     g = k0 // GROUP + tl.arange(0, G)
     gmask = g < K // GROUP
     byte = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]  # [G, 16] bytes of each group
     m = nmask[:, None, None] & gmask[None, :, None]
     b = tl.load(w_ptr + rows[:, None, None] * stride_w + byte[None, :, :], mask=m, other=0).to(tl.int32)
-    x_lo = tl.load(x_ptr + 2 * byte, mask=gmask[:, None], other=0.0)  # the inputs of the low nibbles
-    x_hi = tl.load(x_ptr + 2 * byte + 1, mask=gmask[:, None], other=0.0)  # ... and of the high ones
-    part = tl.sum(_e2m1_fp16(b, 0) * x_lo[None, :, :] + _e2m1_fp16(b, 4) * x_hi[None, :, :], 2)
     sc = tl.load(s_ptr + rows[:, None] * stride_s + g[None, :], mask=nmask[:, None] & gmask[None, :], other=0)
     # 2^15 undoes the fp16 placement (exact); the scale factor 2^(s-128) takes the doubling back
-    return part * 32768.0 * _scale_factors(sc, MXFP4)
+    return _e2m1_fp16(b, 0), _e2m1_fp16(b, 4), 32768.0 * _scale_factors(sc, MXFP4)
+
+
+@triton.jit
+def _group_sums(lo, hi, f, x_ptr, n_groups, k0, G: tl.constexpr):
+    """fp32 [BN, G]: the decoded groups (``_mxfp4_decoded``) times the inputs of x from k0, each group
+    summed and scaled; x has n_groups groups (0 for a tile's missing row: nothing read, zeros)."""
+    g = k0 // GROUP + tl.arange(0, G)
+    gmask = g < n_groups
+    byte = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+    x_lo = tl.load(x_ptr + 2 * byte, mask=gmask[:, None], other=0.0)  # the inputs of the low nibbles
+    x_hi = tl.load(x_ptr + 2 * byte + 1, mask=gmask[:, None], other=0.0)  # ... and of the high ones
+    return tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], 2) * f
+
+
+@triton.jit
+def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_ptr, K, k0, stride_w, stride_s, BN: tl.constexpr,
+                  G: tl.constexpr):
+    """fp32 [BN, G]: for MXFP4 rows `rows` and the G groups of 32 inputs from k0 of x: each group's sum
+    of weight x input."""
+    lo, hi, f = _mxfp4_decoded(w_ptr, s_ptr, rows, nmask, K, k0, stride_w, stride_s, G)
+    return _group_sums(lo, hi, f, x_ptr, K // GROUP, k0, G)
 
 
 @triton.jit
@@ -243,6 +261,103 @@ def _sorted_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr
     tl.store(out_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr):
+    """Tile program_id(0)'s expert (-1: no tile), first sorted place and the end of its expert's places."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t)
+    r = tl.load(tile_r_ptr + t)
+    return e, r, tl.load(ends_ptr + tl.maximum(e, 0))
+
+
+@triton.jit
+def _row_in(order_ptr, r, i: tl.constexpr, end, div: tl.constexpr):
+    """Sorted place r + i of a tile: whether it is one of the expert's, and its pair // div."""
+    valid = r + i < end
+    return valid, (tl.load(order_ptr + r + i, mask=valid, other=0) // div).to(tl.int64)
+
+
+@triton.jit
+def _groups_of(v0, v1, v2, v3, K):
+    """Groups of 32 inputs of each of a tile's four rows: K's, or 0 for a missing row."""
+    return (tl.where(v0, K // GROUP, 0), tl.where(v1, K // GROUP, 0), tl.where(v2, K // GROUP, 0),
+            tl.where(v3, K // GROUP, 0))
+
+
+@triton.jit
+def _rows_mxfp4_gate_up_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
+                               stride_w, stride_s, TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA,
+                               BN: tl.constexpr, G: tl.constexpr):
+    """The pair kernel's work for the CORE_TILE_ROWS (4) rows of a tile of one expert, its codes decoded
+    once for all of them: one accumulator per row, unrolled (Triton keeps no arrays of tensors)."""
+    e, r, end = _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr)
+    if e < 0:
+        return
+    v0, t0 = _row_in(order_ptr, r, 0, end, TOPK)
+    v1, t1 = _row_in(order_ptr, r, 1, end, TOPK)
+    v2, t2 = _row_in(order_ptr, r, 2, end, TOPK)
+    v3, t3 = _row_in(order_ptr, r, 3, end, TOPK)
+    n0, n1, n2, n3 = _groups_of(v0, v1, v2, v3, H)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < INTER
+    gate_rows = e.to(tl.int64) * (2 * INTER) + n
+    g0 = tl.zeros([BN, G], dtype=tl.float32)
+    u0 = tl.zeros([BN, G], dtype=tl.float32)
+    g1 = tl.zeros([BN, G], dtype=tl.float32)
+    u1 = tl.zeros([BN, G], dtype=tl.float32)
+    g2 = tl.zeros([BN, G], dtype=tl.float32)
+    u2 = tl.zeros([BN, G], dtype=tl.float32)
+    g3 = tl.zeros([BN, G], dtype=tl.float32)
+    u3 = tl.zeros([BN, G], dtype=tl.float32)
+    for k0 in range(0, H, G * GROUP):
+        lg, hg, fg = _mxfp4_decoded(w_ptr, s_ptr, gate_rows, nmask, H, k0, stride_w, stride_s, G)
+        lu, hu, fu = _mxfp4_decoded(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0, stride_w, stride_s, G)
+        g0 += _group_sums(lg, hg, fg, x_ptr + t0 * H, n0, k0, G)
+        u0 += _group_sums(lu, hu, fu, x_ptr + t0 * H, n0, k0, G)
+        g1 += _group_sums(lg, hg, fg, x_ptr + t1 * H, n1, k0, G)
+        u1 += _group_sums(lu, hu, fu, x_ptr + t1 * H, n1, k0, G)
+        g2 += _group_sums(lg, hg, fg, x_ptr + t2 * H, n2, k0, G)
+        u2 += _group_sums(lu, hu, fu, x_ptr + t2 * H, n2, k0, G)
+        g3 += _group_sums(lg, hg, fg, x_ptr + t3 * H, n3, k0, G)
+        u3 += _group_sums(lu, hu, fu, x_ptr + t3 * H, n3, k0, G)
+    out = out_ptr + r.to(tl.int64) * INTER + n  # act rows in sorted order
+    tl.store(out, _glu(tl.sum(g0, 1), tl.sum(u0, 1), SITU, BETA, LBETA), mask=n < tl.where(v0, INTER, 0))
+    tl.store(out + INTER, _glu(tl.sum(g1, 1), tl.sum(u1, 1), SITU, BETA, LBETA), mask=n < tl.where(v1, INTER, 0))
+    tl.store(out + 2 * INTER, _glu(tl.sum(g2, 1), tl.sum(u2, 1), SITU, BETA, LBETA), mask=n < tl.where(v2, INTER, 0))
+    tl.store(out + 3 * INTER, _glu(tl.sum(g3, 1), tl.sum(u3, 1), SITU, BETA, LBETA), mask=n < tl.where(v3, INTER, 0))
+
+
+@triton.jit
+def _rows_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
+                            stride_w, stride_s, BN: tl.constexpr, G: tl.constexpr):
+    e, r, end = _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr)
+    if e < 0:
+        return
+    v0, p0 = _row_in(order_ptr, r, 0, end, 1)
+    v1, p1 = _row_in(order_ptr, r, 1, end, 1)
+    v2, p2 = _row_in(order_ptr, r, 2, end, 1)
+    v3, p3 = _row_in(order_ptr, r, 3, end, 1)
+    n0, n1, n2, n3 = _groups_of(v0, v1, v2, v3, INTER)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < H
+    a = a_ptr + r.to(tl.int64) * INTER  # act rows in sorted order
+    acc0 = tl.zeros([BN, G], dtype=tl.float32)
+    acc1 = tl.zeros([BN, G], dtype=tl.float32)
+    acc2 = tl.zeros([BN, G], dtype=tl.float32)
+    acc3 = tl.zeros([BN, G], dtype=tl.float32)
+    for k0 in range(0, INTER, G * GROUP):
+        lo, hi, f = _mxfp4_decoded(w_ptr, s_ptr, e.to(tl.int64) * H + n, nmask, INTER, k0, stride_w, stride_s, G)
+        acc0 += _group_sums(lo, hi, f, a, n0, k0, G)
+        acc1 += _group_sums(lo, hi, f, a + INTER, n1, k0, G)
+        acc2 += _group_sums(lo, hi, f, a + 2 * INTER, n2, k0, G)
+        acc3 += _group_sums(lo, hi, f, a + 3 * INTER, n3, k0, G)
+    # each row stored at its pair's own place
+    tl.store(out_ptr + p0 * H + n, tl.sum(acc0, 1), mask=n < tl.where(v0, H, 0))
+    tl.store(out_ptr + p1 * H + n, tl.sum(acc1, 1), mask=n < tl.where(v1, H, 0))
+    tl.store(out_ptr + p2 * H + n, tl.sum(acc2, 1), mask=n < tl.where(v2, H, 0))
+    tl.store(out_ptr + p3 * H + n, tl.sum(acc3, 1), mask=n < tl.where(v3, H, 0))
+
+
 def _glu_args(cfg) -> dict:
     situ = cfg.hidden_act == "situ"
     return dict(SITU=situ, BETA=float(cfg.situ_beta or 0.0) if situ else 0.0,
@@ -263,6 +378,11 @@ _SORTED_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s
                    for bn, bk, w, st in ((64, 64, 4, 2), (32, 128, 4, 2), (128, 64, 8, 2))]
 _sorted_gate_up_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_gate_up_kernel)
 _sorted_down_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_down_kernel)
+# Tiles of CORE_TILE_ROWS pairs go to the CUDA-core kernels (the pair kernels' tiles, each code decoded
+# once for the tile's four rows), wider ones to the tensor cores.
+CORE_TILE_ROWS = 4
+_rows_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_rows_mxfp4_gate_up_kernel)
+_rows_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_rows_mxfp4_down_kernel)
 
 
 def _mxfp4_args(packed: torch.Tensor, scale: torch.Tensor) -> tuple:
@@ -326,7 +446,8 @@ def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, t
     """Every pair's w2 @ glu(w1 x, w3 x) from MXFP4 stacks (as ``mxfp4_gate_up``), the pairs sorted by
     expert: x fp32 [T, H]; order int32 [P], the pair at each sorted place (pair j: token j // topk);
     ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P, tile_rows)`` -> fp32 [P, H] in pair order.
-    config: fixed {"BN", "BK"} instead of tuning (tests)."""
+    Tiles of CORE_TILE_ROWS rows run on the CUDA cores, wider ones on the tensor cores.
+    config: fixed {"BN", "BK"} (tensor cores) or {"BN", "G"} (CUDA cores) instead of tuning (tests)."""
     pairs, (_, two_i, half) = order.numel(), packed13.shape
     inter, H = two_i // 2, 2 * half
     tile_e, tile_r = tiles
@@ -338,11 +459,16 @@ def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, t
     gate_up = (x, order, tile_e, tile_r, ends, w13, s13, act, H, inter, sw13, ss13)
     down = (act, order, tile_e, tile_r, ends, w2, s2, out, H, inter, sw2, ss2)
     glu = dict(TOPK=topk, **_glu_args(cfg))
-    if config:
-        _sorted_mxfp4_gate_up_kernel[(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BM=tile_rows,
-                                                                                 **config)
-        _sorted_mxfp4_down_kernel[(count, triton.cdiv(H, config["BN"]))](*down, BM=tile_rows, **config)
+    if tile_rows == CORE_TILE_ROWS:
+        kernels = (_rows_gate_up_tuned, _rows_down_tuned, _rows_mxfp4_gate_up_kernel, _rows_mxfp4_down_kernel)
+        rows = {}
     else:
-        _sorted_gate_up_tuned[lambda m: (count, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BM=tile_rows)
-        _sorted_down_tuned[lambda m: (count, triton.cdiv(H, m["BN"]))](*down, BM=tile_rows)
+        kernels = (_sorted_gate_up_tuned, _sorted_down_tuned, _sorted_mxfp4_gate_up_kernel, _sorted_mxfp4_down_kernel)
+        rows = {"BM": tile_rows}
+    if config:
+        kernels[2][(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, **rows, **config)
+        kernels[3][(count, triton.cdiv(H, config["BN"]))](*down, **rows, **config)
+    else:
+        kernels[0][lambda m: (count, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, **rows)
+        kernels[1][lambda m: (count, triton.cdiv(H, m["BN"]))](*down, **rows)
     return out
