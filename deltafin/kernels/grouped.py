@@ -17,7 +17,9 @@ one of three paths (which one, from its pairs per expert: ``Stacked.takes_sorted
   (``ops.HalfMatmul``).
 - MXFP4 experts on a CUDA device with Triton, likewise (``sorted_mlp`` too): the pairs sorted by
   expert and two Triton launches over tiles of one expert's rows, the codes decoded in the tile loads
-  (``grouped_triton.sorted_mxfp4_mlp``; tensor cores as exact as fp32 products, any number of rows).
+  once for the tile's rows (``grouped_triton.sorted_mxfp4_mlp``): tiles of 4 rows on the CUDA cores
+  for a decode batch's few pairs per expert, of 32 on the tensor cores (as exact as fp32 products) for
+  a prompt's many (``MXFP4Stack.sorted_tile_rows``).
 - otherwise (a few pairs per expert, as in decoding), on CUDA two Triton launches (gate and up fused with the
   activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
   (each pair reads its expert's weights: made for a few rows); elsewhere a torch reference that

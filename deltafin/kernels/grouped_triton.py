@@ -11,13 +11,14 @@ the kernel as they are read (the stored 4.25 bits per weight are all that crosse
 the decoding of ``triton_kernels`` (codes as twice their E2M1 value, scales as 2^(s - 128)),
 exactly the reference's values.
 
-With many pairs per expert (a prompt, a wide batch) the pair kernels would read an expert's
-weights once per pair. ``sorted_mxfp4_mlp`` takes the pairs sorted by expert instead: each program
-takes a tile of BM pairs of one expert and BN outputs, decodes the expert's MXFP4 tile once for all
-BM rows and multiplies on the tensor cores, as exact as fp32 products (``_exact_dot``: the pair
-kernels' values up to summation order; on a K3-shaped layer 3.8x faster than fp32 products without
-tensor cores), so each chosen expert's codes are read about once per BN columns whatever its rows.
-The tiles are laid out on the device (no routing read back), so a recorded graph holds it.
+With several pairs per expert (a prompt, a wide batch) the pair kernels would decode an expert's
+weights once per pair. ``sorted_mxfp4_mlp`` takes the pairs sorted by expert instead, in tiles of one
+expert's pairs: of CORE_TILE_ROWS (4) pairs, the pair kernels' work with each step's codes decoded
+once for the four rows (CUDA cores: decode batches); or of BM pairs (32), each program decoding the
+expert's tile once for all BM rows and multiplying on the tensor cores, as exact as fp32 products
+(``_exact_dot``: the pair kernels' values up to summation order; on a K3-shaped layer 3.8x faster than
+fp32 products without tensor cores; prompts). The tiles are laid out on the device (no routing read
+back), so a recorded graph holds them.
 """
 from __future__ import annotations
 
