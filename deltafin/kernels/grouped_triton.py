@@ -128,24 +128,28 @@ def _mxfp4_decoded(w_ptr, s_ptr, rows, nmask, K, k0, stride_w, stride_s, G: tl.c
 
 
 @triton.jit
-def _group_sums(lo, hi, f, x_ptr, n_groups, k0, G: tl.constexpr):
-    """fp32 [BN, G]: the decoded groups (``_mxfp4_decoded``) times the inputs of x from k0, each group
-    summed and scaled; x has n_groups groups (0 for a tile's missing row: nothing read, zeros)."""
+def _group_inputs(x_ptr, n_groups, k0, G: tl.constexpr):
+    """The inputs of x at the G groups of 32 from k0 as fp32 [G, 16] twice: those of the low nibbles
+    (even inputs) and of the high ones (odd), from one contiguous load; x has n_groups groups (0 for
+    a tile's missing row: nothing read, zeros)."""
     g = k0 // GROUP + tl.arange(0, G)
-    gmask = g < n_groups
-    byte = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
-    x_lo = tl.load(x_ptr + 2 * byte, mask=gmask[:, None], other=0.0)  # the inputs of the low nibbles
-    x_hi = tl.load(x_ptr + 2 * byte + 1, mask=gmask[:, None], other=0.0)  # ... and of the high ones
+    x = tl.load(x_ptr + g[:, None] * GROUP + tl.arange(0, GROUP)[None, :], mask=(g < n_groups)[:, None], other=0.0)
+    return tl.split(tl.reshape(x, (G, GROUP // 2, 2)))
+
+
+@triton.jit
+def _group_sums(lo, hi, f, x_lo, x_hi):
+    """fp32 [BN, G]: the decoded groups (``_mxfp4_decoded``) times their inputs (``_group_inputs``),
+    each group summed and scaled."""
     return tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], 2) * f
 
 
 @triton.jit
-def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_ptr, K, k0, stride_w, stride_s, BN: tl.constexpr,
-                  G: tl.constexpr):
-    """fp32 [BN, G]: for MXFP4 rows `rows` and the G groups of 32 inputs from k0 of x: each group's sum
-    of weight x input."""
+def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_lo, x_hi, K, k0, stride_w, stride_s, G: tl.constexpr):
+    """fp32 [BN, G]: MXFP4 rows `rows` at the G groups of 32 inputs from k0 times those inputs of x
+    (``_group_inputs``): each group's sum of weight x input."""
     lo, hi, f = _mxfp4_decoded(w_ptr, s_ptr, rows, nmask, K, k0, stride_w, stride_s, G)
-    return _group_sums(lo, hi, f, x_ptr, K // GROUP, k0, G)
+    return _group_sums(lo, hi, f, x_lo, x_hi)
 
 
 @triton.jit
@@ -160,8 +164,9 @@ def _mxfp4_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, strid
     acc_g = tl.zeros([BN, G], dtype=tl.float32)
     acc_u = tl.zeros([BN, G], dtype=tl.float32)
     for k0 in range(0, H, G * GROUP):
-        acc_g += _mxfp4_groups(w_ptr, s_ptr, gate_rows, nmask, x_row, H, k0, stride_w, stride_s, BN, G)
-        acc_u += _mxfp4_groups(w_ptr, s_ptr, gate_rows + INTER, nmask, x_row, H, k0, stride_w, stride_s, BN, G)
+        x_lo, x_hi = _group_inputs(x_row, H // GROUP, k0, G)  # once for the gate and the up rows
+        acc_g += _mxfp4_groups(w_ptr, s_ptr, gate_rows, nmask, x_lo, x_hi, H, k0, stride_w, stride_s, G)
+        acc_u += _mxfp4_groups(w_ptr, s_ptr, gate_rows + INTER, nmask, x_lo, x_hi, H, k0, stride_w, stride_s, G)
     y = _glu(tl.sum(acc_g, 1), tl.sum(acc_u, 1), SITU, BETA, LBETA)
     tl.store(out_ptr + j * INTER + n, y, mask=nmask)
 
@@ -175,8 +180,8 @@ def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, stride_w
     nmask = n < H
     acc = tl.zeros([BN, G], dtype=tl.float32)
     for k0 in range(0, INTER, G * GROUP):
-        acc += _mxfp4_groups(w_ptr, s_ptr, e * H + n, nmask, a_ptr + j * INTER, INTER, k0, stride_w, stride_s,
-                             BN, G)
+        x_lo, x_hi = _group_inputs(a_ptr + j * INTER, INTER // GROUP, k0, G)
+        acc += _mxfp4_groups(w_ptr, s_ptr, e * H + n, nmask, x_lo, x_hi, INTER, k0, stride_w, stride_s, G)
     tl.store(out_ptr + j * H + n, tl.sum(acc, 1), mask=nmask)
 
 
@@ -313,14 +318,18 @@ def _rows_mxfp4_gate_up_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_pt
     for k0 in range(0, H, G * GROUP):
         lg, hg, fg = _mxfp4_decoded(w_ptr, s_ptr, gate_rows, nmask, H, k0, stride_w, stride_s, G)
         lu, hu, fu = _mxfp4_decoded(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0, stride_w, stride_s, G)
-        g0 += _group_sums(lg, hg, fg, x_ptr + t0 * H, n0, k0, G)
-        u0 += _group_sums(lu, hu, fu, x_ptr + t0 * H, n0, k0, G)
-        g1 += _group_sums(lg, hg, fg, x_ptr + t1 * H, n1, k0, G)
-        u1 += _group_sums(lu, hu, fu, x_ptr + t1 * H, n1, k0, G)
-        g2 += _group_sums(lg, hg, fg, x_ptr + t2 * H, n2, k0, G)
-        u2 += _group_sums(lu, hu, fu, x_ptr + t2 * H, n2, k0, G)
-        g3 += _group_sums(lg, hg, fg, x_ptr + t3 * H, n3, k0, G)
-        u3 += _group_sums(lu, hu, fu, x_ptr + t3 * H, n3, k0, G)
+        xl, xh = _group_inputs(x_ptr + t0 * H, n0, k0, G)
+        g0 += _group_sums(lg, hg, fg, xl, xh)
+        u0 += _group_sums(lu, hu, fu, xl, xh)
+        xl, xh = _group_inputs(x_ptr + t1 * H, n1, k0, G)
+        g1 += _group_sums(lg, hg, fg, xl, xh)
+        u1 += _group_sums(lu, hu, fu, xl, xh)
+        xl, xh = _group_inputs(x_ptr + t2 * H, n2, k0, G)
+        g2 += _group_sums(lg, hg, fg, xl, xh)
+        u2 += _group_sums(lu, hu, fu, xl, xh)
+        xl, xh = _group_inputs(x_ptr + t3 * H, n3, k0, G)
+        g3 += _group_sums(lg, hg, fg, xl, xh)
+        u3 += _group_sums(lu, hu, fu, xl, xh)
     out = out_ptr + r.to(tl.int64) * INTER + n  # act rows in sorted order
     tl.store(out, _glu(tl.sum(g0, 1), tl.sum(u0, 1), SITU, BETA, LBETA), mask=n < tl.where(v0, INTER, 0))
     tl.store(out + INTER, _glu(tl.sum(g1, 1), tl.sum(u1, 1), SITU, BETA, LBETA), mask=n < tl.where(v1, INTER, 0))
@@ -348,10 +357,14 @@ def _rows_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, 
     acc3 = tl.zeros([BN, G], dtype=tl.float32)
     for k0 in range(0, INTER, G * GROUP):
         lo, hi, f = _mxfp4_decoded(w_ptr, s_ptr, e.to(tl.int64) * H + n, nmask, INTER, k0, stride_w, stride_s, G)
-        acc0 += _group_sums(lo, hi, f, a, n0, k0, G)
-        acc1 += _group_sums(lo, hi, f, a + INTER, n1, k0, G)
-        acc2 += _group_sums(lo, hi, f, a + 2 * INTER, n2, k0, G)
-        acc3 += _group_sums(lo, hi, f, a + 3 * INTER, n3, k0, G)
+        xl, xh = _group_inputs(a, n0, k0, G)
+        acc0 += _group_sums(lo, hi, f, xl, xh)
+        xl, xh = _group_inputs(a + INTER, n1, k0, G)
+        acc1 += _group_sums(lo, hi, f, xl, xh)
+        xl, xh = _group_inputs(a + 2 * INTER, n2, k0, G)
+        acc2 += _group_sums(lo, hi, f, xl, xh)
+        xl, xh = _group_inputs(a + 3 * INTER, n3, k0, G)
+        acc3 += _group_sums(lo, hi, f, xl, xh)
     # each row stored at its pair's own place
     tl.store(out_ptr + p0 * H + n, tl.sum(acc0, 1), mask=n < tl.where(v0, H, 0))
     tl.store(out_ptr + p1 * H + n, tl.sum(acc1, 1), mask=n < tl.where(v1, H, 0))
