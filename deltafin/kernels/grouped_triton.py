@@ -145,6 +145,20 @@ def _group_sums(lo, hi, f, x_lo, x_hi):
 
 
 @triton.jit
+def _row_step(acc, lo, hi, f, x_ptr, n_groups, k0, G: tl.constexpr):
+    """acc [BN, G] plus one row's group sums of a step against the decoded groups."""
+    x_lo, x_hi = _group_inputs(x_ptr, n_groups, k0, G)
+    return acc + _group_sums(lo, hi, f, x_lo, x_hi)
+
+
+@triton.jit
+def _gate_up_step(acc_g, acc_u, lg, hg, fg, lu, hu, fu, x_ptr, n_groups, k0, G: tl.constexpr):
+    """The gate and up accumulators of one row plus its group sums of a step, its inputs read once for both."""
+    x_lo, x_hi = _group_inputs(x_ptr, n_groups, k0, G)
+    return acc_g + _group_sums(lg, hg, fg, x_lo, x_hi), acc_u + _group_sums(lu, hu, fu, x_lo, x_hi)
+
+
+@triton.jit
 def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_lo, x_hi, K, k0, stride_w, stride_s, G: tl.constexpr):
     """fp32 [BN, G]: MXFP4 rows `rows` at the G groups of 32 inputs from k0 times those inputs of x
     (``_group_inputs``): each group's sum of weight x input."""
@@ -318,18 +332,10 @@ def _rows_mxfp4_gate_up_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_pt
     for k0 in range(0, H, G * GROUP):
         lg, hg, fg = _mxfp4_decoded(w_ptr, s_ptr, gate_rows, nmask, H, k0, stride_w, stride_s, G)
         lu, hu, fu = _mxfp4_decoded(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0, stride_w, stride_s, G)
-        xl, xh = _group_inputs(x_ptr + t0 * H, n0, k0, G)
-        g0 += _group_sums(lg, hg, fg, xl, xh)
-        u0 += _group_sums(lu, hu, fu, xl, xh)
-        xl, xh = _group_inputs(x_ptr + t1 * H, n1, k0, G)
-        g1 += _group_sums(lg, hg, fg, xl, xh)
-        u1 += _group_sums(lu, hu, fu, xl, xh)
-        xl, xh = _group_inputs(x_ptr + t2 * H, n2, k0, G)
-        g2 += _group_sums(lg, hg, fg, xl, xh)
-        u2 += _group_sums(lu, hu, fu, xl, xh)
-        xl, xh = _group_inputs(x_ptr + t3 * H, n3, k0, G)
-        g3 += _group_sums(lg, hg, fg, xl, xh)
-        u3 += _group_sums(lu, hu, fu, xl, xh)
+        g0, u0 = _gate_up_step(g0, u0, lg, hg, fg, lu, hu, fu, x_ptr + t0 * H, n0, k0, G)
+        g1, u1 = _gate_up_step(g1, u1, lg, hg, fg, lu, hu, fu, x_ptr + t1 * H, n1, k0, G)
+        g2, u2 = _gate_up_step(g2, u2, lg, hg, fg, lu, hu, fu, x_ptr + t2 * H, n2, k0, G)
+        g3, u3 = _gate_up_step(g3, u3, lg, hg, fg, lu, hu, fu, x_ptr + t3 * H, n3, k0, G)
     out = out_ptr + r.to(tl.int64) * INTER + n  # act rows in sorted order
     tl.store(out, _glu(tl.sum(g0, 1), tl.sum(u0, 1), SITU, BETA, LBETA), mask=n < tl.where(v0, INTER, 0))
     tl.store(out + INTER, _glu(tl.sum(g1, 1), tl.sum(u1, 1), SITU, BETA, LBETA), mask=n < tl.where(v1, INTER, 0))
@@ -357,14 +363,10 @@ def _rows_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, 
     acc3 = tl.zeros([BN, G], dtype=tl.float32)
     for k0 in range(0, INTER, G * GROUP):
         lo, hi, f = _mxfp4_decoded(w_ptr, s_ptr, e.to(tl.int64) * H + n, nmask, INTER, k0, stride_w, stride_s, G)
-        xl, xh = _group_inputs(a, n0, k0, G)
-        acc0 += _group_sums(lo, hi, f, xl, xh)
-        xl, xh = _group_inputs(a + INTER, n1, k0, G)
-        acc1 += _group_sums(lo, hi, f, xl, xh)
-        xl, xh = _group_inputs(a + 2 * INTER, n2, k0, G)
-        acc2 += _group_sums(lo, hi, f, xl, xh)
-        xl, xh = _group_inputs(a + 3 * INTER, n3, k0, G)
-        acc3 += _group_sums(lo, hi, f, xl, xh)
+        acc0 = _row_step(acc0, lo, hi, f, a, n0, k0, G)
+        acc1 = _row_step(acc1, lo, hi, f, a + INTER, n1, k0, G)
+        acc2 = _row_step(acc2, lo, hi, f, a + 2 * INTER, n2, k0, G)
+        acc3 = _row_step(acc3, lo, hi, f, a + 3 * INTER, n3, k0, G)
     # each row stored at its pair's own place
     tl.store(out_ptr + p0 * H + n, tl.sum(acc0, 1), mask=n < tl.where(v0, H, 0))
     tl.store(out_ptr + p1 * H + n, tl.sum(acc1, 1), mask=n < tl.where(v1, H, 0))
