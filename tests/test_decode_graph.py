@@ -375,9 +375,9 @@ def test_cuda_batch_of_eight_decodes_the_cpu_reference_tokens(request, fixture):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_recorded_sorted_mxfp4_tiles_decode_the_cpu_reference_tokens(tiny_k3_path):
     """float32 on CUDA, 64 sequences of tiny-k3 decoded together: 256 (token, expert) pairs a pass, 16 an
-    expert, so the MXFP4 experts take the sorted 4-row tiles inside the recorded graph (and the tensor
-    cores' tiles in the prompt pass before it); every sequence's greedy tokens are the CPU float32
-    reference's for it alone."""
+    expert, so the MXFP4 experts take the sorted 16-row tiles inside the recorded graph (and wider ones in
+    the prompt pass before it); every sequence's greedy tokens are the CPU float32 reference's for it
+    alone."""
     from deltafin.kernels import grouped
     prompts = [_tokens(3 + i % 7, 40 + i) for i in range(64)]
     cpu = deltafin.load(tiny_k3_path, device="cpu", stream="off")

@@ -204,23 +204,23 @@ def test_cuda_grouped_mxfp4_kernels_match_reference():
 
 
 def test_sorted_tiles_cover_each_experts_pairs_once():
-    """The sorted MXFP4 kernels' tiles: each covers at most TILE_ROWS pairs of one expert, together every
+    """The sorted MXFP4 kernels' tiles: each covers at most its `rows` pairs of one expert, together every
     sorted pair exactly once, whatever the routing (experts never chosen, one expert taking all)."""
-    from deltafin.kernels.grouped import TILE_ROWS, sorted_tiles
+    from deltafin.kernels.grouped import sorted_tiles
     gen = torch.Generator().manual_seed(8)
-    for E, P in ((6, 200), (64, 9), (3, 1), (5, 96)):
+    for (E, P), rows in zip(((6, 200), (64, 9), (3, 1), (5, 96)), (32, 4, 8, 64)):
         for ids in (torch.randint(0, E, (P,), generator=gen), torch.full((P,), E - 1)):
             by = ids.sort().values
             ends = torch.searchsorted(by, torch.arange(E), right=True).to(torch.int32)
-            tile_e, first = sorted_tiles(ends, P)
-            assert tile_e.shape == first.shape == (-(-P // TILE_ROWS) + E,)
+            tile_e, first = sorted_tiles(ends, P, rows)
+            assert tile_e.shape == first.shape == (-(-P // rows) + E,)
             seen = []
             for e, f in zip(tile_e.tolist(), first.tolist()):
                 if e < 0:
                     continue
-                rows = list(range(f, min(f + TILE_ROWS, int(ends[e]))))
-                assert rows and all(by[r] == e for r in rows)
-                seen += rows
+                covered = list(range(f, min(f + rows, int(ends[e]))))
+                assert covered and all(by[r] == e for r in covered)
+                seen += covered
             assert sorted(seen) == list(range(P))
             # the tiles of no expert all come after the real ones
             real = (tile_e >= 0).tolist()
@@ -230,7 +230,8 @@ def test_sorted_tiles_cover_each_experts_pairs_once():
 def test_a_layer_takes_the_sorted_path_from_its_pairs_per_expert(monkeypatch):
     """``Stacked.takes_sorted``: where the sorted kernels run at all, a layer takes them from
     ``sorted_min_rows`` pairs per expert of the layer (bf16 and MXFP4 4: the measured crossovers), so a
-    decode batch of few rows per expert keeps the pair kernels; nowhere else."""
+    decode batch of few rows per expert keeps the pair kernels; nowhere else. MXFP4 tiles hold the
+    layer's pairs per expert, rounded up to a power of two from 8 to 64."""
     from deltafin.kernels import grouped
     bf16 = grouped.ExpertStack(torch.zeros(64, 8, 4, dtype=torch.bfloat16), torch.zeros(64, 4, 4, dtype=torch.bfloat16),
                                bf16_products=True)
@@ -240,6 +241,7 @@ def test_a_layer_takes_the_sorted_path_from_its_pairs_per_expert(monkeypatch):
     monkeypatch.setattr(grouped.MXFP4Stack, "sorted_gemm", lambda self: True)
     assert [bf16.takes_sorted(p) for p in (64, 255, 256, 4096)] == [False, False, True, True]  # top-8 at b8, 32
     assert [mx.takes_sorted(p) for p in (64, 127, 128, 512)] == [False, False, True, True]  # top-16 at b4, b8, b32
+    assert [mx.sorted_tile_rows(p) for p in (128, 256, 257, 512, 2048, 10 ** 5)] == [8, 8, 16, 16, 64, 64]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -258,22 +260,21 @@ def test_cuda_sorted_mxfp4_kernels_match_reference():
         ref = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
         got = grouped.grouped_mlp(cfg, z.cuda(), ids.cuda(), w.cuda(), dev, _glu(cfg)).cpu()
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
-        few = slice(0, 20)  # 80 pairs, 11 an expert: the 4-row tiles
+        few = slice(0, 20)  # 80 pairs, 12 an expert: 16-row tiles
         ref_few = grouped.grouped_mlp(cfg, z[few], ids[few], w[few], stack, _glu(cfg))
         got_few = grouped.grouped_mlp(cfg, z[few].cuda(), ids[few].cuda(), w[few].cuda(), dev, _glu(cfg)).cpu()
         assert ((got_few - ref_few).norm() / ref_few.norm()).item() < 1e-5, cfg.hidden_act
         by, order = ids.reshape(-1).cuda().sort(stable=True)
         ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
         codes = (dev.w13_packed, dev.w13_scale, dev.w2_packed, dev.w2_scale)
-        # tiles of 4 rows on the CUDA cores and of TILE_ROWS on the tensor cores, tuned and fixed
-        for rows, config in ((4, {"BN": 16, "G": 2}), (4, None), (grouped.TILE_ROWS, {"BN": 16, "BK": 128})):
+        # every tile size, tuned and with a fixed tile
+        for rows, config in ((4, {"BN": 32, "BK": 64}), (8, None), (16, None), (64, {"BN": 64, "BK": 64})):
             tiles = grouped.sorted_tiles(ends, T * k, rows)
             out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, tiles, rows, k, *codes, cfg,
                                                   config=config)
             fixed = torch.bmm(w.cuda().unsqueeze(1), out.view(T, k, -1)).squeeze(1).cpu()
             assert ((fixed - ref).norm() / ref.norm()).item() < 1e-5, (cfg.hidden_act, rows, config)
-    # the rule's tiles: 4 rows below 32 pairs per expert, TILE_ROWS from it; grouped_mlp took the latter above
-    assert [dev.sorted_tile_rows(p) for p in (28, 223, 224)] == [4, 4, grouped.TILE_ROWS] and T * k >= 32 * E
+    assert dev.sorted_tile_rows(T * k) == 64 and dev.sorted_tile_rows(80) == 16  # what grouped_mlp took above
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -16,10 +16,9 @@ one of three paths (which one, from its pairs per expert: ``Stacked.takes_sorted
   products round their inputs to bf16 and sum in fp32, like every other bf16 product of the model
   (``ops.HalfMatmul``).
 - MXFP4 experts on a CUDA device with Triton, likewise (``sorted_mlp`` too): the pairs sorted by
-  expert and two Triton launches over tiles of one expert's rows, the codes decoded in the tile loads
-  once for the tile's rows (``grouped_triton.sorted_mxfp4_mlp``): tiles of 4 rows on the CUDA cores
-  for a decode batch's few pairs per expert, of 32 on the tensor cores (as exact as fp32 products) for
-  a prompt's many (``MXFP4Stack.sorted_tile_rows``).
+  expert and two Triton launches over tiles of one expert's rows on the tensor cores, the codes
+  decoded in registers once for the tile's rows (``grouped_triton.sorted_mxfp4_mlp``), as exact as
+  fp32 products; a tile holds about the pairs an expert has (``MXFP4Stack.sorted_tile_rows``).
 - otherwise (a few pairs per expert, as in decoding), on CUDA two Triton launches (gate and up fused with the
   activation, then down) over the flattened expert index list, MXFP4 codes decoded inside them
   (each pair reads its expert's weights: made for a few rows); elsewhere a torch reference that
@@ -39,8 +38,10 @@ import torch.nn.functional as F
 # (token, expert) pairs up to which the Triton kernels are used; a long prefill chooses most experts
 # for many tokens, where they would read each expert's weights once per pair.
 GROUPED_MAX_PAIRS = 256
-# Pairs of one expert in a tile of the sorted MXFP4 kernels (``sorted_tiles``).
-TILE_ROWS = 32
+# Pairs of one expert in a tile of the sorted MXFP4 kernels (``sorted_tiles``): a power of two
+# between these, from the layer's pairs per expert.
+MIN_TILE_ROWS = 8
+MAX_TILE_ROWS = 64
 
 
 class Stacked:
@@ -105,18 +106,16 @@ class MXFP4Stack(Stacked):
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
     # A K3-shaped layer (top-16 of 32 experts, 3,584 x 3,072; H200, graph-replayed, the sort included),
-    # by pairs per expert: at 2 the pair kernels took 739 us against 789 in 4-row tiles; at 4 (batch 8)
-    # 1,415 against 1,070; at 16, 5,459 against 3,481 in 4-row tiles and 3,772 in the tensor cores' tiles;
-    # at 32, 10,852 against 6,652 and 6,397.
+    # by pairs per expert: at 0.5 the pair kernels took 199 us against 451 in 4-row tiles, at 1 370
+    # against 703; at 4 (batch 8) 1,381 against 1,014 in 8-row tiles; at 16, 5,428 against 2,175 in
+    # 32-row tiles; at 64, 21,625 against 10,209 in 64-row tiles.
     sorted_min_rows = 4
-    tensor_min_rows = 32
 
     def sorted_tile_rows(self, pairs: int) -> int:
-        """Pairs a tile of the sorted kernels holds for a layer of `pairs` pairs: four (the CUDA-core
-        tiles), or TILE_ROWS (the tensor cores') from tensor_min_rows pairs per expert."""
-        if pairs >= self.tensor_min_rows * len(self):
-            return TILE_ROWS
-        return _triton_kernels().CORE_TILE_ROWS
+        """Pairs a tile of the sorted kernels holds for a layer of `pairs` pairs: the layer's pairs per
+        expert, rounded up to a power of two within [MIN_TILE_ROWS, MAX_TILE_ROWS]."""
+        per = -(-pairs // len(self))
+        return min(MAX_TILE_ROWS, max(MIN_TILE_ROWS, 1 << (per - 1).bit_length()))
 
     @classmethod
     def from_experts(cls, experts: list[tuple]) -> "MXFP4Stack":
@@ -200,7 +199,7 @@ def sorted_mlp(cfg, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     return torch.bmm(weights.float().unsqueeze(1), out.view(T, k, -1).float()).squeeze(1)
 
 
-def sorted_tiles(ends: torch.Tensor, pairs: int, rows: int = TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_tiles(ends: torch.Tensor, pairs: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiles of at most `rows` pairs of one expert over pairs sorted by expert (``ends``: int32 [E],
     where each expert's pairs end): each tile's expert and first sorted pair, int32 [cdiv(pairs, rows)
     + E] each (a count fixed by the shapes, enough for any routing); the tiles past the last

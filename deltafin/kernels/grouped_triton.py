@@ -12,13 +12,14 @@ the decoding of ``triton_kernels`` (codes as twice their E2M1 value, scales as 2
 exactly the reference's values.
 
 With several pairs per expert (a prompt, a wide batch) the pair kernels would decode an expert's
-weights once per pair. ``sorted_mxfp4_mlp`` takes the pairs sorted by expert instead, in tiles of one
-expert's pairs: of CORE_TILE_ROWS (4) pairs, the pair kernels' work with each step's codes decoded
-once for the four rows (CUDA cores: decode batches); or of BM pairs (32), each program decoding the
-expert's tile once for all BM rows and multiplying on the tensor cores, as exact as fp32 products
-(``_exact_dot``: the pair kernels' values up to summation order; on a K3-shaped layer 3.8x faster than
-fp32 products without tensor cores; prompts). The tiles are laid out on the device (no routing read
-back), so a recorded graph holds them.
+weights once per pair. ``sorted_mxfp4_mlp`` takes the pairs sorted by expert instead, in tiles of BT
+pairs of one expert (a power of two from 4), on the tensor cores: each program multiplies BN output
+rows of the expert, its codes and scales as stored (``tl.dot_scaled``, which decodes them in
+registers), by the tile's rows as the product's N side. Each fp32 input is given as three bf16 parts
+that sum to it exactly (a fourth, zero, makes the side a power of two: 4 x BT columns), and the
+decoded weights are exact in bf16 (an E2M1 value, two significant bits, times a power of two), so
+every product is exact and the sums are fp32: the pair kernels' values up to summation order. The
+tiles are laid out on the device (no routing read back), so a recorded graph holds them.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .triton_kernels import _scale_factors
 
 MXFP4 = tl.constexpr(2)  # triton_kernels' codec id
 GROUP = tl.constexpr(32)  # MXFP4 inputs per scale
+PARTS = tl.constexpr(3)  # bf16 parts of an fp32 input on the tensor cores
 
 BN = 16
 BK = 256
@@ -145,20 +147,6 @@ def _group_sums(lo, hi, f, x_lo, x_hi):
 
 
 @triton.jit
-def _row_step(acc, lo, hi, f, x_ptr, n_groups, k0, G: tl.constexpr):
-    """acc [BN, G] plus one row's group sums of a step against the decoded groups."""
-    x_lo, x_hi = _group_inputs(x_ptr, n_groups, k0, G)
-    return acc + _group_sums(lo, hi, f, x_lo, x_hi)
-
-
-@triton.jit
-def _gate_up_step(acc_g, acc_u, lg, hg, fg, lu, hu, fu, x_ptr, n_groups, k0, G: tl.constexpr):
-    """The gate and up accumulators of one row plus its group sums of a step, its inputs read once for both."""
-    x_lo, x_hi = _group_inputs(x_ptr, n_groups, k0, G)
-    return acc_g + _group_sums(lg, hg, fg, x_lo, x_hi), acc_u + _group_sums(lu, hu, fu, x_lo, x_hi)
-
-
-@triton.jit
 def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, x_lo, x_hi, K, k0, stride_w, stride_s, G: tl.constexpr):
     """fp32 [BN, G]: MXFP4 rows `rows` at the G groups of 32 inputs from k0 times those inputs of x
     (``_group_inputs``): each group's sum of weight x input."""
@@ -200,85 +188,22 @@ def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, stride_w
 
 
 @triton.jit
-def _mxfp4_tile(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BK: tl.constexpr):
-    """MXFP4 rows `rows` (BN of them) at inputs k0 .. k0 + BK, decoded and transposed for a product:
-    bf16 [BK/2, BN] of the even inputs (low nibbles) and of the odd ones (high nibbles). Exact: a
-    decoded weight is an E2M1 value (two significant bits) times a power of two."""
-    byte = k0 // 2 + tl.arange(0, BK // 2)
-    m = (byte < K // 2)[:, None] & nmask[None, :]
-    b = tl.load(w_ptr + rows[None, :] * stride_w + byte[:, None], mask=m, other=0).to(tl.int32)
-    sc = tl.load(s_ptr + rows[None, :] * stride_s + (byte // (GROUP // 2))[:, None], mask=m, other=0)
-    f = _scale_factors(sc, MXFP4) * 32768.0  # as in _mxfp4_groups
-    return (_e2m1_fp16(b, 0) * f).to(tl.bfloat16), (_e2m1_fp16(b, 4) * f).to(tl.bfloat16)
-
-
-@triton.jit
-def _exact_dot(x, w):
-    """x fp32 [M, K] @ w bf16 [K, N] on the tensor cores, as exact as fp32 products: x is split into
-    three bf16 parts that sum to it exactly (8 significant bits each, fp32 has 24), each part times
-    the exact bf16 weights is an exact product, and the sums are fp32."""
+def _store_parts(ptr, stride, x, mask):
+    """Store fp32 x as three bf16 parts that sum to it exactly (8 significant bits each; fp32 has 24),
+    `stride` elements apart: what a bf16 product on the tensor cores needs to be as exact as fp32."""
     x1 = x.to(tl.bfloat16)
     r = x - x1.to(tl.float32)
     x2 = r.to(tl.bfloat16)
-    x3 = (r - x2.to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(x1, w) + tl.dot(x2, w) + tl.dot(x3, w)
+    tl.store(ptr, x1, mask=mask)
+    tl.store(ptr + stride, x2, mask=mask)
+    tl.store(ptr + 2 * stride, (r - x2.to(tl.float32)).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _tile_rows(tile_e_ptr, tile_r_ptr, ends_ptr, BM: tl.constexpr):
-    """Tile program_id(0)'s expert (-1: no tile) and its sorted rows (with their mask)."""
-    t = tl.program_id(0)
-    e = tl.load(tile_e_ptr + t)
-    r = tl.load(tile_r_ptr + t) + tl.arange(0, BM)
-    end = tl.load(ends_ptr + tl.maximum(e, 0))
-    return e, r, r < end
-
-
-@triton.jit
-def _rows_times_tile(acc, x_ptr, row_off, rmask, w_ptr, s_ptr, wrows, nmask, K, stride_w, stride_s,
-                     BK: tl.constexpr):
-    """acc [BM, BN] += x[rows, :K] @ w[wrows, :K]^T, the MXFP4 tile decoded BK inputs at a time."""
-    for k0 in range(0, K, BK):
-        i = k0 + 2 * tl.arange(0, BK // 2)
-        m = rmask[:, None] & (i < K)[None, :]
-        xe = tl.load(x_ptr + row_off[:, None] + i[None, :], mask=m, other=0.0)
-        xo = tl.load(x_ptr + row_off[:, None] + i[None, :] + 1, mask=m, other=0.0)
-        lo, hi = _mxfp4_tile(w_ptr, s_ptr, wrows, nmask, k0, K, stride_w, stride_s, BK)
-        acc += _exact_dot(xe, lo) + _exact_dot(xo, hi)
-    return acc
-
-
-@triton.jit
-def _sorted_mxfp4_gate_up_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H,
-                                 INTER, stride_w, stride_s, TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA,
-                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, r, rmask = _tile_rows(tile_e_ptr, tile_r_ptr, ends_ptr, BM)
-    if e < 0:
-        return
-    token = (tl.load(order_ptr + r, mask=rmask, other=0) // TOPK).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < INTER
-    gate_rows = e.to(tl.int64) * (2 * INTER) + n
-    acc_g = _rows_times_tile(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, token * H, rmask, w_ptr, s_ptr,
-                             gate_rows, nmask, H, stride_w, stride_s, BK)
-    acc_u = _rows_times_tile(tl.zeros([BM, BN], dtype=tl.float32), x_ptr, token * H, rmask, w_ptr, s_ptr,
-                             gate_rows + INTER, nmask, H, stride_w, stride_s, BK)
-    y = _glu(acc_g, acc_u, SITU, BETA, LBETA)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * INTER + n[None, :], y, mask=rmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _sorted_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
-                              stride_w, stride_s, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, r, rmask = _tile_rows(tile_e_ptr, tile_r_ptr, ends_ptr, BM)
-    if e < 0:
-        return
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < H
-    acc = _rows_times_tile(tl.zeros([BM, BN], dtype=tl.float32), a_ptr, r.to(tl.int64) * INTER, rmask, w_ptr,
-                           s_ptr, e.to(tl.int64) * H + n, nmask, INTER, stride_w, stride_s, BK)
-    pair = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)  # stored at the pair's own place
-    tl.store(out_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+def _parts_kernel(x_ptr, out_ptr, n, K, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    _store_parts(out_ptr + (i // K) * (PARTS * K) + i % K, K, tl.load(x_ptr + i, mask=m, other=0.0), m)
 
 
 @triton.jit
@@ -291,87 +216,76 @@ def _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr):
 
 
 @triton.jit
-def _row_in(order_ptr, r, i: tl.constexpr, end, div: tl.constexpr):
-    """Sorted place r + i of a tile: whether it is one of the expert's, and its pair // div."""
-    valid = r + i < end
-    return valid, (tl.load(order_ptr + r + i, mask=valid, other=0) // div).to(tl.int64)
+def _tile_columns(r, end, BT: tl.constexpr):
+    """A tile's 4 * BT product columns: column c is part c // BT (the fourth part is zero) of the tile's
+    row c % BT, sorted place r + c % BT; whether that place is one of the tile's expert's."""
+    c = tl.arange(0, 4 * BT)
+    place = r + c % BT
+    return place, place < end, c // BT
 
 
 @triton.jit
-def _groups_of(v0, v1, v2, v3, K):
-    """Groups of 32 inputs of each of a tile's four rows: K's, or 0 for a missing row."""
-    return (tl.where(v0, K // GROUP, 0), tl.where(v1, K // GROUP, 0), tl.where(v2, K // GROUP, 0),
-            tl.where(v3, K // GROUP, 0))
+def _codes_dot(acc, w_ptr, s_ptr, rows, nmask, p_ptr, prow, pvalid, part, k0, K, stride_w, stride_s,
+               BK: tl.constexpr):
+    """acc [BN, 4 * BT] plus MXFP4 rows `rows` at inputs k0 .. k0 + BK (codes and scales as stored) times
+    the columns' bf16 parts (``_tile_columns``; parts [rows, PARTS, K] at p_ptr, row prow of each)."""
+    byte = k0 // 2 + tl.arange(0, BK // 2)
+    codes = tl.load(w_ptr + rows[:, None] * stride_w + byte[None, :], mask=nmask[:, None] & (byte < K // 2)[None, :],
+                    other=0)
+    g = k0 // GROUP + tl.arange(0, BK // GROUP)
+    scales = tl.load(s_ptr + rows[:, None] * stride_s + g[None, :], mask=nmask[:, None] & (g < K // GROUP)[None, :],
+                     other=0)
+    kk = k0 + tl.arange(0, BK)
+    m = (pvalid & (part < PARTS))[None, :] & (kk < K)[:, None]
+    x = tl.load(p_ptr + (prow * PARTS + part)[None, :] * K + kk[:, None], mask=m, other=0.0)  # [BK, 4 * BT]
+    # Each step's BK products summed on the tensor cores, the steps in fp32 here: summed across all K
+    # inside the product, the results were ~10x further from fp32 sums (3e-6 against 3e-7 relative).
+    return acc + tl.dot_scaled(codes, scales, "e2m1", x, None, "bf16")
 
 
 @triton.jit
-def _rows_mxfp4_gate_up_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
-                               stride_w, stride_s, TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA,
-                               BN: tl.constexpr, G: tl.constexpr):
-    """The pair kernel's work for the CORE_TILE_ROWS (4) rows of a tile of one expert, its codes decoded
-    once for all of them: one accumulator per row, unrolled (Triton keeps no arrays of tensors)."""
+def _tile_gate_up_kernel(xp_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, act_ptr, H, INTER,
+                         stride_w, stride_s, TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA, BT: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
     e, r, end = _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr)
     if e < 0:
         return
-    v0, t0 = _row_in(order_ptr, r, 0, end, TOPK)
-    v1, t1 = _row_in(order_ptr, r, 1, end, TOPK)
-    v2, t2 = _row_in(order_ptr, r, 2, end, TOPK)
-    v3, t3 = _row_in(order_ptr, r, 3, end, TOPK)
-    n0, n1, n2, n3 = _groups_of(v0, v1, v2, v3, H)
+    place, valid, part = _tile_columns(r, end, BT)
+    token = (tl.load(order_ptr + place, mask=valid, other=0) // TOPK).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < INTER
-    gate_rows = e.to(tl.int64) * (2 * INTER) + n
-    g0 = tl.zeros([BN, G], dtype=tl.float32)
-    u0 = tl.zeros([BN, G], dtype=tl.float32)
-    g1 = tl.zeros([BN, G], dtype=tl.float32)
-    u1 = tl.zeros([BN, G], dtype=tl.float32)
-    g2 = tl.zeros([BN, G], dtype=tl.float32)
-    u2 = tl.zeros([BN, G], dtype=tl.float32)
-    g3 = tl.zeros([BN, G], dtype=tl.float32)
-    u3 = tl.zeros([BN, G], dtype=tl.float32)
-    for k0 in range(0, H, G * GROUP):
-        lg, hg, fg = _mxfp4_decoded(w_ptr, s_ptr, gate_rows, nmask, H, k0, stride_w, stride_s, G)
-        lu, hu, fu = _mxfp4_decoded(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0, stride_w, stride_s, G)
-        g0, u0 = _gate_up_step(g0, u0, lg, hg, fg, lu, hu, fu, x_ptr + t0 * H, n0, k0, G)
-        g1, u1 = _gate_up_step(g1, u1, lg, hg, fg, lu, hu, fu, x_ptr + t1 * H, n1, k0, G)
-        g2, u2 = _gate_up_step(g2, u2, lg, hg, fg, lu, hu, fu, x_ptr + t2 * H, n2, k0, G)
-        g3, u3 = _gate_up_step(g3, u3, lg, hg, fg, lu, hu, fu, x_ptr + t3 * H, n3, k0, G)
-    out = out_ptr + r.to(tl.int64) * INTER + n  # act rows in sorted order
-    tl.store(out, _glu(tl.sum(g0, 1), tl.sum(u0, 1), SITU, BETA, LBETA), mask=n < tl.where(v0, INTER, 0))
-    tl.store(out + INTER, _glu(tl.sum(g1, 1), tl.sum(u1, 1), SITU, BETA, LBETA), mask=n < tl.where(v1, INTER, 0))
-    tl.store(out + 2 * INTER, _glu(tl.sum(g2, 1), tl.sum(u2, 1), SITU, BETA, LBETA), mask=n < tl.where(v2, INTER, 0))
-    tl.store(out + 3 * INTER, _glu(tl.sum(g3, 1), tl.sum(u3, 1), SITU, BETA, LBETA), mask=n < tl.where(v3, INTER, 0))
+    gate = e.to(tl.int64) * (2 * INTER) + n
+    acc_g = tl.zeros([BN, 4 * BT], dtype=tl.float32)
+    acc_u = tl.zeros([BN, 4 * BT], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        acc_g = _codes_dot(acc_g, w_ptr, s_ptr, gate, nmask, xp_ptr, token, valid, part, k0, H, stride_w, stride_s, BK)
+        acc_u = _codes_dot(acc_u, w_ptr, s_ptr, gate + INTER, nmask, xp_ptr, token, valid, part, k0, H, stride_w,
+                           stride_s, BK)
+    # the parts' columns summed: [BN, BT], the tile's rows' gate and up sums
+    y = _glu(tl.sum(tl.reshape(acc_g, (BN, 4, BT)), 1), tl.sum(tl.reshape(acc_u, (BN, 4, BT)), 1), SITU, BETA, LBETA)
+    j = r + tl.arange(0, BT)  # act rows in sorted order, as parts for the down kernel
+    _store_parts(act_ptr + (j.to(tl.int64) * (PARTS * INTER))[None, :] + n[:, None], INTER, y,
+                 nmask[:, None] & (j < end)[None, :])
 
 
 @triton.jit
-def _rows_mxfp4_down_kernel(a_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
-                            stride_w, stride_s, BN: tl.constexpr, G: tl.constexpr):
+def _tile_down_kernel(ap_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
+                      stride_w, stride_s, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e, r, end = _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr)
     if e < 0:
         return
-    v0, p0 = _row_in(order_ptr, r, 0, end, 1)
-    v1, p1 = _row_in(order_ptr, r, 1, end, 1)
-    v2, p2 = _row_in(order_ptr, r, 2, end, 1)
-    v3, p3 = _row_in(order_ptr, r, 3, end, 1)
-    n0, n1, n2, n3 = _groups_of(v0, v1, v2, v3, INTER)
+    place, valid, part = _tile_columns(r, end, BT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < H
-    a = a_ptr + r.to(tl.int64) * INTER  # act rows in sorted order
-    acc0 = tl.zeros([BN, G], dtype=tl.float32)
-    acc1 = tl.zeros([BN, G], dtype=tl.float32)
-    acc2 = tl.zeros([BN, G], dtype=tl.float32)
-    acc3 = tl.zeros([BN, G], dtype=tl.float32)
-    for k0 in range(0, INTER, G * GROUP):
-        lo, hi, f = _mxfp4_decoded(w_ptr, s_ptr, e.to(tl.int64) * H + n, nmask, INTER, k0, stride_w, stride_s, G)
-        acc0 = _row_step(acc0, lo, hi, f, a, n0, k0, G)
-        acc1 = _row_step(acc1, lo, hi, f, a + INTER, n1, k0, G)
-        acc2 = _row_step(acc2, lo, hi, f, a + 2 * INTER, n2, k0, G)
-        acc3 = _row_step(acc3, lo, hi, f, a + 3 * INTER, n3, k0, G)
-    # each row stored at its pair's own place
-    tl.store(out_ptr + p0 * H + n, tl.sum(acc0, 1), mask=n < tl.where(v0, H, 0))
-    tl.store(out_ptr + p1 * H + n, tl.sum(acc1, 1), mask=n < tl.where(v1, H, 0))
-    tl.store(out_ptr + p2 * H + n, tl.sum(acc2, 1), mask=n < tl.where(v2, H, 0))
-    tl.store(out_ptr + p3 * H + n, tl.sum(acc3, 1), mask=n < tl.where(v3, H, 0))
+    acc = tl.zeros([BN, 4 * BT], dtype=tl.float32)
+    for k0 in range(0, INTER, BK):
+        acc = _codes_dot(acc, w_ptr, s_ptr, e.to(tl.int64) * H + n, nmask, ap_ptr, place.to(tl.int64), valid, part, k0,
+                         INTER, stride_w, stride_s, BK)
+    j = r + tl.arange(0, BT)
+    jm = j < end
+    pair = tl.load(order_ptr + j, mask=jm, other=0).to(tl.int64)  # each row stored at its pair's own place
+    tl.store(out_ptr + pair[None, :] * H + n[:, None], tl.sum(tl.reshape(acc, (BN, 4, BT)), 1),
+             mask=nmask[:, None] & jm[None, :])
 
 
 def _glu_args(cfg) -> dict:
@@ -389,16 +303,11 @@ _mxfp4_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER", "TOPK"
 _mxfp4_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_mxfp4_down_kernel)
 
 
-# Sorted tiles: BM pairs of one expert (grouped.TILE_ROWS, the layout's) x BN outputs, BK inputs a step.
-_SORTED_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
-                   for bn, bk, w, st in ((64, 64, 4, 2), (32, 128, 4, 2), (128, 64, 8, 2))]
-_sorted_gate_up_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_gate_up_kernel)
-_sorted_down_tuned = triton.autotune(_SORTED_CONFIGS, key=["H", "INTER"])(_sorted_mxfp4_down_kernel)
-# Tiles of CORE_TILE_ROWS pairs go to the CUDA-core kernels (the pair kernels' tiles, each code decoded
-# once for the tile's four rows), wider ones to the tensor cores.
-CORE_TILE_ROWS = 4
-_rows_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_rows_mxfp4_gate_up_kernel)
-_rows_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_rows_mxfp4_down_kernel)
+# Sorted tiles: BT pairs of one expert (x 4 parts: the product's N) x BN outputs (its M), BK inputs a step.
+_TILE_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
+                 for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3))]
+_tile_gate_up_tuned = triton.autotune(_TILE_CONFIGS, key=["H", "INTER", "BT"])(_tile_gate_up_kernel)
+_tile_down_tuned = triton.autotune(_TILE_CONFIGS, key=["H", "INTER", "BT"])(_tile_down_kernel)
 
 
 def _mxfp4_args(packed: torch.Tensor, scale: torch.Tensor) -> tuple:
@@ -457,34 +366,35 @@ def grouped_down(act: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor) -> torc
     return out
 
 
+def bf16_parts(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, K] -> bf16 [T, PARTS, K], three parts of each row that sum to it exactly (one launch)."""
+    T, K = x.shape
+    out = torch.empty(T, PARTS, K, dtype=torch.bfloat16, device=x.device)
+    _parts_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), K, BLOCK=1024)
+    return out
+
+
 def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, tiles: tuple, tile_rows: int,
                      topk: int, packed13, scale13, packed2, scale2, cfg, config: dict | None = None) -> torch.Tensor:
     """Every pair's w2 @ glu(w1 x, w3 x) from MXFP4 stacks (as ``mxfp4_gate_up``), the pairs sorted by
     expert: x fp32 [T, H]; order int32 [P], the pair at each sorted place (pair j: token j // topk);
-    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P, tile_rows)`` -> fp32 [P, H] in pair order.
-    Tiles of CORE_TILE_ROWS rows run on the CUDA cores, wider ones on the tensor cores.
-    config: fixed {"BN", "BK"} (tensor cores) or {"BN", "G"} (CUDA cores) instead of tuning (tests)."""
+    ends int32 [E]; tiles ``grouped.sorted_tiles(ends, P, tile_rows)`` (tile_rows a power of two from
+    4) -> fp32 [P, H] in pair order. config: fixed {"BN", "BK"} instead of tuning (tests)."""
     pairs, (_, two_i, half) = order.numel(), packed13.shape
     inter, H = two_i // 2, 2 * half
     tile_e, tile_r = tiles
-    act = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)  # in sorted order
+    act = torch.empty(pairs, PARTS, inter, dtype=torch.bfloat16, device=x.device)  # in sorted order
     out = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     w13, s13, sw13, ss13 = _mxfp4_args(packed13, scale13)
     w2, s2, sw2, ss2 = _mxfp4_args(packed2, scale2)
     count = tile_e.numel()
-    gate_up = (x, order, tile_e, tile_r, ends, w13, s13, act, H, inter, sw13, ss13)
+    gate_up = (bf16_parts(x), order, tile_e, tile_r, ends, w13, s13, act, H, inter, sw13, ss13)
     down = (act, order, tile_e, tile_r, ends, w2, s2, out, H, inter, sw2, ss2)
     glu = dict(TOPK=topk, **_glu_args(cfg))
-    if tile_rows == CORE_TILE_ROWS:
-        kernels = (_rows_gate_up_tuned, _rows_down_tuned, _rows_mxfp4_gate_up_kernel, _rows_mxfp4_down_kernel)
-        rows = {}
-    else:
-        kernels = (_sorted_gate_up_tuned, _sorted_down_tuned, _sorted_mxfp4_gate_up_kernel, _sorted_mxfp4_down_kernel)
-        rows = {"BM": tile_rows}
     if config:
-        kernels[2][(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, **rows, **config)
-        kernels[3][(count, triton.cdiv(H, config["BN"]))](*down, **rows, **config)
+        _tile_gate_up_kernel[(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BT=tile_rows, **config)
+        _tile_down_kernel[(count, triton.cdiv(H, config["BN"]))](*down, BT=tile_rows, **config)
     else:
-        kernels[0][lambda m: (count, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, **rows)
-        kernels[1][lambda m: (count, triton.cdiv(H, m["BN"]))](*down, **rows)
+        _tile_gate_up_tuned[lambda m: (count, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BT=tile_rows)
+        _tile_down_tuned[lambda m: (count, triton.cdiv(H, m["BN"]))](*down, BT=tile_rows)
     return out
