@@ -107,8 +107,9 @@ class MXFP4Stack(Stacked):
     w2_scale: torch.Tensor
     # A K3-shaped layer (top-16 of 32 experts, 3,584 x 3,072; H200, graph-replayed, the sort included),
     # by pairs per expert: at 0.5 the pair kernels took 199 us against 451 in 4-row tiles, at 1 370
-    # against 703; at 4 (batch 8) 1,381 against 1,014 in 8-row tiles; at 16, 5,428 against 2,175 in
-    # 32-row tiles; at 64, 21,625 against 10,209 in 64-row tiles.
+    # against 703; at 4 (batch 8) 1,381 against 1,014 in 8-row tiles (1,075 in 4-row ones); at 8,
+    # 2,727 against 1,435 in 8-row tiles; at 16, 5,428 against 2,298 in 16-row tiles (2,175 in 32-row
+    # ones); at 64, 21,625 against 10,209 in 64-row tiles.
     sorted_min_rows = 4
 
     def sorted_tile_rows(self, pairs: int) -> int:
