@@ -203,6 +203,37 @@ def test_cuda_grouped_mxfp4_kernels_match_reference():
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, cfg.hidden_act
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_mxfp4_kernels_at_every_scale():
+    """Scales from 2^-127 to 2^13 (past 2^1, where the tiles' decoding splits its multiplier in two) and
+    one 255 (no scale: NaN), through the pair kernels and the sorted tiles, against the reference: the
+    same NaN rows, the finite ones as close as at ordinary scales."""
+    from deltafin.kernels import grouped, grouped_triton
+    gen = torch.Generator().manual_seed(11)
+    E, I, H, T, k = 4, 96, 160, 40, 2
+    stack, _ = _mxfp4_stacks(gen, E, I, H)
+    stack.w13_scale.copy_(torch.randint(0, 141, stack.w13_scale.shape, generator=gen, dtype=torch.uint8))
+    stack.w13_scale[1, 3, 2] = 255
+    dev = grouped.MXFP4Stack(*(t.cuda() for t in (stack.w13_packed, stack.w13_scale, stack.w2_packed,
+                                                   stack.w2_scale)))
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w, z = torch.rand(T, k, generator=gen), torch.randn(T, H, generator=gen) * 1e-3
+    cfg = _routed(gen, E, H, 1, 1)[3][0]
+    ref = grouped.grouped_mlp(cfg, z, ids, w, stack, _glu(cfg))
+    by, order = ids.reshape(-1).cuda().sort(stable=True)
+    ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
+    out = grouped_triton.sorted_mxfp4_mlp(z.cuda(), order.to(torch.int32), ends, grouped.sorted_tiles(ends, T * k, 8),
+                                          8, k, dev.w13_packed, dev.w13_scale, dev.w2_packed, dev.w2_scale, cfg)
+    tiles = torch.bmm(w.cuda().unsqueeze(1), out.view(T, k, -1)).squeeze(1).cpu()
+    pairs = grouped.grouped_mlp(cfg, z[:3].cuda(), ids[:3].cuda(), w[:3].cuda(), dev, _glu(cfg)).cpu()
+    assert torch.isnan(ref).any(1).sum() > 3  # the tokens that chose expert 1
+    for got, want in ((tiles, ref), (pairs, ref[:3])):
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        fin = ~nan.any(1)
+        assert ((got[fin] - want[fin]).norm() / want[fin].norm()).item() < 1e-5
+
+
 def test_sorted_tiles_cover_each_experts_pairs_once():
     """The sorted MXFP4 kernels' tiles: each covers at most its `rows` pairs of one expert, together every
     sorted pair exactly once, whatever the routing (experts never chosen, one expert taking all)."""

@@ -106,10 +106,10 @@ class MXFP4Stack(Stacked):
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
     # A K3-shaped layer (top-16 of 32 experts, 3,584 x 3,072; H200, graph-replayed, the sort included),
-    # by pairs per expert: at 0.5 the pair kernels took 199 us against 451 in 4-row tiles, at 1 370
-    # against 703; at 4 (batch 8) 1,381 against 1,014 in 8-row tiles (1,075 in 4-row ones); at 8,
-    # 2,727 against 1,435 in 8-row tiles; at 16, 5,428 against 2,298 in 16-row tiles (2,175 in 32-row
-    # ones); at 64, 21,625 against 10,209 in 64-row tiles.
+    # by pairs per expert, pair kernels against tiles (rows): at 0.5, 168 against 337 us (4); at 1, 312
+    # against 460 (4); at 2, 580 against 493 (4) in one call and 524 against 520 in another, so the pair
+    # kernels keep it; at 4 (batch 8), 1,113 against 609 (8; 664 in 4-row tiles); at 8, 2,142 against 823
+    # (8); at 16, 4,194 against 1,037 (16); at 64, 16,235 against 7,287 (64).
     sorted_min_rows = 4
 
     def sorted_tile_rows(self, pairs: int) -> int:

@@ -1,0 +1,109 @@
+"""Time one MXFP4 MoE layer's routed experts on a CUDA device, path by path, at several token counts.
+
+    python tools/moe_layer_bench.py [--experts 32] [--top-k 16] [--hidden 3584] [--inter 3072]
+                                    [--tokens 1,2,4,8,16,32,128] [--rows 8,16] [--out FILE.json]
+
+Random MXFP4 codes and scales (K3's expert shapes by default), uniform routing, SiTU. Each path's work
+for one layer (the pairs' sort and tile layout included) is recorded as a CUDA graph of 20 repeats and
+replayed three times; the best replay, in microseconds per layer, is reported with its largest relative
+difference from the pair kernels:
+  pairs    the pair kernels (``grouped_triton.mxfp4_gate_up`` / ``mxfp4_down``: one program per pair)
+  tiles    the sorted tiles at the rows ``MXFP4Stack.sorted_tile_rows`` picks for the layer
+  tilesN   the sorted tiles of N rows, for each N of --rows
+  floor    the chosen experts' bytes at the device's copy rate (what no path can beat)
+Prints one JSON record (and writes it to --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from deltafin.kernels import grouped, grouped_triton
+
+
+def _graph_us(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / repeats)
+    return best
+
+
+def _copy_gbps() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = _graph_us(lambda: b.copy_(a), repeats=5)
+    return 2 * a.numel() / us / 1e3  # read + write
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=3584)
+    p.add_argument("--inter", type=int, default=3072)
+    p.add_argument("--tokens", default="1,2,4,8,16,32,128")
+    p.add_argument("--rows", default="", help="tile sizes to time besides the rule's (powers of two, from 4)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_layer_bench: needs a CUDA device")
+    E, K, H, I = args.experts, args.top_k, args.hidden, args.inter
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    codes = (torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device="cuda", generator=gen),
+             torch.randint(118, 127, (E, 2 * I, H // 32), dtype=torch.uint8, device="cuda", generator=gen),
+             torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device="cuda", generator=gen),
+             torch.randint(118, 127, (E, H, I // 32), dtype=torch.uint8, device="cuda", generator=gen))
+    stack = grouped.MXFP4Stack(*codes)
+    cfg = type("C", (), {"hidden_act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0})()
+    expert_bytes = stack.nbytes / E
+    gbps = _copy_gbps()
+    record = {"experts": E, "top_k": K, "hidden": H, "inter": I, "copy_gbps": round(gbps, 1), "layers": {}}
+    for T in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(T, H, device="cuda", generator=gen)
+        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K] for _ in range(T)]).to(torch.int32)
+        flat = ids.reshape(-1)
+
+        def tiles(rows):
+            def run():
+                by, order = flat.sort(stable=True)
+                ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
+                return grouped_triton.sorted_mxfp4_mlp(x, order.to(torch.int32), ends,
+                                                       grouped.sorted_tiles(ends, flat.numel(), rows), rows, K,
+                                                       *codes, cfg)
+            return run
+
+        rule = stack.sorted_tile_rows(flat.numel())
+        paths = {"pairs": lambda: grouped_triton.mxfp4_down(grouped_triton.mxfp4_gate_up(x, flat, K, *codes[:2], cfg),
+                                                            flat, *codes[2:]),
+                 "tiles": tiles(rule)}
+        paths.update({f"tiles{r}": tiles(int(r)) for r in args.rows.split(",") if r and int(r) != rule})
+        ref = paths["pairs"]()
+        chosen = flat.unique().numel()
+        row = {"pairs_per_expert": flat.numel() / E, "rule_rows": rule, "takes_sorted": stack.takes_sorted(flat.numel()),
+               "floor_us": round(chosen * expert_bytes / gbps / 1e3, 1)}
+        for name, fn in paths.items():
+            diff = ((fn() - ref).abs().max() / ref.abs().max()).item()
+            row[name] = {"us": round(_graph_us(fn), 1), "rel_diff": diff}
+        record["layers"][T] = row
+        print(T, json.dumps(row), flush=True)
+    text = json.dumps(record, indent=1)
+    if args.out:
+        open(args.out, "w").write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
