@@ -3,6 +3,10 @@ provider's answers at every residency split (on the CPU here: the same provider 
 copies; on a CUDA device also with the copy stream and the grouped Triton kernels)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -232,6 +236,19 @@ def test_cuda_mxfp4_kernels_at_every_scale():
         assert torch.equal(torch.isnan(got), nan)
         fin = ~nan.any(1)
         assert ((got[fin] - want[fin]).norm() / want[fin].norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rows", "3"], "--rows: 3: want powers of two >= 4"),
+    (["--tokens", "1,x"], "not a comma-separated list of whole numbers"),
+    (["--tokens", "0"], "--tokens: 0: want >= 1"),
+    (["--top-k", "40"], "--top-k 40: want 1 .. --experts (32)"),
+    (["--hidden", "100"], "--hidden 100: want a positive multiple of 32")])
+def test_moe_layer_bench_refuses_bad_arguments_in_one_line(args, says):
+    """tools/moe_layer_bench.py: a bad argument is a usage error before anything touches a device."""
+    tool = Path(__file__).parent.parent / "tools" / "moe_layer_bench.py"
+    run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
 
 
 def test_sorted_tiles_cover_each_experts_pairs_once():

@@ -20,7 +20,8 @@ import json
 
 import torch
 
-from deltafin.kernels import grouped, grouped_triton
+from deltafin.bench import measure_device_copy
+from deltafin.kernels import grouped
 
 
 def _graph_us(fn, repeats: int = 20) -> float:
@@ -41,25 +42,40 @@ def _graph_us(fn, repeats: int = 20) -> float:
     return best
 
 
-def _copy_gbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = _graph_us(lambda: b.copy_(a), repeats=5)
-    return 2 * a.numel() / us / 1e3  # read + write
+def _ints(text: str, least: int = 1, powers_of_two: bool = False) -> list[int]:
+    """A comma-separated list of whole numbers >= least (powers of two if asked), for argparse."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of whole numbers: {text!r}") from None
+    for v in values:
+        if v < least or (powers_of_two and v & (v - 1)):
+            raise argparse.ArgumentTypeError(f"{v}: want {'powers of two ' if powers_of_two else ''}>= {least}")
+    return values
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=3584)
-    p.add_argument("--inter", type=int, default=3072)
-    p.add_argument("--tokens", default="1,2,4,8,16,32,128")
-    p.add_argument("--rows", default="", help="tile sizes to time besides the rule's (powers of two, from 4)")
+    p.add_argument("--hidden", type=int, default=3584, help="a multiple of 32 (MXFP4 groups)")
+    p.add_argument("--inter", type=int, default=3072, help="a multiple of 32 (MXFP4 groups)")
+    p.add_argument("--tokens", type=_ints, default=[1, 2, 4, 8, 16, 32, 128])
+    p.add_argument("--rows", type=lambda t: _ints(t, 4, powers_of_two=True), default=[],
+                   help="tile sizes to time besides the rule's (powers of two, from 4)")
     p.add_argument("--out")
     args = p.parse_args()
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k {args.top_k}: want 1 .. --experts ({args.experts})")
+    for name in ("hidden", "inter"):
+        if getattr(args, name) < 32 or getattr(args, name) % 32:
+            p.error(f"--{name} {getattr(args, name)}: want a positive multiple of 32")
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer_bench: needs a CUDA device")
+    try:
+        from deltafin.kernels import grouped_triton
+    except ImportError:
+        raise SystemExit("moe_layer_bench: needs Triton (pip install triton)") from None
     E, K, H, I = args.experts, args.top_k, args.hidden, args.inter
     gen = torch.Generator(device="cuda").manual_seed(0)
     codes = (torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device="cuda", generator=gen),
@@ -69,9 +85,9 @@ def main() -> None:
     stack = grouped.MXFP4Stack(*codes)
     cfg = type("C", (), {"hidden_act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0})()
     expert_bytes = stack.nbytes / E
-    gbps = _copy_gbps()
+    gbps = measure_device_copy(torch.device("cuda"))  # GB/s read + written
     record = {"experts": E, "top_k": K, "hidden": H, "inter": I, "copy_gbps": round(gbps, 1), "layers": {}}
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in args.tokens:
         x = torch.randn(T, H, device="cuda", generator=gen)
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K] for _ in range(T)]).to(torch.int32)
         flat = ids.reshape(-1)
@@ -89,7 +105,7 @@ def main() -> None:
         paths = {"pairs": lambda: grouped_triton.mxfp4_down(grouped_triton.mxfp4_gate_up(x, flat, K, *codes[:2], cfg),
                                                             flat, *codes[2:]),
                  "tiles": tiles(rule)}
-        paths.update({f"tiles{r}": tiles(int(r)) for r in args.rows.split(",") if r and int(r) != rule})
+        paths.update({f"tiles{r}": tiles(r) for r in args.rows if r != rule})
         ref = paths["pairs"]()
         chosen = flat.unique().numel()
         row = {"pairs_per_expert": flat.numel() / E, "rule_rows": rule, "takes_sorted": stack.takes_sorted(flat.numel()),

@@ -34,6 +34,29 @@ MXFP4 = tl.constexpr(2)  # triton_kernels' codec id
 GROUP = tl.constexpr(32)  # MXFP4 inputs per scale
 PARTS = tl.constexpr(3)  # bf16 parts of an fp32 input on the tensor cores
 
+
+def _code_pairs_asm(head: str, magnitude_at: int, magnitude_mask: int, finish: str) -> str:
+    """PTX over $8, an int32 word of 8 MXFP4 codes (input i in bits 4i .. 4i+3): for i = 0..3, codes i and
+    i + 4 placed into one 16-bit pair p at once, the sign bits to 15 / 31 and the magnitude bits shifted to
+    `magnitude_at` / + 16 (masked by `magnitude_mask`); then `finish` with {lo} = i and {hi} = i + 4.
+    `head` declares what `finish` needs."""
+    steps = []
+    for i in range(4):
+        to = magnitude_at - 4 * i
+        a = f"shl.b32 a, $8, {to};" if to >= 0 else f"shr.b32 a, $8, {-to};"
+        b = f"shl.b32 b, $8, {12 - 4 * i}; and.b32 b, b, 0x80008000;" if i < 3 else "and.b32 b, $8, 0x80008000;"
+        steps.append(f" {a} {b} lop3.b32 p, a, 0x{magnitude_mask:08X}, b, 0xEA;" + finish.format(lo=i, hi=i + 4))
+    return "{ " + head + "".join(steps) + " }"
+
+
+# fp16 pairs (magnitude at bits 9-11: the doubled E2M1 value times 2^-15), each half converted to fp32
+_FP16_PAIRS = tl.constexpr(_code_pairs_asm(".reg .b32 a, b, p; .reg .b16 l, h;", 9, 0x0E000E00,
+                                           " mov.b32 {{l, h}}, p; cvt.f32.f16 ${lo}, l; cvt.f32.f16 ${hi}, h;"))
+# bf16 pairs (magnitude at bits 6-8: the E2M1 value times 2^-126) times the multipliers $9 and $10
+_BF16_PAIRS = tl.constexpr(_code_pairs_asm(".reg .b32 a, b, p, z; mov.b32 z, 0x80008000;", 6, 0x01C001C0,
+                                           " fma.rn.bf16x2 p, p, $9, z; fma.rn.bf16x2 p, p, $10, z;"
+                                           " mov.b32 {{${lo}, ${hi}}}, p;"))
+
 BN = 16
 BK = 256
 
@@ -114,15 +137,7 @@ def _word_values(w):
     fp16 subnormals), then each half converts exactly. Per weight that is about half the integer work of
     placing every code on its own."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 a, b, p; .reg .b16 l, h;"
-        " shl.b32 a, $8, 9; shl.b32 b, $8, 12; and.b32 b, b, 0x80008000; lop3.b32 p, a, 0x0E000E00, b, 0xEA;"
-        " mov.b32 {l, h}, p; cvt.f32.f16 $0, l; cvt.f32.f16 $4, h;"
-        " shl.b32 a, $8, 5; shl.b32 b, $8, 8; and.b32 b, b, 0x80008000; lop3.b32 p, a, 0x0E000E00, b, 0xEA;"
-        " mov.b32 {l, h}, p; cvt.f32.f16 $1, l; cvt.f32.f16 $5, h;"
-        " shl.b32 a, $8, 1; shl.b32 b, $8, 4; and.b32 b, b, 0x80008000; lop3.b32 p, a, 0x0E000E00, b, 0xEA;"
-        " mov.b32 {l, h}, p; cvt.f32.f16 $2, l; cvt.f32.f16 $6, h;"
-        " shr.b32 a, $8, 3; and.b32 b, $8, 0x80008000; lop3.b32 p, a, 0x0E000E00, b, 0xEA;"
-        " mov.b32 {l, h}, p; cvt.f32.f16 $3, l; cvt.f32.f16 $7, h; }",
+        _FP16_PAIRS,
         "=f,=f,=f,=f,=f,=f,=f,=f,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
 
 
@@ -247,15 +262,7 @@ def _word_bf16(w, m1, m2):
     bf16 subnormals), then both multiplies (exact: powers of two; as fused multiply-adds of -0, which
     compute capability 8.0 has, where a bf16 pair multiply needs 9.0)."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 a, b, p, z; mov.b32 z, 0x80008000;"
-        " shl.b32 a, $8, 6; shl.b32 b, $8, 12; and.b32 b, b, 0x80008000; lop3.b32 p, a, 0x01C001C0, b, 0xEA;"
-        " fma.rn.bf16x2 p, p, $9, z; fma.rn.bf16x2 p, p, $10, z; mov.b32 {$0, $4}, p;"
-        " shl.b32 a, $8, 2; shl.b32 b, $8, 8; and.b32 b, b, 0x80008000; lop3.b32 p, a, 0x01C001C0, b, 0xEA;"
-        " fma.rn.bf16x2 p, p, $9, z; fma.rn.bf16x2 p, p, $10, z; mov.b32 {$1, $5}, p;"
-        " shr.b32 a, $8, 2; shl.b32 b, $8, 4; and.b32 b, b, 0x80008000; lop3.b32 p, a, 0x01C001C0, b, 0xEA;"
-        " fma.rn.bf16x2 p, p, $9, z; fma.rn.bf16x2 p, p, $10, z; mov.b32 {$2, $6}, p;"
-        " shr.b32 a, $8, 6; and.b32 b, $8, 0x80008000; lop3.b32 p, a, 0x01C001C0, b, 0xEA;"
-        " fma.rn.bf16x2 p, p, $9, z; fma.rn.bf16x2 p, p, $10, z; mov.b32 {$3, $7}, p; }",
+        _BF16_PAIRS,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, m1, m2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
