@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_native
 from .binding import Bindable
-from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm
+from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm, triton_kernels
 from .kda_recurrence import (fused_decode_available, fused_prompt_available, kda_decode_fused, kda_prompt,
                              kda_prompt_fused, kda_recurrent)
 from .state import KDAState, Rows, stacked
@@ -197,9 +197,9 @@ class KDAttention(Bindable):
         _, B, n, _ = xin.shape
         nh, d = c.kda_num_heads, c.kda_head_dim
         S0 = [st.S for st in states]
-        xin, q, k, v, conv0, S_run = self._conv(xin, states, keep_states)
+        xin, qkv, conv0, S_run = self._conv(xin, states, keep_states, out_dtype=torch.float32)
         S, starts = _to_step(S0, S_run, keep_states)
-        qkv = torch.stack((q, k, v)).float().view(3, B, n, nh, d)  # the kernel reads every input contiguous
+        qkv = qkv.contiguous().view(3, B, n, nh, d)  # the kernel reads every input contiguous
         step = dict(a_log=self.A_log, dt_bias=self.dt_bias, lower_bound=c.kda_gate_lower_bound, scale=d ** -0.5)
         if not keep_states:
             o = kda_decode_fused(*qkv.unbind(0), g.contiguous(), beta.contiguous(), S, **step)
@@ -217,10 +217,12 @@ class KDAttention(Bindable):
         _hand_back(states, S, S_run is not None, starts, trace, conv0, xin)
         return o
 
-    def _conv(self, xin, states: list[KDAState], keep_states: bool) -> tuple:
+    def _conv(self, xin, states: list[KDAState], keep_states: bool, out_dtype=None) -> tuple:
         """The causal conv of B sequences' pre-conv inputs xin [3, B, n, D] (silu after), each state's
-        conv tail moved on. Returns (xin [B, 3, n, D], q, k, v [B, n, D] each, the start tails [B, 3,
-        K-1, D], and the layer's stacked S slots in a recorded pass, else None)."""
+        conv tail moved on. Returns (xin [B, 3, n, D], q, k, v stacked [3, B, n, D] in out_dtype
+        (xin's by default, rounded to it first), the start tails [B, 3, K-1, D], and the layer's
+        stacked S slots in a recorded pass, else None). On CUDA one Triton launch does the conv, the
+        silu and the tails' move (row_ops_triton.conv_step) where torch takes ~10."""
         xin = xin.transpose(0, 1)  # [B, 3, n, D]
         # In a decode graph's slots (recorded mode) the B states are entries of one buffer per layer:
         # stepped there as one tensor, in place (no stacking copy in, no copies back out), so the
@@ -231,19 +233,28 @@ class KDAttention(Bindable):
             if conv_run is None or S_run is None:
                 raise RuntimeError("a recorded pass's KDA states are not consecutive decode-graph slots")
         conv0 = conv_run if conv_run is not None else torch.stack([st.conv for st in states])  # [B, 3, K-1, D]
-        w = torch.stack([self.q_conv, self.k_conv, self.v_conv])  # [3, D, K]
-        q, k, v = F.silu(causal_conv(xin, conv0, w)).unbind(1)  # each [B, n, D]
+        if conv_run is not None and keep_states:  # the start tails, for a rollback, before the slots move on
+            conv0 = conv0.clone()
+        taps = (self.q_conv, self.k_conv, self.v_conv)
         Km1 = conv0.shape[2]
-        if Km1:
-            tails = torch.cat([conv0.to(xin.dtype), xin[:, :, -Km1:]], dim=2)[:, :, -Km1:]  # the last K-1 inputs
-            if conv_run is not None:
-                if keep_states:  # the start tails, for a rollback, before the slots are overwritten
-                    conv0 = conv0.clone()
+        rows = triton_kernels("row_ops_triton") if xin.is_cuda else None
+        fused = rows is not None and rows.conv_step_applies(xin, conv0, taps)
+        if fused:
+            tails = conv_run if conv_run is not None else torch.empty(conv0.shape, dtype=xin.dtype, device=xin.device)
+            qkv = rows.conv_step(xin, conv0, taps, tails, out_dtype)
+        else:
+            qkv = F.silu(causal_conv(xin, conv0, torch.stack(taps))).transpose(0, 1)  # [3, B, n, D]
+            if out_dtype is not None:
+                qkv = qkv.to(out_dtype)
+            # the last K-1 inputs
+            tails = torch.cat([conv0.to(xin.dtype), xin[:, :, -Km1:]], dim=2)[:, :, -Km1:] if Km1 else None
+            if conv_run is not None and Km1:
                 conv_run.copy_(tails)
-            else:
-                for st, tail in zip(states, tails):
-                    st.conv = tail.clone()
-        return xin, q, k, v, conv0, S_run
+        if conv_run is None and Km1:
+            for st, tail in zip(states, tails):
+                # the kernel's tails are a new buffer: one sequence keeps it whole; the cat's are a view
+                st.conv = tail if fused and len(states) == 1 else tail.clone()
+        return xin, qkv, conv0, S_run
 
     def _recur(self, xin, g, beta, states: list[KDAState], keep_states: bool, chunk: int) -> torch.Tensor:
         """B sequences of n new tokens each, stepped together: conv over their pre-conv inputs
@@ -251,7 +262,8 @@ class KDAttention(Bindable):
         c = self.cfg
         _, B, n, _ = xin.shape
         nh, d = c.kda_num_heads, c.kda_head_dim
-        xin, q, k, v, conv0, S_run = self._conv(xin, states, keep_states)
+        xin, qkv, conv0, S_run = self._conv(xin, states, keep_states)
+        q, k, v = qkv.unbind(0)
         q = l2_normalize(q.float().view(B, n, nh, d)) * d ** -0.5
         k = l2_normalize(k.float().view(B, n, nh, d))
         v = v.float().view(B, n, nh, d)

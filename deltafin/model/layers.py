@@ -11,7 +11,7 @@ from .binding import Bindable
 from .kda import KDAttention
 from .mla import MLAttention
 from .moe import DenseMLP, MoE
-from .ops import rms_norm
+from .ops import rms_norm, triton_kernels
 
 
 # 2-D slots that are not used as matrix products (router scores, depth-mix pseudo-queries, conv
@@ -21,7 +21,11 @@ NOT_PRODUCTS = {"mlp.gate", "attn_res_proj", "mlp_res_proj", "self_attn.q_conv",
 
 
 def attn_res(p: torch.Tensor, blocks: list[torch.Tensor], w_proj, w_norm, eps: float) -> torch.Tensor:
-    """Softmax mix over depth of [blocks..., p] for each token (K3_MODEL.md section 3.4), in fp32."""
+    """Softmax mix over depth of [blocks..., p] for each token (K3_MODEL.md section 3.4), in fp32; on
+    CUDA in one Triton launch (row_ops_triton.depth_mix) instead of ~10."""
+    if p.is_cuda and (rows := triton_kernels("row_ops_triton")) is not None \
+            and rows.depth_mix_applies(p, blocks, w_proj, w_norm):
+        return rows.depth_mix(p, blocks, w_proj, w_norm, eps)
     values = torch.stack([*blocks, p]).float()  # [N, T, H]
     keys = rms_norm(values, None, eps)
     score = (keys * (w_norm.float() * w_proj.float().view(-1))).sum(-1)  # [N, T]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,7 @@ def _rounded_once(x: torch.Tensor, ws: list) -> torch.Tensor | None:
     if not all(isinstance(w, HalfMatmul) and isinstance(w.weight, torch.Tensor) and w.weight.dtype == w.dtype
                and w.weight.is_cuda for w in ws) or len({w.dtype for w in ws}) != 1:
         return None
-    gemv = _half_gemv_kernels() if ws[0].dtype == torch.bfloat16 else None
+    gemv = triton_kernels("half_gemv_triton") if ws[0].dtype == torch.bfloat16 else None
     if gemv is not None and any(gemv.applies(x, w.weight) for w in ws):
         return None
     return x.to(ws[0].dtype)
@@ -147,7 +148,7 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
         if on_cpu and not (many_rows and cpu_16bit_gemm(w.dtype)):
             rounded = x.to(w.dtype).to(torch.float32)
             return linear(rounded, w.weight).to(w.dtype).to(x.dtype)
-        if x.is_cuda and w.dtype == torch.bfloat16 and (gemv := _half_gemv_kernels()) is not None \
+        if x.is_cuda and w.dtype == torch.bfloat16 and (gemv := triton_kernels("half_gemv_triton")) is not None \
                 and gemv.applies(x, w.weight):
             return gemv.half_gemv(x, w.weight)
         return F.linear(x.to(w.dtype), w.weight.to(w.dtype)).to(x.dtype)
@@ -155,13 +156,14 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
 
 
 @functools.cache
-def _half_gemv_kernels():
-    """The one-launch CUDA product of a row with a small bf16 weight, or None without Triton."""
+def triton_kernels(name: str):
+    """The Triton module ``deltafin.kernels.<name>`` (half_gemv_triton: the one-launch CUDA product of a
+    row with a small bf16 weight; row_ops_triton: a decode pass's small per-row steps), or None
+    without Triton. Imported on the first CUDA input, so that CPU runs never import Triton."""
     try:
-        from ..kernels import half_gemv_triton
+        return importlib.import_module(f"..kernels.{name}", __package__)
     except ImportError:
         return None
-    return half_gemv_triton
 
 
 @functools.cache
@@ -178,10 +180,13 @@ def cpu_16bit_gemm(dtype: torch.dtype) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm with the mean square taken in fp32; the result has x's dtype.
 
-    On CUDA torch's fused kernel computes the same formula in one launch instead of six (a decode
-    step is bound by launches there); decode-sized float32 rows on the CPU take the native kernel
-    (one call instead of six ops); elsewhere the ops below (the reference)."""
+    On CUDA one Triton launch (row_ops_triton) computes the same formula, where torch's fused kernel
+    takes four with its dtype casts (a decode step is bound by launches there); decode-sized float32
+    rows on the CPU take the native kernel (one call instead of six ops); elsewhere the ops below
+    (the reference)."""
     if x.is_cuda:
+        if (rows := triton_kernels("row_ops_triton")) is not None and rows.rms_norm_applies(x, weight):
+            return rows.rms_norm(x, weight, eps)
         w = weight.float() if weight is not None else None
         return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
     if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1]
