@@ -1,7 +1,8 @@
 """Time one MXFP4 MoE layer's routed experts on a CUDA device, path by path, at several token counts.
 
     python tools/moe_layer_bench.py [--experts 32] [--top-k 16] [--hidden 3584] [--inter 3072]
-                                    [--tokens 1,2,4,8,16,32,128] [--rows 8,16] [--out FILE.json]
+                                    [--tokens 1,2,4,8,16,32,128] [--rows 8,16]
+                                    [--tile-configs BN:BK:WARPS:STAGES,...] [--out FILE.json]
 
 Random MXFP4 codes and scales (K3's expert shapes by default), uniform routing, SiTU. Each path's work
 for one layer (the pairs' sort and tile layout included) is recorded as a CUDA graph of 20 repeats and
@@ -10,6 +11,9 @@ difference from the pair kernels:
   pairs    the pair kernels (``grouped_triton.mxfp4_gate_up`` / ``mxfp4_down``: one program per pair)
   tiles    the sorted tiles at the rows ``MXFP4Stack.sorted_tile_rows`` picks for the layer
   tilesN   the sorted tiles of N rows, for each N of --rows
+  tiles@BN:BK:WARPS:STAGES   the sorted tiles at the rule's rows with that fixed kernel configuration
+           instead of the tuner's, for each of --tile-configs
+  tuned    the configurations the tuner chose for the tiles' two kernels
   floor    the chosen experts' bytes at the device's copy rate (what no path can beat)
 Prints one JSON record (and writes it to --out).
 """
@@ -54,6 +58,23 @@ def _ints(text: str, least: int = 1, powers_of_two: bool = False) -> list[int]:
     return values
 
 
+def _tile_configs(text: str) -> list[dict]:
+    """BN:BK:WARPS:STAGES,... -> the sorted tiles' fixed launch configurations, for argparse: BN, BK and
+    WARPS powers of two (BN >= 16, BK >= 32: whole MXFP4 groups, WARPS <= 16), STAGES >= 1."""
+    configs = []
+    for item in (t for t in text.split(",") if t.strip()):
+        try:
+            bn, bk, warps, stages = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: want BN:BK:WARPS:STAGES, four whole numbers") from None
+        if not (bn >= 16 and bk >= 32 and 1 <= warps <= 16 and stages >= 1
+                and not any(v & (v - 1) for v in (bn, bk, warps))):
+            raise argparse.ArgumentTypeError(f"{item}: want BN >= 16, BK >= 32, WARPS <= 16 (powers of two), "
+                                             "STAGES >= 1")
+        configs.append({"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages})
+    return configs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=32)
@@ -63,6 +84,8 @@ def main() -> None:
     p.add_argument("--tokens", type=_ints, default=[1, 2, 4, 8, 16, 32, 128])
     p.add_argument("--rows", type=lambda t: _ints(t, 4, powers_of_two=True), default=[],
                    help="tile sizes to time besides the rule's (powers of two, from 4)")
+    p.add_argument("--tile-configs", type=_tile_configs, default=[],
+                   help="fixed configurations of the sorted tiles to time besides the tuner's choice")
     p.add_argument("--out")
     args = p.parse_args()
     if not 1 <= args.top_k <= args.experts:
@@ -92,13 +115,13 @@ def main() -> None:
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K] for _ in range(T)]).to(torch.int32)
         flat = ids.reshape(-1)
 
-        def tiles(rows):
+        def tiles(rows, config=None):
             def run():
                 by, order = flat.sort(stable=True)
                 ends = torch.searchsorted(by, torch.arange(E, device="cuda"), right=True).to(torch.int32)
                 return grouped_triton.sorted_mxfp4_mlp(x, order.to(torch.int32), ends,
                                                        grouped.sorted_tiles(ends, flat.numel(), rows), rows, K,
-                                                       *codes, cfg)
+                                                       *codes, cfg, config=config)
             return run
 
         rule = stack.sorted_tile_rows(flat.numel())
@@ -106,6 +129,7 @@ def main() -> None:
                                                             flat, *codes[2:]),
                  "tiles": tiles(rule)}
         paths.update({f"tiles{r}": tiles(r) for r in args.rows if r != rule})
+        paths.update({"tiles@{BN}:{BK}:{num_warps}:{num_stages}".format(**c): tiles(rule, c) for c in args.tile_configs})
         ref = paths["pairs"]()
         chosen = flat.unique().numel()
         row = {"pairs_per_expert": flat.numel() / E, "rule_rows": rule, "takes_sorted": stack.takes_sorted(flat.numel()),
@@ -113,6 +137,9 @@ def main() -> None:
         for name, fn in paths.items():
             diff = ((fn() - ref).abs().max() / ref.abs().max()).item()
             row[name] = {"us": round(_graph_us(fn), 1), "rel_diff": diff}
+        paths["tiles"]()  # the tuner's choice for the rule's rows, last tuned for this shape
+        row["tuned"] = {name: str(getattr(kernel, "best_config", None)) for name, kernel in
+                        (("gate_up", grouped_triton._tile_gate_up_tuned), ("down", grouped_triton._tile_down_tuned))}
         record["layers"][T] = row
         print(T, json.dumps(row), flush=True)
     text = json.dumps(record, indent=1)
