@@ -170,32 +170,69 @@ def test_cuda_kda_decode_steps_in_the_fused_kernel_match_the_reference():
         assert (S.cpu().double() - S_ref).abs().max().item() < 1e-4 * S_ref.abs().max().item()  # in place
 
 
+def _bf16_passes(path, singles: int, batched: int) -> torch.Tensor:
+    """A bf16 model's logits on CUDA over decode passes: `singles` passes of one sequence, `batched` of two
+    together, a draft check that keeps one row of three, its rollback and one more pass."""
+    from deltafin.runtime.engine import Seq
+    m = deltafin.load(path, device="cuda", stream="off", dtype="bfloat16")
+    a, b = m.new_state(), m.new_state()
+    m.forward([5, 6, 7, 8], a), m.forward([9, 10], b)
+    rows = [m.forward([20 + t], a) for t in range(singles)]
+    rows += [torch.cat(m.forward_batch([Seq([11 + t], a), Seq([30 + t], b)])) for t in range(batched)]
+    rows.append(m.forward([40, 41, 42], a, keep_states=True))
+    a.rollback(a.num_tokens - 2)
+    rows.append(m.forward([43], a))
+    return torch.cat(rows).float()
+
+
+def _same_with_and_without(paths, monkeypatch, without, singles: int, batched: int) -> None:
+    """For each checkpoint, `_bf16_passes` as deltafin runs them and with `without(mp)` applied (a
+    monkeypatch context that switches a path off): equal to bf16 rounding."""
+    for path in paths:
+        out = {}
+        for take in (True, False):
+            with monkeypatch.context() as mp:
+                if not take:
+                    without(mp)
+                out[take] = _bf16_passes(path, singles, batched)
+        assert torch.isfinite(out[True]).all()
+        assert (out[True] - out[False]).abs().max().item() < 2e-2 * out[False].abs().max().item()
+
+
 def test_cuda_bf16_decode_takes_the_fused_kda_kernel(tiny_k3_path, tiny_kl_path, monkeypatch):
     """With bf16 products and flash-linear-attention installed, batched decode passes (graphs and
     eager) and draft checks step KDA in the fused kernel; their logits, and a check pass's rollback,
     stay those of deltafin's own steps to bf16 rounding."""
     pytest.importorskip("fla")
     import deltafin.model.kda as kda
-    from deltafin.runtime.engine import Seq
     calls = []
     real = kda.kda_decode_fused
     monkeypatch.setattr(kda, "kda_decode_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for path in (tiny_k3_path, tiny_kl_path):
-        out = {}
-        for take in (True, False):
-            with monkeypatch.context() as mp:
-                if not take:
-                    mp.setattr(kda.KDAttention, "_fused_steps", lambda self, x, parts: False)
-                m = deltafin.load(path, device="cuda", stream="off", dtype="bfloat16")
-                a, b = m.new_state(), m.new_state()
-                m.forward([5, 6, 7, 8], a), m.forward([9, 10], b)
-                rows = [torch.cat(m.forward_batch([Seq([11 + t], a), Seq([30 + t], b)])) for t in range(6)]
-                rows.append(m.forward([40, 41, 42], a, keep_states=True))  # a draft check, 1 row kept
-                a.rollback(a.num_tokens - 2)
-                rows.append(m.forward([43], a))
-                out[take] = torch.cat(rows)
-        assert calls
-        assert (out[True] - out[False]).abs().max().item() < 2e-2 * out[False].abs().max().item()
+    _same_with_and_without((tiny_k3_path, tiny_kl_path), monkeypatch,
+                           lambda mp: mp.setattr(kda.KDAttention, "_fused_steps", lambda self, x, parts: False),
+                           singles=0, batched=6)
+    assert calls
+
+
+def test_cuda_decode_passes_with_the_row_kernels_match_the_torch_ops(tiny_k3_path, tiny_kl_path, monkeypatch):
+    """bf16 decode passes (one sequence in its graph, two together, a draft check and its rollback)
+    with the one-launch row kernels (row_ops_triton) against the same passes with torch's ops: equal
+    to bf16 rounding."""
+    pytest.importorskip("triton")
+    import deltafin.model.kda as kda
+    import deltafin.model.layers as layers
+    import deltafin.model.ops as ops
+    from deltafin.kernels import row_ops_triton
+    calls = []
+    real, kernels = row_ops_triton.conv_step, ops.triton_kernels
+    monkeypatch.setattr(row_ops_triton, "conv_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def without(mp):
+        for module in (kda, layers, ops):
+            mp.setattr(module, "triton_kernels", lambda name: None if name == "row_ops_triton" else kernels(name))
+
+    _same_with_and_without((tiny_k3_path, tiny_kl_path), monkeypatch, without, singles=4, batched=4)
+    assert calls
 
 
 def test_cuda_bench_reports_the_host_ram_budget(tiny_k3_path):
