@@ -1,8 +1,9 @@
 """One-launch CUDA forms of a decode pass's small per-row steps, in Triton.
 
-A decode pass of one sequence is bound by launches, not bytes, outside its matrix products: torch
-takes ~6 kernels for an RMSNorm with its weight widened, ~10 for a Block Attention Residual mix and
-~10 for a KDA conv step. Each function here does one of them in one launch, with the formulas of
+Outside its matrix products a decode pass is many small kernels of a few KB each: torch takes ~4
+for an RMSNorm with its dtype casts, ~10 for a Block Attention Residual mix and ~10 for a KDA conv
+step (what they cost shows most in passes that are not replayed graphs, and in batches; a replayed
+one-row pass launches cheaply). Each function here does one of them in one launch, with the formulas of
 the torch code it stands in for (fp32 arithmetic, the result in the input's dtype); only the order
 of the sums differs. Importing this imports Triton; ``model.ops`` does that lazily, on the first
 CUDA input, and keeps the torch code where Triton is missing.

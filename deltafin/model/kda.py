@@ -237,11 +237,11 @@ class KDAttention(Bindable):
             conv0 = conv0.clone()
         taps = (self.q_conv, self.k_conv, self.v_conv)
         Km1 = conv0.shape[2]
-        rows = triton_kernels("row_ops_triton") if xin.is_cuda else None
-        fused = rows is not None and rows.conv_step_applies(xin, conv0, taps)
+        row_ops = triton_kernels("row_ops_triton") if xin.is_cuda else None
+        fused = row_ops is not None and row_ops.conv_step_applies(xin, conv0, taps)
         if fused:
             tails = conv_run if conv_run is not None else torch.empty(conv0.shape, dtype=xin.dtype, device=xin.device)
-            qkv = rows.conv_step(xin, conv0, taps, tails, out_dtype)
+            qkv = row_ops.conv_step(xin, conv0, taps, tails, out_dtype)
         else:
             qkv = F.silu(causal_conv(xin, conv0, torch.stack(taps))).transpose(0, 1)  # [3, B, n, D]
             if out_dtype is not None:

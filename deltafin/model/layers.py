@@ -23,9 +23,9 @@ NOT_PRODUCTS = {"mlp.gate", "attn_res_proj", "mlp_res_proj", "self_attn.q_conv",
 def attn_res(p: torch.Tensor, blocks: list[torch.Tensor], w_proj, w_norm, eps: float) -> torch.Tensor:
     """Softmax mix over depth of [blocks..., p] for each token (K3_MODEL.md section 3.4), in fp32; on
     CUDA in one Triton launch (row_ops_triton.depth_mix) instead of ~10."""
-    if p.is_cuda and (rows := triton_kernels("row_ops_triton")) is not None \
-            and rows.depth_mix_applies(p, blocks, w_proj, w_norm):
-        return rows.depth_mix(p, blocks, w_proj, w_norm, eps)
+    if p.is_cuda and (row_ops := triton_kernels("row_ops_triton")) is not None \
+            and row_ops.depth_mix_applies(p, blocks, w_proj, w_norm):
+        return row_ops.depth_mix(p, blocks, w_proj, w_norm, eps)
     values = torch.stack([*blocks, p]).float()  # [N, T, H]
     keys = rms_norm(values, None, eps)
     score = (keys * (w_norm.float() * w_proj.float().view(-1))).sum(-1)  # [N, T]

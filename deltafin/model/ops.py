@@ -185,8 +185,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     rows on the CPU take the native kernel (one call instead of six ops); elsewhere the ops below
     (the reference)."""
     if x.is_cuda:
-        if (rows := triton_kernels("row_ops_triton")) is not None and rows.rms_norm_applies(x, weight):
-            return rows.rms_norm(x, weight, eps)
+        if (row_ops := triton_kernels("row_ops_triton")) is not None and row_ops.rms_norm_applies(x, weight):
+            return row_ops.rms_norm(x, weight, eps)
         w = weight.float() if weight is not None else None
         return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
     if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1]
