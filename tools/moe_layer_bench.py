@@ -13,7 +13,7 @@ difference from the pair kernels:
   tilesN   the sorted tiles of N rows, for each N of --rows
   tiles@BN:BK:WARPS:STAGES   the sorted tiles at the rule's rows with that fixed kernel configuration
            instead of the tuner's, for each of --tile-configs
-  tuned    the configurations the tuner chose for the tiles' two kernels
+  tuned    the configurations the tuner chose for the pair kernels and the tiles' two kernels
   floor    the chosen experts' bytes at the device's copy rate (what no path can beat)
 Prints one JSON record (and writes it to --out).
 """
@@ -139,7 +139,9 @@ def main() -> None:
             row[name] = {"us": round(_graph_us(fn), 1), "rel_diff": diff}
         paths["tiles"]()  # the tuner's choice for the rule's rows, last tuned for this shape
         row["tuned"] = {name: str(getattr(kernel, "best_config", None)) for name, kernel in
-                        (("gate_up", grouped_triton._tile_gate_up_tuned), ("down", grouped_triton._tile_down_tuned))}
+                        (("pair_gate_up", grouped_triton._mxfp4_gate_up_tuned),
+                         ("pair_down", grouped_triton._mxfp4_down_tuned),
+                         ("gate_up", grouped_triton._tile_gate_up_tuned), ("down", grouped_triton._tile_down_tuned))}
         record["layers"][T] = row
         print(T, json.dumps(row), flush=True)
     text = json.dumps(record, indent=1)

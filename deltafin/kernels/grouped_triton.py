@@ -159,15 +159,23 @@ def _group_inputs(x_ptr, n_groups, k0, G: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_groups(w_ptr, s_ptr, rows, nmask, xs, K, k0, stride_w, stride_s, G: tl.constexpr):
-    """fp32 [BN, G]: MXFP4 rows `rows` (codes stride_w bytes apart, scales stride_s apart) at the G groups
-    of 32 inputs from k0 times those inputs of x (``_group_inputs``): each group's sum of weight x input."""
+def _group_codes(w_ptr, s_ptr, rows, nmask, K, k0, stride_w, stride_s, G: tl.constexpr):
+    """MXFP4 rows `rows` (codes stride_w int32 words apart, scales stride_s bytes apart) at the G groups of 32
+    inputs from k0: int32 words [BN, G, 4] (a group's 16 bytes) and scale bytes [BN, G]; nothing is read past
+    K (a step beyond the last one reads nothing)."""
     g = k0 // GROUP + tl.arange(0, G)
     gmask = g < K // GROUP
-    word = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]: a group's 16 bytes as 4 words
-    w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (stride_w // 4) + word[None, :, :],
+    word = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * stride_w + word[None, :, :],
                 mask=nmask[:, None, None] & gmask[None, :, None], other=0)
     sc = tl.load(s_ptr + rows[:, None] * stride_s + g[None, :], mask=nmask[:, None] & gmask[None, :], other=0)
+    return w, sc
+
+
+@triton.jit
+def _groups_dot(w, sc, xs):
+    """fp32 [BN, G]: the groups' codes and scales (``_group_codes``) times their inputs of x (``_group_inputs``),
+    each group's sum of weight x input."""
     v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(w)
     s = (v0 * xs[0][None] + v1 * xs[1][None] + v2 * xs[2][None] + v3 * xs[3][None] + v4 * xs[4][None]
          + v5 * xs[5][None] + v6 * xs[6][None] + v7 * xs[7][None])
@@ -186,10 +194,19 @@ def _mxfp4_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, strid
     gate_rows = e * (2 * INTER) + n
     acc_g = tl.zeros([BN, G], dtype=tl.float32)
     acc_u = tl.zeros([BN, G], dtype=tl.float32)
+    # Each step's codes are requested a step ahead, before the current step's are decoded: a program then has
+    # two steps' bytes in flight, where one step's alone left these kernels waiting on memory (one row of x
+    # gives every weight a single multiply-add, too little work to cover a load's latency).
+    wg, sg = _group_codes(w_ptr, s_ptr, gate_rows, nmask, H, 0, stride_w, stride_s, G)
+    wu, su = _group_codes(w_ptr, s_ptr, gate_rows + INTER, nmask, H, 0, stride_w, stride_s, G)
     for k0 in range(0, H, G * GROUP):
+        next_g = _group_codes(w_ptr, s_ptr, gate_rows, nmask, H, k0 + G * GROUP, stride_w, stride_s, G)
+        next_u = _group_codes(w_ptr, s_ptr, gate_rows + INTER, nmask, H, k0 + G * GROUP, stride_w, stride_s, G)
         xs = _group_inputs(x_row, H // GROUP, k0, G)  # once for the gate and the up rows
-        acc_g += _mxfp4_groups(w_ptr, s_ptr, gate_rows, nmask, xs, H, k0, stride_w, stride_s, G)
-        acc_u += _mxfp4_groups(w_ptr, s_ptr, gate_rows + INTER, nmask, xs, H, k0, stride_w, stride_s, G)
+        acc_g += _groups_dot(wg, sg, xs)
+        acc_u += _groups_dot(wu, su, xs)
+        wg, sg = next_g
+        wu, su = next_u
     y = _glu(tl.sum(acc_g, 1), tl.sum(acc_u, 1), SITU, BETA, LBETA)
     tl.store(out_ptr + j * INTER + n, y, mask=nmask)
 
@@ -202,9 +219,11 @@ def _mxfp4_down_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, H, INTER, stride_w
     e = tl.load(ids_ptr + j).to(tl.int64)
     nmask = n < H
     acc = tl.zeros([BN, G], dtype=tl.float32)
-    for k0 in range(0, INTER, G * GROUP):
-        xs = _group_inputs(a_ptr + j * INTER, INTER // GROUP, k0, G)
-        acc += _mxfp4_groups(w_ptr, s_ptr, e * H + n, nmask, xs, INTER, k0, stride_w, stride_s, G)
+    w, sc = _group_codes(w_ptr, s_ptr, e * H + n, nmask, INTER, 0, stride_w, stride_s, G)
+    for k0 in range(0, INTER, G * GROUP):  # codes a step ahead, as the gate and up kernel
+        ahead = _group_codes(w_ptr, s_ptr, e * H + n, nmask, INTER, k0 + G * GROUP, stride_w, stride_s, G)
+        acc += _groups_dot(w, sc, _group_inputs(a_ptr + j * INTER, INTER // GROUP, k0, G))
+        w, sc = ahead
     tl.store(out_ptr + j * H + n, tl.sum(acc, 1), mask=nmask)
 
 
@@ -246,11 +265,13 @@ def _tile_columns(r, end, BT: tl.constexpr):
 
 
 @triton.jit
-def _tile_inputs(p_ptr, prow, pvalid, part, k0, K, BK: tl.constexpr):
+def _tile_inputs(p_ptr, prow, pvalid, part, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr):
     """bf16 [BK, 4 * BT]: the columns' parts (``_tile_columns``; parts [rows, PARTS, K] at p_ptr, row prow
     of each) at inputs k0 .. k0 + BK."""
-    kk = k0 + tl.arange(0, BK)
-    m = (pvalid & (part < PARTS))[None, :] & (kk < K)[:, None]
+    kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BK), BK), BK)
+    m = (pvalid & (part < PARTS))[None, :]
+    if not EVEN_K:
+        m = m & (kk < K)[:, None]
     return tl.load(p_ptr + (prow * PARTS + part)[None, :] * K + kk[:, None], mask=m, other=0.0)
 
 
@@ -267,15 +288,21 @@ def _word_bf16(w, m1, m2):
 
 
 @triton.jit
-def _tile_weights(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr):
-    """bf16 [BN, BK]: MXFP4 rows `rows` at inputs k0 .. k0 + BK, decoded exactly (an E2M1 value, two
-    significant bits, times a power of two)."""
-    word = k0 // 8 + tl.arange(0, BK // 8)
-    w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_w // 4) + word[None, :],
-                mask=nmask[:, None] & (word < K // 8)[None, :], other=0)
+def _tile_weights(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """bf16 [BN, BK]: MXFP4 rows `rows` (codes stride_w int32 words apart) at inputs k0 .. k0 + BK, decoded
+    exactly (an E2M1 value, two significant bits, times a power of two)."""
+    # Without a mask along the inputs (EVEN_K: K a multiple of BK) and with the step's words known to start
+    # at a multiple of BK // 8, each thread reads 16 contiguous bytes of codes (one instruction) and the
+    # copies into shared memory keep that shape; with the mask every word was read on its own and stored
+    # column by column, which conflicted on the shared memory's banks.
+    word = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BK // 8), BK // 8), BK // 8)
     g = k0 // GROUP + tl.arange(0, BK // GROUP)
-    sc = tl.load(s_ptr + rows[:, None] * stride_s + g[None, :], mask=nmask[:, None] & (g < K // GROUP)[None, :],
-                 other=0).to(tl.int32)
+    wmask, smask = nmask[:, None], nmask[:, None]
+    if not EVEN_K:
+        wmask, smask = wmask & (word < K // 8)[None, :], smask & (g < K // GROUP)[None, :]
+    w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * stride_w + word[None, :], mask=wmask, other=0)
+    sc = tl.load(s_ptr + rows[:, None] * stride_s + g[None, :], mask=smask, other=0).to(tl.int32)
     # 2^(s - 127) as 2^(min(s, 128) - 1) (undoing the placement's 2^-126) times 2^(max(s, 128) - 128): each
     # a normal bf16 for every s; 255 (no scale) gives NaN as the reference does
     e1 = (tl.minimum(sc, 128) + 126) << 7
@@ -290,19 +317,20 @@ def _tile_weights(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BN: tl.c
 
 
 @triton.jit
-def _codes_dot(acc, w_ptr, s_ptr, rows, nmask, x, k0, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr):
+def _codes_dot(acc, w_ptr, s_ptr, rows, nmask, x, k0, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr,
+               EVEN_K: tl.constexpr):
     """acc [BN, 4 * BT] plus MXFP4 rows `rows` at inputs k0 .. k0 + BK times x (``_tile_inputs``)."""
     # Each step's BK products summed on the tensor cores, the steps in fp32 here: summed across all K
     # inside the product (what the compiler makes of `acc + tl.dot(...)` unless the step's result passes
     # through an opaque move), the results were ~10x further from fp32 sums (3e-6 against 4e-7 relative).
-    step = tl.dot(_tile_weights(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BN, BK), x)
+    step = tl.dot(_tile_weights(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BN, BK, EVEN_K), x)
     return acc + tl.inline_asm_elementwise("mov.b32 $0, $1;", "=f,f", [step], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
 def _tile_gate_up_kernel(xp_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, act_ptr, H, INTER,
                          stride_w, stride_s, TOPK: tl.constexpr, SITU: tl.constexpr, BETA, LBETA, BT: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     e, r, end = _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr)
     if e < 0:
         return
@@ -314,9 +342,9 @@ def _tile_gate_up_kernel(xp_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_
     acc_g = tl.zeros([BN, 4 * BT], dtype=tl.float32)
     acc_u = tl.zeros([BN, 4 * BT], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        x = _tile_inputs(xp_ptr, token, valid, part, k0, H, BK)  # once for the gate and the up rows
-        acc_g = _codes_dot(acc_g, w_ptr, s_ptr, gate, nmask, x, k0, H, stride_w, stride_s, BN, BK)
-        acc_u = _codes_dot(acc_u, w_ptr, s_ptr, gate + INTER, nmask, x, k0, H, stride_w, stride_s, BN, BK)
+        x = _tile_inputs(xp_ptr, token, valid, part, k0, H, BK, EVEN_K)  # once for the gate and the up rows
+        acc_g = _codes_dot(acc_g, w_ptr, s_ptr, gate, nmask, x, k0, H, stride_w, stride_s, BN, BK, EVEN_K)
+        acc_u = _codes_dot(acc_u, w_ptr, s_ptr, gate + INTER, nmask, x, k0, H, stride_w, stride_s, BN, BK, EVEN_K)
     # the parts' columns summed: [BN, BT], the tile's rows' gate and up sums
     y = _glu(tl.sum(tl.reshape(acc_g, (BN, 4, BT)), 1), tl.sum(tl.reshape(acc_u, (BN, 4, BT)), 1), SITU, BETA, LBETA)
     j = r + tl.arange(0, BT)  # act rows in sorted order, as parts for the down kernel
@@ -326,7 +354,7 @@ def _tile_gate_up_kernel(xp_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_
 
 @triton.jit
 def _tile_down_kernel(ap_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr, s_ptr, out_ptr, H, INTER,
-                      stride_w, stride_s, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      stride_w, stride_s, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     e, r, end = _tile_pairs(tile_e_ptr, tile_r_ptr, ends_ptr)
     if e < 0:
         return
@@ -335,9 +363,9 @@ def _tile_down_kernel(ap_ptr, order_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, w_ptr
     nmask = n < H
     acc = tl.zeros([BN, 4 * BT], dtype=tl.float32)
     for k0 in range(0, INTER, BK):
-        x = _tile_inputs(ap_ptr, place.to(tl.int64), valid, part, k0, INTER, BK)
+        x = _tile_inputs(ap_ptr, place.to(tl.int64), valid, part, k0, INTER, BK, EVEN_K)
         acc = _codes_dot(acc, w_ptr, s_ptr, e.to(tl.int64) * H + n, nmask, x, k0, INTER, stride_w, stride_s, BN,
-                         BK)
+                         BK, EVEN_K)
     j = r + tl.arange(0, BT)
     jm = j < end
     pair = tl.load(order_ptr + j, mask=jm, other=0).to(tl.int64)  # each row stored at its pair's own place
@@ -355,23 +383,29 @@ def _glu_args(cfg) -> dict:
 # first (eager) call: a decode graph cannot run the tuner.
 _MXFP4_CONFIGS = [triton.Config({"BN": bn, "G": g}, num_warps=w, num_stages=st)
                   for bn, g, w, st in ((16, 8, 4, 2), (32, 4, 4, 2), (32, 8, 8, 2), (64, 4, 8, 2), (8, 16, 4, 2),
-                                       (16, 4, 4, 3))]
+                                       (16, 4, 4, 3), (16, 16, 4, 2), (32, 8, 4, 2))]
 _mxfp4_gate_up_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER", "TOPK"])(_mxfp4_gate_up_kernel)
 _mxfp4_down_tuned = triton.autotune(_MXFP4_CONFIGS, key=["H", "INTER"])(_mxfp4_down_kernel)
 
 
 # Sorted tiles: BT pairs of one expert (x 4 parts: the product's N) x BN outputs (its M), BK inputs a step.
 _TILE_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
-                 for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3))]
-_tile_gate_up_tuned = triton.autotune(_TILE_CONFIGS, key=["H", "INTER", "BT"])(_tile_gate_up_kernel)
-_tile_down_tuned = triton.autotune(_TILE_CONFIGS, key=["H", "INTER", "BT"])(_tile_down_kernel)
+                 for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3),
+                                       (64, 64, 4, 3), (64, 64, 4, 4))]
+# EVEN_K: the inputs are whole steps (K3's 3584 and 3072 for every BK here), so no load needs a mask along them
+_tile_gate_up = triton.heuristics({"EVEN_K": lambda a: a["H"] % a["BK"] == 0})(_tile_gate_up_kernel)
+_tile_down = triton.heuristics({"EVEN_K": lambda a: a["INTER"] % a["BK"] == 0})(_tile_down_kernel)
+_tile_gate_up_tuned = triton.autotune(_TILE_CONFIGS, key=["H", "INTER", "BT"])(_tile_gate_up)
+_tile_down_tuned = triton.autotune(_TILE_CONFIGS, key=["H", "INTER", "BT"])(_tile_down)
 
 
 def _mxfp4_args(packed: torch.Tensor, scale: torch.Tensor) -> tuple:
     packed, scale = packed.contiguous(), scale.contiguous().view(torch.uint8)
     if packed.data_ptr() % 4:  # the kernels read the codes as 32-bit words (rows are H / 2 bytes: 16 k bytes)
         packed = packed.clone()
-    return packed, scale, packed.shape[-1], scale.shape[-1]
+    # the codes' row stride in int32 words (a row is H / 2 bytes, H a multiple of 32): the kernels' offsets are
+    # then multiples of it, which lets them read 16 bytes at once
+    return packed, scale, packed.shape[-1] // 4, scale.shape[-1]
 
 
 def mxfp4_gate_up(x: torch.Tensor, ids: torch.Tensor, topk: int, packed: torch.Tensor, scale: torch.Tensor, cfg,
@@ -451,8 +485,8 @@ def sorted_mxfp4_mlp(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, t
     down = (act, order, tile_e, tile_r, ends, w2, s2, out, H, inter, sw2, ss2)
     glu = dict(TOPK=topk, **_glu_args(cfg))
     if config:
-        _tile_gate_up_kernel[(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BT=tile_rows, **config)
-        _tile_down_kernel[(count, triton.cdiv(H, config["BN"]))](*down, BT=tile_rows, **config)
+        _tile_gate_up[(count, triton.cdiv(inter, config["BN"]))](*gate_up, **glu, BT=tile_rows, **config)
+        _tile_down[(count, triton.cdiv(H, config["BN"]))](*down, BT=tile_rows, **config)
     else:
         _tile_gate_up_tuned[lambda m: (count, triton.cdiv(inter, m["BN"]))](*gate_up, **glu, BT=tile_rows)
         _tile_down_tuned[lambda m: (count, triton.cdiv(H, m["BN"]))](*down, BT=tile_rows)
