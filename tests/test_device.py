@@ -245,7 +245,10 @@ def test_cuda_mxfp4_kernels_at_every_scale():
     (["--top-k", "40"], "--top-k 40: want 1 .. --experts (32)"),
     (["--hidden", "100"], "--hidden 100: want a positive multiple of 32"),
     (["--tile-configs", "64:256:8"], "'64:256:8': want BN:BK:WARPS:STAGES"),
-    (["--tile-configs", "64:100:8:2"], "64:100:8:2: want BN >= 16, BK >= 32")])
+    (["--tile-configs", "64:100:8:2"], "64:100:8:2: want BN >= 16, BK >= 32"),
+    (["--tile-configs", "8:64:4:3"], "8:64:4:3: want BN >= 16"),
+    (["--pair-configs", "16:8:4"], "'16:8:4': want BN:G:WARPS:STAGES"),
+    (["--pair-configs", "16:3:4:2"], "16:3:4:2: want BN >= 1, G >= 1")])
 def test_moe_layer_bench_refuses_bad_arguments_in_one_line(args, says):
     """tools/moe_layer_bench.py: a bad argument is a usage error before anything touches a device."""
     tool = Path(__file__).parent.parent / "tools" / "moe_layer_bench.py"

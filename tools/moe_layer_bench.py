@@ -2,7 +2,8 @@
 
     python tools/moe_layer_bench.py [--experts 32] [--top-k 16] [--hidden 3584] [--inter 3072]
                                     [--tokens 1,2,4,8,16,32,128] [--rows 8,16]
-                                    [--tile-configs BN:BK:WARPS:STAGES,...] [--out FILE.json]
+                                    [--tile-configs BN:BK:WARPS:STAGES,...] [--pair-configs BN:G:WARPS:STAGES,...]
+                                    [--out FILE.json]
 
 Random MXFP4 codes and scales (K3's expert shapes by default), uniform routing, SiTU. Each path's work
 for one layer (the pairs' sort and tile layout included) is recorded as a CUDA graph of 20 repeats and
@@ -13,6 +14,7 @@ difference from the pair kernels:
   tilesN   the sorted tiles of N rows, for each N of --rows
   tiles@BN:BK:WARPS:STAGES   the sorted tiles at the rule's rows with that fixed kernel configuration
            instead of the tuner's, for each of --tile-configs
+  pairs@BN:G:WARPS:STAGES    the pair kernels (both) with that fixed configuration, for each of --pair-configs
   tuned    the configurations the tuner chose for the pair kernels and the tiles' two kernels
   floor    the chosen experts' bytes at the device's copy rate (what no path can beat)
 Prints one JSON record (and writes it to --out).
@@ -58,21 +60,28 @@ def _ints(text: str, least: int = 1, powers_of_two: bool = False) -> list[int]:
     return values
 
 
-def _tile_configs(text: str) -> list[dict]:
-    """BN:BK:WARPS:STAGES,... -> the sorted tiles' fixed launch configurations, for argparse: BN, BK and
-    WARPS powers of two (BN >= 16, BK >= 32: whole MXFP4 groups, WARPS <= 16), STAGES >= 1."""
-    configs = []
-    for item in (t for t in text.split(",") if t.strip()):
-        try:
-            bn, bk, warps, stages = (int(v) for v in item.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: want BN:BK:WARPS:STAGES, four whole numbers") from None
-        if not (bn >= 16 and bk >= 32 and 1 <= warps <= 16 and stages >= 1
-                and not any(v & (v - 1) for v in (bn, bk, warps))):
-            raise argparse.ArgumentTypeError(f"{item}: want BN >= 16, BK >= 32, WARPS <= 16 (powers of two), "
-                                             "STAGES >= 1")
-        configs.append({"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages})
-    return configs
+def _configs(second: str, least: int, least_bn: int):
+    """A parser for BN:<second>:WARPS:STAGES,... -> fixed launch configurations, for argparse: BN, the second
+    value and WARPS powers of two (BN >= least_bn, the second >= `least`, WARPS <= 16), STAGES >= 1."""
+    def parse(text: str) -> list[dict]:
+        configs = []
+        for item in (t for t in text.split(",") if t.strip()):
+            try:
+                bn, other, warps, stages = (int(v) for v in item.split(":"))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r}: want BN:{second}:WARPS:STAGES, four whole "
+                                                 "numbers") from None
+            if not (bn >= least_bn and other >= least and 1 <= warps <= 16 and stages >= 1
+                    and not any(v & (v - 1) for v in (bn, other, warps))):
+                raise argparse.ArgumentTypeError(f"{item}: want BN >= {least_bn}, {second} >= {least}, WARPS <= 16 "
+                                                 "(powers of two), STAGES >= 1")
+            configs.append({"BN": bn, second: other, "num_warps": warps, "num_stages": stages})
+        return configs
+    return parse
+
+
+_tile_configs = _configs("BK", 32, 16)  # BK: whole MXFP4 groups; BN: the tensor cores' M side
+_pair_configs = _configs("G", 1, 1)  # G: MXFP4 groups of 32 inputs a step
 
 
 def main() -> None:
@@ -86,6 +95,8 @@ def main() -> None:
                    help="tile sizes to time besides the rule's (powers of two, from 4)")
     p.add_argument("--tile-configs", type=_tile_configs, default=[],
                    help="fixed configurations of the sorted tiles to time besides the tuner's choice")
+    p.add_argument("--pair-configs", type=_pair_configs, default=[],
+                   help="fixed configurations of the pair kernels (both of them) to time besides the tuner's choice")
     p.add_argument("--out")
     args = p.parse_args()
     if not 1 <= args.top_k <= args.experts:
@@ -125,9 +136,13 @@ def main() -> None:
             return run
 
         rule = stack.sorted_tile_rows(flat.numel())
-        paths = {"pairs": lambda: grouped_triton.mxfp4_down(grouped_triton.mxfp4_gate_up(x, flat, K, *codes[:2], cfg),
-                                                            flat, *codes[2:]),
-                 "tiles": tiles(rule)}
+        def pairs(config=None):
+            return lambda: grouped_triton.mxfp4_down(grouped_triton.mxfp4_gate_up(x, flat, K, *codes[:2], cfg,
+                                                                                   config=config),
+                                                     flat, *codes[2:], config=config)
+
+        paths = {"pairs": pairs(), "tiles": tiles(rule)}
+        paths.update({"pairs@{BN}:{G}:{num_warps}:{num_stages}".format(**c): pairs(c) for c in args.pair_configs})
         paths.update({f"tiles{r}": tiles(r) for r in args.rows if r != rule})
         paths.update({"tiles@{BN}:{BK}:{num_warps}:{num_stages}".format(**c): tiles(rule, c) for c in args.tile_configs})
         ref = paths["pairs"]()
