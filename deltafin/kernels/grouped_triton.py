@@ -293,9 +293,8 @@ def _tile_weights(w_ptr, s_ptr, rows, nmask, k0, K, stride_w, stride_s, BN: tl.c
     """bf16 [BN, BK]: MXFP4 rows `rows` (codes stride_w int32 words apart) at inputs k0 .. k0 + BK, decoded
     exactly (an E2M1 value, two significant bits, times a power of two)."""
     # Without a mask along the inputs (EVEN_K: K a multiple of BK) and with the step's words known to start
-    # at a multiple of BK // 8, each thread reads 16 contiguous bytes of codes (one instruction) and the
-    # copies into shared memory keep that shape; with the mask every word was read on its own and stored
-    # column by column, which conflicted on the shared memory's banks.
+    # at a multiple of BK // 8, each thread copies 16 contiguous bytes of codes into shared memory in one
+    # instruction; with the mask along the inputs those copies were 8 bytes wide.
     word = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BK // 8), BK // 8), BK // 8)
     g = k0 // GROUP + tl.arange(0, BK // GROUP)
     wmask, smask = nmask[:, None], nmask[:, None]
