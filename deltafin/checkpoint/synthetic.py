@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -42,7 +43,9 @@ from .layout import DTYPE_BYTES, MXFP4_GROUP, TensorSpec, all_tensors, nbytes
 from .tokenizer_data import BOS_TOKEN, CHAT_TEMPLATE, CORPUS, EOS_TOKEN, IM_END, MEDIA_PAD, PAD_TOKEN, \
     SPECIAL_OFFSETS, UNK_TOKEN
 
-TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output the Kimi Linear config mirrors
+# The configs carry the installed transformers' version, as its save_pretrained writes them (a fixed
+# version went stale with the next transformers release: the config test compares the whole file).
+TRANSFORMERS_VERSION = importlib.metadata.version("transformers")
 
 # ----------------------------------------------------------------------------------------------
 # Weight scales. Linear weights are N(0, (gain / sqrt(fan_in))^2), so with an RMS-normalized
