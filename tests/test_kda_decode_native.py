@@ -274,3 +274,31 @@ def test_a_sequence_steps_the_same_bits_alone_as_among_others():
             assert torch.equal(cpu_native.kda_steps(**step, counts=[1], convs=[conv], states=[S], threads=1)[0],
                                together[first + t])
         first += n
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_every_simd_level_steps_the_same_values(lower_bound):
+    """The AVX-512 step (16 channels at a time, exp and log by polynomial) against the AVX2 and portable
+    ones (libm's expf and log1pf per channel; the state passes the same loops, so the same bits): equal to
+    float32 rounding, outputs and states, over decay inputs wide enough to take softplus' every branch
+    (1 + e^r rounding to 1, r past the threshold of 20)."""
+    if cpu_native.simd() == "none":
+        pytest.skip("native CPU kernels not built")
+    args, conv0, S0 = _random_steps([2, 1], 4, 32, 4, 13)
+    args["r"] = args["r"] * 12.0
+    args["lower_bound"] = lower_bound
+    order = ("portable", "avx2", "avx512")
+    levels = order[:order.index(cpu_native.simd()) + 1]
+    results = {}
+    for level in levels:
+        convs, states = [c.clone() for c in conv0], [S.clone() for S in S0]
+        with cpu_native.limit_simd(level):
+            o = cpu_native.kda_steps(**args, convs=convs, states=states, threads=1)
+        results[level] = (o, convs, states)
+    o0, convs0, states0 = results["portable"]
+    for level, (o, convs, states) in results.items():
+        assert (o - o0).abs().max() <= 1e-6 * o0.abs().max(), level
+        assert all((S - T).abs().max() <= 1e-6 * T.abs().max() for S, T in zip(states, states0)), level
+        assert all(torch.equal(c, c0) for c, c0 in zip(convs, convs0)), level  # the tails are the inputs
+    if "avx2" in results:
+        assert torch.equal(results["avx2"][0], o0)  # AVX2 runs the portable per-channel code
