@@ -235,19 +235,6 @@ def test_cuda_decode_passes_with_the_row_kernels_match_the_torch_ops(tiny_k3_pat
     assert calls
 
 
-
-def test_cuda_bf16_mla_heads_multiply_kv_b_as_stored(tiny_k3_path, tiny_kl_path, monkeypatch):
-    """bf16 decode passes (graphs, batches, a draft check and its rollback) whose MLA heads multiply the
-    stored bf16 kv_b_proj (KvB.half) against the same passes through its float32 copy: equal to bf16
-    rounding."""
-    import deltafin.model.mla as mla
-    calls = []
-    real = mla.KvB.half_heads
-    monkeypatch.setattr(mla.KvB, "half_heads", lambda self: calls.append(1) or real(self))
-    _same_with_and_without((tiny_k3_path, tiny_kl_path), monkeypatch,
-                           lambda mp: mp.setattr(mla, "_cuda_half", lambda w: None), singles=4, batched=4)
-    assert calls
-
 def test_cuda_bench_reports_the_host_ram_budget(tiny_k3_path):
     """Under a device, bench's RAM figures are the host streamer's (not the device budget's)."""
     from deltafin.bench import run_bench

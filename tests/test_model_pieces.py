@@ -208,37 +208,6 @@ def test_mla_decode_absorbs_a_stored_kv_b_without_decoding_it(monkeypatch, codec
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
-
-def test_mla_heads_with_16_bit_products_multiply_the_stored_weight(monkeypatch):
-    """With bf16 products on CUDA, MLA's absorbed heads multiply kv_b_proj as stored (KvB.half: rows
-    rounded to bf16, float32 sums, results rounded), never a float32 copy of it. The same steps with
-    that path forced here on the CPU (it is CUDA's only) agree with the float32 products to bf16
-    rounding; on the CPU a bf16 product weight keeps the float32 path (CPU results unchanged)."""
-    from deltafin.model import mla
-    from deltafin.model.ops import HalfMatmul
-    cfg = k3_config(num_attention_heads=4, kv_lora_rank=40, qk_nope_head_dim=16, v_head_dim=24)
-    gen = torch.Generator().manual_seed(8)
-    attn = MLAttention(cfg)
-    w = random_weights(attn, gen)
-    w["kv_b_proj"] = w["kv_b_proj"].to(torch.bfloat16)
-    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
-    bind(attn, {**w, "kv_b_proj": HalfMatmul(w["kv_b_proj"], torch.bfloat16)})
-    assert mla._cuda_half(attn.kv_b_proj) is None
-
-    def run():
-        st = attn.new_state(torch.float32)
-        return torch.cat([attn(xs, [Rows(st, len(xs), False)], 64) for xs in (x[:3], x[3:4], x[4:6])])
-    plain = run()
-    with monkeypatch.context() as m:
-        m.setattr(mla, "_cuda_half", lambda w: torch.bfloat16)
-        calls = []
-        real = mla.KvB.half_heads
-        m.setattr(mla.KvB, "half_heads", lambda self: calls.append(1) or real(self))
-        half = run()
-    assert len(calls) == 1 + 2 * 2  # the prompt's expansion, then both sides of each decode step
-    assert not torch.equal(half, plain)
-    assert (half - plain).abs().max() < 2 ** -6 * plain.abs().max()
-
 def test_latent_moe_matches_loop():
     cfg = k3_config()
     gen = torch.Generator().manual_seed(2)

@@ -59,7 +59,7 @@ class MLAttention(Bindable):
             q, kv = linear(x, self.q_proj), linear(x, self.kv_a_proj_with_mqa)
         q = q.view(T, nh, nope + rope)
         ckv_new = rms_norm(kv[:, :r], self.kv_a_layernorm, LATENT_NORM_EPS)
-        kv_b = KvB(plain(self.kv_b_proj), nh, nope, dv, x.dtype, _cuda_half(self.kv_b_proj))
+        kv_b = KvB(plain(self.kv_b_proj), nh, nope, dv, x.dtype)
         # A fresh sequence's prompt attends with expanded keys and values; every other sequence in
         # the latent form, whose W_k and W_v products run once for all of them (two native calls a
         # layer, not two per sequence).
@@ -121,7 +121,7 @@ class MLAttention(Bindable):
         forms the [nh, T, T] scores (2 GB of float32 for 4 k tokens of kl_medium). With bf16 products
         on CUDA the attention runs in bf16 too (its softmax sums in fp32), on the flash kernels."""
         ckv, krot = st.view()
-        w_k, w_v = kv_b.half_heads() if kv_b.half is not None else kv_b.full()
+        w_k, w_v = kv_b.full()
         dtype = torch.bfloat16 if q_nope.is_cuda and isinstance(self.kv_b_proj, HalfMatmul) else q_nope.dtype
         ckv = ckv.to(dtype)
         k_nope = torch.einsum("nr,hdr->hnd", ckv, w_k.to(dtype))
@@ -185,37 +185,20 @@ def _native_attend_applies(x: torch.Tensor, parts: list[Rows], width: int) -> bo
                     and st.length * width <= NATIVE_ATTEND_MAX_WORK for st, n, _ in parts))
 
 
-def _cuda_half(w) -> torch.dtype | None:
-    """The 16-bit dtype kv_b_proj's products run in when they run as stored on CUDA (a HalfMatmul whose
-    weight is a CUDA tensor of that dtype), else None."""
-    if isinstance(w, HalfMatmul) and isinstance(w.weight, torch.Tensor) and w.weight.is_cuda \
-            and w.weight.dtype == w.dtype:
-        return w.dtype
-    return None
-
-
 class KvB:
     """kv_b_proj [nh * (nope + dv), r] as attention applies it: per head, W_k [nope, r] (its first
     nope rows) and W_v [dv, r] (the rest).
 
     Decoding multiplies by them without forming them: with float32 rows on the CPU, an int8 or bf16
     weight and the native kernels, all heads' products run in one native call each (W_k from the
-    query's side, W_v from the latent's) on the stored bytes. With 16-bit products on CUDA (``half``)
-    the heads multiply the stored weight as HalfMatmul does (the rows rounded to it, float32 sums, the
-    result rounded to it), with no float32 copy of it: that copy took 71 us of a 6.5 ms k3-slice pass,
-    converting [24576, 512] every pass. A prompt, another codec or another device decodes the weight
-    once per layer and pass (``full``); doing that for every decode step cost ~4 ms per MLA layer on
-    kl_medium, more than the layer's products.
+    query's side, W_v from the latent's) on the stored bytes. A prompt, another codec or another
+    device decodes the weight once per layer and pass (``full``); doing that for every decode step
+    cost ~4 ms per MLA layer on kl_medium, more than the layer's products.
     """
 
-    def __init__(self, w, nh: int, nope: int, dv: int, dtype: torch.dtype, half: torch.dtype | None = None):
-        self.w, self.nh, self.nope, self.dv, self.dtype, self.half = w, nh, nope, dv, dtype, half
+    def __init__(self, w, nh: int, nope: int, dv: int, dtype: torch.dtype):
+        self.w, self.nh, self.nope, self.dv, self.dtype = w, nh, nope, dv, dtype
         self._full = None
-
-    def half_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_k [nh, nope, r] and W_v [nh, dv, r] as stored (``half``): views, no copies."""
-        w = self.w.view(self.nh, self.nope + self.dv, -1)
-        return w[:, :self.nope], w[:, self.nope:]
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_k [nh, nope, r] and W_v [nh, dv, r] in the compute dtype."""
@@ -249,8 +232,6 @@ class KvB:
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, nh, nope] -> [nh, T, r]: each head's query times its W_k."""
-        if self.half is not None:
-            return torch.einsum("thd,hdr->htr", q_nope.to(self.half), self.half_heads()[0]).to(q_nope.dtype)
         dense = self._native(q_nope.shape[0])
         if dense is None:
             return torch.einsum("thd,hdr->htr", q_nope, self.full()[0])
@@ -260,8 +241,6 @@ class KvB:
 
     def absorb_value(self, lat: torch.Tensor) -> torch.Tensor:
         """lat [nh, T, r] -> [T, nh, dv]: each head's attended latent times W_v^T."""
-        if self.half is not None:
-            return torch.einsum("htr,hdr->thd", lat.to(self.half), self.half_heads()[1]).to(lat.dtype)
         dense = self._native(lat.shape[1])
         if dense is None:
             return torch.einsum("htr,hdr->thd", lat, self.full()[1])
