@@ -338,19 +338,22 @@ def _sorted_mxfp4_tiles_match_reference(I: int, H: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_half_gemv_matches_torch_products():
-    """The one-launch bf16 row product against torch's three launches: the same rounding of the
-    row and of the result; a different summation order may move a result by one bf16 step."""
+    """The one-launch bf16 row product against torch's three launches, small weights and one over 2**23
+    elements: the same rounding of the row and of the result; a different summation order may move a
+    result by one bf16 step, more where its products cancel."""
     from deltafin.kernels import half_gemv_triton
     from deltafin.model.ops import HalfMatmul, linear
     gen = torch.Generator().manual_seed(5)
-    for N, K in ((37, 300), (128, 7168), (5, 2050)):
+    for N, K in ((37, 300), (128, 7168), (5, 2050), (9000, 1024)):  # the last over 2**23 elements
         w = torch.randn(N, K, generator=gen).bfloat16().cuda()
         x = torch.randn(1, K, generator=gen).cuda()
         want = torch.nn.functional.linear(x.bfloat16(), w).float()
+        # one bf16 step of the result, plus float32 summation-order error where the products cancel
+        bound = want.abs() * 2 ** -7 + 1e-5 * torch.nn.functional.linear(x.bfloat16().float().abs(), w.float().abs())
         assert half_gemv_triton.applies(x, w)
         for got in (linear(x, HalfMatmul(w, torch.bfloat16)), half_gemv_triton.half_gemv(x, w, {"BN": 4, "BK": 128})):
             assert got.shape == want.shape and got.dtype == torch.float32
-            assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), (N, K)
+            assert ((got - want).abs() <= bound).all(), (N, K)
 
 
 def _expert_reads(source, budget: int, ram_budget: str, ids):

@@ -139,8 +139,8 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
       float32 path on the rounded rows elsewhere (AVX2 EPYC: 812 ms against 1779 ms).
     For float16 the stored bf16 weight is used as stored (converting it to fp16 changes only
     weights below fp16's normal range, ~6e-5, or above 65504). CUDA and MPS use torch's 16-bit
-    matmul on their matrix units, except that on CUDA one row times a small bf16 weight (a decode
-    step's small projections) runs the same arithmetic in one Triton launch (half_gemv_triton).
+    matmul on their matrix units, except that on CUDA one row times a bf16 weight (a decode step's
+    products) runs the same arithmetic in one Triton launch (half_gemv_triton).
     """
     if isinstance(w.weight, torch.Tensor):
         on_cpu = x.device.type == "cpu" and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
@@ -158,7 +158,7 @@ def _half_linear(x: torch.Tensor, w: HalfMatmul) -> torch.Tensor:
 @functools.cache
 def triton_kernels(name: str):
     """The Triton module ``deltafin.kernels.<name>`` (half_gemv_triton: the one-launch CUDA product of a
-    row with a small bf16 weight; row_ops_triton: a decode pass's small per-row steps), or None
+    row with a bf16 weight; row_ops_triton: a decode pass's small per-row steps), or None
     without Triton. Imported on the first CUDA input, so that CPU runs never import Triton."""
     try:
         return importlib.import_module(f"..kernels.{name}", __package__)
