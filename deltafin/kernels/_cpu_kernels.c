@@ -1069,6 +1069,17 @@ static void int8q_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
 #ifdef KERNELS_X86
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 
+/* One step's codes of rows c .. c + R - 1 (row length n) from input k0, widened to int16, after
+   prefetching the next block's share of this step (next_codes, or NULL). */
+static inline __attribute__((always_inline)) VNNI void
+int8q_step_codes_vnni(const int8_t *c, int64_t n, int64_t k0, const int R, const char *next_codes, __m512i w[]) {
+    if (next_codes) {
+        _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
+        if (R * INT8Q_STEP > 64) _mm_prefetch(next_codes + k0 * R + 64, _MM_HINT_T1);
+    }
+    for (int k = 0; k < R; k++) w[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + k * n + k0)));
+}
+
 /* Output rows r..r+R-1 for rows m0..m0+MB-1 of x (constants at every call site). Per step each row's
    32 codes widen to int16 and one vpdpwssd per row of x adds their 32 products into 16 int32 lanes;
    at the end of a group (span) the lanes convert to float32 and one FMA applies the scale. `next`
@@ -1092,13 +1103,8 @@ int8q_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const
         for (int k = 0; k < R; k++)
             for (int i = 0; i < MB; i++) sum[k][i] = _mm512_setzero_si512();
         for (int64_t k0 = g0; k0 < g1; k0 += INT8Q_STEP) {
-            if (next_codes) {
-                _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
-                if (R * INT8Q_STEP > 64) _mm_prefetch(next_codes + k0 * R + 64, _MM_HINT_T1);
-            }
             __m512i w[ROW_BLOCK];
-            for (int k = 0; k < R; k++)
-                w[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + k * n + k0)));
+            int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
             for (int i = 0; i < MB; i++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
                 for (int k = 0; k < R; k++) sum[k][i] = _mm512_dpwssd_epi32(sum[k][i], w[k], xv);
@@ -1144,13 +1150,8 @@ int8g32_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, con
         }
         for (int64_t j = 0; j < steps; j++) {
             const int64_t k0 = (g0 + j) * INT8Q_STEP;
-            if (next_codes) {
-                _mm_prefetch(next_codes + k0 * R, _MM_HINT_T1);
-                if (R * INT8Q_STEP > 64) _mm_prefetch(next_codes + k0 * R + 64, _MM_HINT_T1);
-            }
             __m512i w[ROW_BLOCK];
-            for (int k = 0; k < R; k++)
-                w[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + k * n + k0)));
+            int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
             for (int i = 0; i < MB; i++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
                 for (int k = 0; k < R; k++)
