@@ -296,6 +296,16 @@ static void intq_gemv_rows_portable(const struct job *jb, int64_t r0, int64_t r1
 #ifdef KERNELS_X86
 #define AVX512 __attribute__((target("avx512f,f16c")))
 
+/* 16 bf16 values from p as floats (exact: the bits shifted into place). */
+static inline __attribute__((always_inline)) AVX512 __m512 bf16x16_avx512(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 values from element j of p, float32 or (bf16) bf16 bits, as floats. */
+static inline __attribute__((always_inline)) AVX512 __m512 load16_avx512(const void *p, int bf16, int64_t j) {
+    return bf16 ? bf16x16_avx512((const uint16_t *)p + j) : _mm512_loadu_ps((const float *)p + j);
+}
+
 /* The 16 E2M1 values times the group's factor: vpermps then decodes 16 codes in one step. */
 #define E2M1_VECTOR() \
     _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, \
@@ -367,10 +377,7 @@ bf16_gemv_block_avx512(const struct job *jb, int64_t r, int64_t m0, const int R,
             if (R * BF16_STEP * 2 > 64) _mm_prefetch(next_w + k0 * R * 2 + 64, _MM_HINT_T1);
         }
         __m512 wv[ROW_BLOCK];
-        for (int k = 0; k < R; k++) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(w + k * n + k0));
-            wv[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
+        for (int k = 0; k < R; k++) wv[k] = bf16x16_avx512(w + k * n + k0);
         for (int i = 0; i < MB; i++) {
             const __m512 xv = _mm512_loadu_ps(x + i * n + k0);
             for (int k = 0; k < R; k++) acc[k][i] = _mm512_fmadd_ps(wv[k], xv, acc[k][i]);
@@ -1762,14 +1769,7 @@ static AVX512 float dot_avx512(const float *x, const void *w, int bf16, int64_t 
     __m512 acc = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
-        __m512 wv;
-        if (bf16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at + k));
-            wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        } else {
-            wv = _mm512_loadu_ps((const float *)w + at + k);
-        }
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), wv, acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16_avx512(w, bf16, at + k), acc);
     }
     *done = k;
     return _mm512_reduce_add_ps(acc);
@@ -2076,10 +2076,7 @@ static AVX512 inline void dense_load32_avx512(const struct job *jb, int64_t at, 
         w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
         w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
     } else {
-        for (int q = 0; q < 2; q++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(jb->bf16 + at + 16 * q));
-            w[q] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-        }
+        w[0] = bf16x16_avx512(jb->bf16 + at), w[1] = bf16x16_avx512(jb->bf16 + at + 16);
     }
 }
 
@@ -2318,12 +2315,6 @@ static inline __attribute__((always_inline)) AVX512 __m512 log_avx512(__m512 u) 
 static inline __attribute__((always_inline)) AVX512 __m512 sigmoid_avx512(__m512 x) {
     const __m512 one = _mm512_set1_ps(1.0f);
     return _mm512_div_ps(one, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-static inline __attribute__((always_inline)) AVX512 __m512 load16_avx512(const void *p, int bf16, int64_t j) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p + j);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + j));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 static AVX512 void kda_silu_avx512(float *x, int64_t n) {
