@@ -338,13 +338,18 @@ def _sorted_mxfp4_tiles_match_reference(I: int, H: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_half_gemv_matches_torch_products():
-    """The one-launch bf16 row product against torch's three launches, small weights and one over 2**23
-    elements: the same rounding of the row and of the result; a different summation order may move a
-    result by one bf16 step, more where its products cancel."""
+    """The one-launch bf16 row product against torch's three launches, small weights, one over 2**23
+    elements and a shape for every branch of ``config_for``: the same rounding of the row and of the
+    result; a different summation order may move a result by one bf16 step, more where its products
+    cancel."""
     from deltafin.kernels import half_gemv_triton
     from deltafin.model.ops import HalfMatmul, linear
     gen = torch.Generator().manual_seed(5)
-    for N, K in ((37, 300), (128, 7168), (5, 2050), (9000, 1024)):  # the last over 2**23 elements
+    shapes = ((37, 300), (128, 7168), (5, 2050), (9000, 1024),  # the last over 2**23 elements
+              (300, 128), (1000, 2048), (2000, 1024), (3000, 1024), (5000, 4096), (4608, 512), (4700, 512),
+              (4700, 1536), (700, 2304), (2000, 2304), (7000, 2304), (7200, 2304))
+    assert len({tuple(half_gemv_triton.config_for(N, K).values()) for N, K in shapes}) == 8  # all of them
+    for N, K in shapes:
         w = torch.randn(N, K, generator=gen).bfloat16().cuda()
         x = torch.randn(1, K, generator=gen).cuda()
         want = torch.nn.functional.linear(x.bfloat16(), w).float()

@@ -38,15 +38,38 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.c
     tl.store(y_ptr + n, y, mask=nmask)
 
 
-def _config(bn: int, bk: int, warps: int, stages: int = 2) -> triton.Config:
-    return triton.Config({"BN": bn, "BK": bk}, num_warps=warps, num_stages=stages)
+def config_for(N: int, K: int) -> dict:
+    """The launch of a weight of N rows of K inputs: rows a program (BN), inputs a step (BK), warps.
+
+    A table, not Triton's autotuner: tuning each shape on its first call (14 configurations, ~15
+    shapes a k3-slice pass) held up that model's first decode pass ~50 s. The table comes from timing
+    14 configurations on 136 shapes, each inside a CUDA graph of 20 launches over weights larger than
+    L2, on an H200 (docs/benchmarks.md, "One-row bf16 products"): every shape within 12 % of its best
+    configuration, half of them at it, a k3-slice pass's products 0.8 % over their sum of bests.
+    Its two rules: a step that divides K (no masks) where one of 1024 or 512 does, and fewer rows a
+    program where N is small, so that enough programs run."""
+    if K <= 256:
+        return _launch(8, 256, 2)
+    if K % 1024 == 0:
+        if N <= 1536 and K >= 2048:
+            return _launch(4, 2048, 8)
+        if N <= 2304 or (N > 4096 and K >= 4096):
+            return _launch(2, 1024, 4)
+        return _launch(4, 1024, 4)
+    if K % 512 == 0:
+        if N <= 4608:
+            return _launch(4, 512, 4)
+        return _launch(16, 256, 4) if K == 512 else _launch(8, 512, 4)
+    # K a multiple of 256 at best: masked long steps while N is small, then steps that divide it
+    if N <= 1024:
+        return _launch(2, 2048, 4)
+    if N <= 2304:
+        return _launch(4, 1024, 4)
+    return _launch(8, 512, 4) if N <= 7168 else _launch(8, 256, 2)
 
 
-_CONFIGS = [_config(*c) for c in ((1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 256, 4), (8, 256, 2),
-                                  (4, 1024, 4), (8, 1024, 8), (16, 512, 8), (4, 2048, 8), (2, 2048, 4),
-                                  (8, 512, 4, 3), (4, 1024, 4, 3), (16, 512, 8, 3))]
-# Tuned per weight shape on the first call, which is eager (a decode graph cannot run the tuner).
-_gemv_tuned = triton.autotune(_CONFIGS, key=["N", "K"])(_gemv_kernel)
+def _launch(bn: int, bk: int, warps: int) -> dict:
+    return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": 2}
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -57,14 +80,10 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (one row) @ w[N, K]^T with the input and the result rounded to bf16 -> x's shape with N.
-    config: fixed {"BN", "BK"} (and optionally "num_warps", "num_stages") instead of tuning."""
+    config: {"BN", "BK"} and optionally "num_warps", "num_stages" instead of ``config_for``'s."""
     N, K = w.shape
     xr = x.reshape(K).contiguous()
     y = torch.empty(N, dtype=torch.float32, device=x.device)
-    if config:
-        meta = {k: v for k, v in config.items() if k in ("BN", "BK")}
-        launch = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
-        _gemv_kernel[(triton.cdiv(N, meta["BN"]),)](xr, w, y, N, K, w.stride(0), **meta, **launch)
-    else:
-        _gemv_tuned[lambda m: (triton.cdiv(N, m["BN"]),)](xr, w, y, N, K, w.stride(0))
+    launch = config or config_for(N, K)
+    _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), **launch)
     return y.view(*x.shape[:-1], N)
