@@ -338,10 +338,10 @@ def _sorted_mxfp4_tiles_match_reference(I: int, H: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_half_gemv_matches_torch_products():
-    """The one-launch bf16 row product against torch's three launches, small weights, one over 2**23
-    elements and a shape for every branch of ``config_for``: the same rounding of the row and of the
-    result; a different summation order may move a result by one bf16 step, more where its products
-    cancel."""
+    """The one-launch bf16 product of a few rows against torch's three launches: one row on small weights,
+    one over 2**23 elements and a shape for every branch of ``config_for``; 2 to MAX_ROWS rows (any leading
+    shape) on some of them; the same rounding of the rows and of the result; a different summation order
+    may move a result by one bf16 step, more where its products cancel."""
     from deltafin.kernels import half_gemv_triton
     from deltafin.model.ops import HalfMatmul, linear
     gen = torch.Generator().manual_seed(5)
@@ -349,16 +349,24 @@ def test_cuda_half_gemv_matches_torch_products():
               (300, 128), (1000, 2048), (2000, 1024), (3000, 1024), (5000, 4096), (4608, 512), (4700, 512),
               (4700, 1536), (700, 2304), (2000, 2304), (7000, 2304), (7200, 2304))
     assert len({tuple(half_gemv_triton.config_for(N, K).values()) for N, K in shapes}) == 8  # all of them
+    # leading shapes of several rows, beside one row
+    more = {(37, 300): ((2,), (16,)), (128, 7168): ((2, 4),), (5, 2050): ((3,),), (9000, 1024): ((8,),),
+            (4700, 1536): ((4, 2),), (7200, 2304): ((16,),)}
     for N, K in shapes:
         w = torch.randn(N, K, generator=gen).bfloat16().cuda()
-        x = torch.randn(1, K, generator=gen).cuda()
-        want = torch.nn.functional.linear(x.bfloat16(), w).float()
-        # one bf16 step of the result, plus float32 summation-order error where the products cancel
-        bound = want.abs() * 2 ** -7 + 1e-5 * torch.nn.functional.linear(x.bfloat16().float().abs(), w.float().abs())
-        assert half_gemv_triton.applies(x, w)
-        for got in (linear(x, HalfMatmul(w, torch.bfloat16)), half_gemv_triton.half_gemv(x, w, {"BN": 4, "BK": 128})):
-            assert got.shape == want.shape and got.dtype == torch.float32
-            assert ((got - want).abs() <= bound).all(), (N, K)
+        for lead in ((1,), *more.get((N, K), ())):
+            x = torch.randn(*lead, K, generator=gen).cuda()
+            want = torch.nn.functional.linear(x.bfloat16(), w).float()
+            # one bf16 step of the result, plus float32 summation-order error where the products cancel
+            bound = want.abs() * 2 ** -7 + 1e-5 * torch.nn.functional.linear(x.bfloat16().float().abs(), w.float().abs())
+            assert half_gemv_triton.applies(x, w)
+            fixed = {"BN": 4, "BK": 128} if x.numel() == K else {"BN": 16, "BK": 64, "num_stages": 2}
+            for got in (linear(x, HalfMatmul(w, torch.bfloat16)), half_gemv_triton.half_gemv(x, w, fixed)):
+                assert got.shape == want.shape and got.dtype == torch.float32
+                assert ((got - want).abs() <= bound).all(), (N, K, lead)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda")
+    assert not half_gemv_triton.applies(torch.zeros(half_gemv_triton.MAX_ROWS + 1, 32, device="cuda"), w)
+    assert not half_gemv_triton.applies(torch.zeros(2, 33, device="cuda"), w)
 
 
 def _expert_reads(source, budget: int, ram_budget: str, ids):

@@ -1,15 +1,17 @@
-"""One-row products with a bf16 weight on CUDA, as ``ops.HalfMatmul`` defines them, in one launch.
+"""Products of a few rows with a bf16 weight on CUDA, as ``ops.HalfMatmul`` defines them, in one launch.
 
-The input row is rounded to bf16, each product (exact in fp32) is summed in fp32, and the sum is
+The input rows are rounded to bf16, each product (exact in fp32) is summed in fp32, and the sum is
 rounded to bf16 and returned in the input's dtype: what torch does in three launches (convert the
-row, the product, convert the result back). Used for every such product: inside a decode graph the
-two conversions around torch's product cost more than the product itself is faster (a k3-slice pass
-of ~200 one-row products: 5.7-5.9 ms with torch's above 2**23 elements, 5.1-5.2 ms with this
-kernel for all; docs/benchmarks.md, "One-row bf16 products").
+rows, the product, convert the result back). Used for every product of up to MAX_ROWS rows: inside a
+decode graph the two conversions around torch's product cost more than the product itself is faster
+(a k3-slice pass of ~200 one-row products: 5.7-5.9 ms with torch's above 2**23 elements, 5.1-5.2 ms
+with this kernel for all; docs/benchmarks.md, "One-row bf16 products").
 
-Each program takes BN rows and walks the inputs BK at a time; enough rows give enough programs
-for the device. Where BN and BK divide the weight (EVEN), the loads carry no masks, so each
-thread reads 16 contiguous bytes of a row at once.
+One row (``_gemv_kernel``): each program takes BN rows of the weight and walks the inputs BK at a
+time; enough rows give enough programs for the device. Where BN and BK divide the weight (EVEN), the
+loads carry no masks, so each thread reads 16 contiguous bytes of a row at once. Two to MAX_ROWS rows
+(``_rows_kernel``, a batch of decodes or a draft check): the same walk, the rows padded to 16 on the
+tensor cores, each weight read once for all of them.
 """
 from __future__ import annotations
 
@@ -36,6 +38,35 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.c
         acc += w.to(tl.float32) * x.to(tl.bfloat16).to(tl.float32)[None, :]
     y = tl.sum(acc, 1).to(tl.bfloat16).to(tl.float32)
     tl.store(y_ptr + n, y, mask=nmask)
+
+
+@triton.heuristics({"EVEN": lambda a: a["K"] % a["BK"] == 0 and a["N"] % a["BN"] == 0})
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """M rows (M <= BM) on the tensor cores: bf16 x bf16 products are exact and sum in fp32."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    nmask, mmask = n < N, m < M
+    rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+    xs = x_ptr + m[:, None] * K
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        if EVEN:
+            w = tl.load(rows + k[None, :])
+            x = tl.load(xs + k[None, :], mask=mmask[:, None], other=0.0)
+        else:
+            kmask = k < K
+            w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(xs + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+    y = acc.to(tl.bfloat16).to(tl.float32)
+    tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+
+
+MAX_ROWS = 16  # rows of a pass that take _rows_kernel (a batch of 8 decodes, a one-sequence draft check)
+ROWS_CONFIG = {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3}
 
 
 def config_for(N: int, K: int) -> dict:
@@ -73,17 +104,24 @@ def _launch(bn: int, bk: int, warps: int) -> dict:
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One fp32 row (any leading shape) times a contiguous 2-D bf16 weight, on CUDA."""
-    return (x.is_cuda and x.dtype == torch.float32 and x.numel() == x.shape[-1] and w.dim() == 2
-            and w.dtype == torch.bfloat16 and w.is_cuda and w.stride(1) == 1)
+    """Up to MAX_ROWS fp32 rows (any leading shape) times a contiguous 2-D bf16 weight, on CUDA."""
+    return (x.is_cuda and x.dtype == torch.float32 and w.dim() == 2 and x.shape[-1] == w.shape[1]
+            and 0 < x.numel() <= MAX_ROWS * w.shape[1] and w.dtype == torch.bfloat16 and w.is_cuda
+            and w.stride(1) == 1)
 
 
 def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (one row) @ w[N, K]^T with the input and the result rounded to bf16 -> x's shape with N.
-    config: {"BN", "BK"} and optionally "num_warps", "num_stages" instead of ``config_for``'s."""
+    """x [..., K] (up to MAX_ROWS rows) @ w[N, K]^T with the input and the result rounded to bf16 -> x's
+    shape with N. config: {"BN", "BK"} and optionally "num_warps", "num_stages" instead of the chosen
+    launch (``config_for`` for one row, ROWS_CONFIG for more)."""
     N, K = w.shape
-    xr = x.reshape(K).contiguous()
-    y = torch.empty(N, dtype=torch.float32, device=x.device)
-    launch = config or config_for(N, K)
-    _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), **launch)
+    M = x.numel() // K
+    xr = x.reshape(M, K).contiguous()
+    y = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    if M == 1:
+        launch = config or config_for(N, K)
+        _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), **launch)
+    else:
+        launch = config or ROWS_CONFIG
+        _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=16, **launch)
     return y.view(*x.shape[:-1], N)
