@@ -2,16 +2,17 @@
 
 The input rows are rounded to bf16, each product (exact in fp32) is summed in fp32, and the sum is
 rounded to bf16 and returned in the input's dtype: what torch does in three launches (convert the
-rows, the product, convert the result back). Used for every product of up to MAX_ROWS rows: inside a
-decode graph the two conversions around torch's product cost more than the product itself is faster
-(a k3-slice pass of ~200 one-row products: 5.7-5.9 ms with torch's above 2**23 elements, 5.1-5.2 ms
-with this kernel for all; docs/benchmarks.md, "One-row bf16 products").
+rows, the product, convert the result back). Used for every one-row product and for most of up to
+MAX_ROWS rows (``applies``): inside a decode graph the two conversions around torch's product cost
+more than the product itself is faster (a k3-slice pass of ~200 one-row products: 5.7-5.9 ms with
+torch's above 2**23 elements, 5.1-5.2 ms with this kernel for all; docs/benchmarks.md, "One-row bf16
+products" and "bf16 products of a few rows").
 
 One row (``_gemv_kernel``): each program takes BN rows of the weight and walks the inputs BK at a
 time; enough rows give enough programs for the device. Where BN and BK divide the weight (EVEN), the
 loads carry no masks, so each thread reads 16 contiguous bytes of a row at once. Two to MAX_ROWS rows
-(``_rows_kernel``, a batch of decodes or a draft check): the same walk, the rows padded to 16 on the
-tensor cores, each weight read once for all of them.
+(``_rows_kernel``, a batch of decodes or a draft check) against a weight of ROWS_MIN_OUT outputs or
+more: the same walk, the rows padded to 16 on the tensor cores, each weight read once for all of them.
 """
 from __future__ import annotations
 
@@ -66,7 +67,16 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: t
 
 
 MAX_ROWS = 16  # rows of a pass that take _rows_kernel (a batch of 8 decodes, a one-sequence draft check)
-ROWS_CONFIG = {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3}
+# Several rows take the kernel only for weights of at least this many outputs: narrower ones leave it too
+# few programs, where torch's product splits the inputs (8 rows x [1536, 7168]: 17.4 us against 13.5).
+ROWS_MIN_OUT = 3072
+
+
+def rows_config(N: int) -> dict:
+    """The rows kernel's launch for N outputs. Timed in CUDA graphs on an H200 at 2, 8 and 16 rows over a
+    k3-slice pass's weight shapes (29 configurations, docs/benchmarks.md, "bf16 products of a few rows"):
+    with torch below ROWS_MIN_OUT, these products take 0.92-0.93 of torch's time."""
+    return _launch(32, 256, 4, stages=4) if N < 6144 else _launch(64, 256, 4, stages=3)
 
 
 def config_for(N: int, K: int) -> dict:
@@ -99,21 +109,22 @@ def config_for(N: int, K: int) -> dict:
     return _launch(8, 512, 4) if N <= 7168 else _launch(8, 256, 2)
 
 
-def _launch(bn: int, bk: int, warps: int) -> dict:
-    return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": 2}
+def _launch(bn: int, bk: int, warps: int, stages: int = 2) -> dict:
+    return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Up to MAX_ROWS fp32 rows (any leading shape) times a contiguous 2-D bf16 weight, on CUDA."""
+    """One fp32 row, or up to MAX_ROWS of them (any leading shape) against a weight of at least ROWS_MIN_OUT
+    outputs, times a contiguous 2-D bf16 weight, on CUDA."""
     return (x.is_cuda and x.dtype == torch.float32 and w.dim() == 2 and x.shape[-1] == w.shape[1]
             and 0 < x.numel() <= MAX_ROWS * w.shape[1] and w.dtype == torch.bfloat16 and w.is_cuda
-            and w.stride(1) == 1)
+            and w.stride(1) == 1 and (x.numel() == w.shape[1] or w.shape[0] >= ROWS_MIN_OUT))
 
 
 def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (up to MAX_ROWS rows) @ w[N, K]^T with the input and the result rounded to bf16 -> x's
     shape with N. config: {"BN", "BK"} and optionally "num_warps", "num_stages" instead of the chosen
-    launch (``config_for`` for one row, ROWS_CONFIG for more)."""
+    launch (``config_for`` for one row, ``rows_config`` for more)."""
     N, K = w.shape
     M = x.numel() // K
     xr = x.reshape(M, K).contiguous()
@@ -122,6 +133,6 @@ def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> t
         launch = config or config_for(N, K)
         _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), **launch)
     else:
-        launch = config or ROWS_CONFIG
+        launch = config or rows_config(N)
         _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=16, **launch)
     return y.view(*x.shape[:-1], N)
