@@ -20,7 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-@triton.heuristics({"EVEN": lambda a: a["K"] % a["BK"] == 0 and a["N"] % a["BN"] == 0})
+# Both kernels drop their masks where the block sizes divide the weight.
+_even = triton.heuristics({"EVEN": lambda a: a["K"] % a["BK"] == 0 and a["N"] % a["BN"] == 0})
+
+
+@_even
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -41,7 +45,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.c
     tl.store(y_ptr + n, y, mask=nmask)
 
 
-@triton.heuristics({"EVEN": lambda a: a["K"] % a["BK"] == 0 and a["N"] % a["BN"] == 0})
+@_even
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  EVEN: tl.constexpr):
@@ -66,7 +70,9 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: t
     tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
-MAX_ROWS = 16  # rows of a pass that take _rows_kernel (a batch of 8 decodes, a one-sequence draft check)
+# Rows of a pass that take _rows_kernel (a batch of 8 decodes, a one-sequence draft check); also the kernel's
+# padded block of rows, so at least 16, tl.dot's smallest.
+MAX_ROWS = 16
 # Several rows take the kernel only for weights of at least this many outputs: narrower ones leave it too
 # few programs, where torch's product splits the inputs (8 rows x [1536, 7168]: 17.4 us against 13.5).
 ROWS_MIN_OUT = 3072
@@ -134,5 +140,5 @@ def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> t
         _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), **launch)
     else:
         launch = config or rows_config(N)
-        _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=16, **launch)
+        _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=MAX_ROWS, **launch)
     return y.view(*x.shape[:-1], N)
