@@ -1184,6 +1184,43 @@ def test_moe_silu_refuses_what_does_not_fit():
 
 
 @native
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_a_moe_experts_checks_run_once_per_weights_and_keep_none_of_them_alive(kind, monkeypatch):
+    """experts_cpu._moe_expert checks an expert's weights once (bf16 tensors as QWeights; a decode token
+    asks for every chosen expert of every layer): again only when one of the three is another object,
+    and what it keeps holds no weight alive and leaves with the first one."""
+    import gc
+    import weakref
+
+    from deltafin.kernels import experts_cpu
+
+    def weights(seed):
+        ws = _dense_weights(kind, 2, 96, 64, seed=seed) + _dense_weights(kind, 1, 64, 96, seed=seed + 1)
+        if kind == "bf16":
+            return tuple(w for w, _ in ws)
+        return tuple(linear.QWeight("int8", tuple(w.shape), 0, {"weight": w, "weight_scale": s}) for w, s in ws)
+
+    def codes(w):
+        return w if kind == "bf16" else w.tensors["weight"]
+    checks = []
+    check = cpu_native.moe_expert
+    monkeypatch.setattr(cpu_native, "moe_expert", lambda *d: checks.append(1) or check(*d))
+    ws, other = weights(1), weights(3)
+    first = experts_cpu._moe_expert(ws)
+    again = experts_cpu._moe_expert(ws)
+    assert len(checks) == 1 and (again.pointers, again.signature) == (first.pointers, first.signature)
+    assert first.pointers[:3] == tuple(codes(w).data_ptr() for w in ws)
+    swapped = experts_cpu._moe_expert((ws[0], other[1], ws[2]))
+    assert len(checks) == 2 and swapped.pointers[1] == codes(other[1]).data_ptr()
+    experts_cpu._moe_expert((ws[0], other[1], ws[2]))
+    assert len(checks) == 2
+    key, up = id(ws[0]), weakref.ref(other[1])
+    del ws, other, first, again, swapped
+    gc.collect()
+    assert key not in experts_cpu._kept_experts and up() is None
+
+
+@native
 @SIMD
 @pytest.mark.parametrize("wdtype", [None, torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_torch_formula(wdtype, use_simd):

@@ -20,6 +20,7 @@ cost ~250 us a MoE layer of a decode token, and the products' rows and results a
 """
 from __future__ import annotations
 
+import weakref
 from itertools import accumulate
 
 import torch
@@ -127,23 +128,34 @@ def _moe_silu(z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Ten
 
 def _moe_expert(ws: tuple) -> cpu_native.MoeExpert | None:
     """cpu_native.moe_expert of an expert's weights (w1, w3, w2), None unless all three are int8 or bf16
-    weights the native products take; kept on its first weight while the other two are the same
+    weights the native products take; kept by its first weight while the other two are the same
     objects (a decode token asks for each chosen expert in every layer; a caller may swap weights in
     place, see io.ram ``held``)."""
     w1, w3, w2 = ws
-    kept = w1.__dict__.get("_moe_expert") if isinstance(w1, QWeight) else None
-    if kept is not None and kept[0] is w3 and kept[1] is w2:
-        return kept[2]
+    kept = _kept_experts.get(id(w1))
+    if kept is not None and all(ref() is w for ref, w in zip(kept[0], ws)):
+        return cpu_native.MoeExpert(kept[1], kept[2], ws)  # the weights hold the memory the pointers name
     dense = [native_dense(m) for m in ws]
     if any(d is None for d in dense) or len({dense_kind(d)[:2] for d in dense}) != 1:
         return None
     try:
         item = cpu_native.moe_expert(*dense)
+        refs = tuple(weakref.ref(w) for w in ws)
     except ValueError:  # shapes that do not make an expert: the other paths decide (and say why)
         return None
-    if isinstance(w1, QWeight):
-        w1.__dict__["_moe_expert"] = (w3, w2, item)
+    except TypeError:  # a weight no weak reference can follow: checked again next time
+        return item
+    if kept is None or kept[0][0]() is not w1:  # one finalizer a weight, however often its entry changes
+        weakref.finalize(w1, _kept_experts.pop, id(w1), None)
+    _kept_experts[id(w1)] = (refs, item.pointers, item.signature)
     return item
+
+
+# _moe_expert's checked experts by the id of their first weight, for QWeights and bf16 tensors alike: weak
+# references to the three weights and what the native call reads of them, so an entry keeps no weight alive
+# and leaves with its first weight (an attribute on a tensor would travel with it through torch.save, raw
+# pointers included).
+_kept_experts: dict[int, tuple] = {}
 
 
 def _is_mxfp4(w) -> bool:
