@@ -337,3 +337,45 @@ def test_int8_group_is_refused_where_it_means_nothing(tiny_kl_path, tmp_path):
     with pytest.raises(PolicyError, match="needs expert widths divisible by 64"):  # tiny: 32 wide
         convert(tiny_kl_path, tmp_path / "c", experts="int8", progress=False, int8_group=64)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_plain_ones_do(tmp_path,
+                                                                                            monkeypatch):
+    """In RAM on the CPU, grouped int8 weights of 512 inputs or more (spine and experts; not MLA's kv_b,
+    whose transposed products read columns) are held in the interleaved layout: the prompt's and the
+    decode's logits stay within float32 summation order of the same store held plain, with the same greedy
+    tokens, and a held weight gives back the stored layout (``to_tensors``, another device)."""
+    from deltafin.checkpoint.synthetic import make_checkpoint
+    from deltafin.io import ram
+    from deltafin.kernels import cpu_native
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    src = make_checkpoint("tiny-kimi-linear", tmp_path / "wide", seed=1, progress=False,
+                          overrides={"hidden_size": 512, "moe_intermediate_size": 512})
+    store = convert(src, tmp_path / "q8", spine="int8", experts="int8", progress=False)
+    ids = list(range(5, 29))
+
+    def run():
+        m = _load(store)
+        st = m.new_state()
+        prompt = m.forward(ids[:16], st)
+        return m, torch.cat([prompt] + [m.forward(ids[t:t + 1], st) for t in range(16, len(ids))])
+    m, inter = run()
+    _, spines, experts = m.engine.provider.held()
+    held = [w for s in spines for k, w in s.items() if isinstance(w, QWeight) and not k.endswith("kv_b_proj")]
+    held += [w for layer in experts for ws in layer.values() for w in ws]
+    wide = [w for w in held if w.shape[1] >= 512]
+    assert wide and all(w.tensors["weight_scale"].dim() == 3 for w in wide)
+    assert all(w.tensors["weight_scale"].dim() == 2 for s in spines for k, w in s.items() if k.endswith("kv_b_proj"))
+    with monkeypatch.context() as p:
+        p.setattr(ram, "_cpu_layout", lambda name, w: w)
+        _, plain = run()
+    # float32 summation order alone, through this random model: 2.5e-4 of the largest logit (as much as the
+    # plain layout's AVX2 and AVX-512 products differ here)
+    assert (inter - plain).abs().max() < 1e-3 * plain.abs().max()
+    assert torch.equal(inter.argmax(-1), plain.argmax(-1))
+    w = wide[0]
+    assert torch.equal(dequantize(w), dequantize(QWeight(w.codec, w.shape, w.group_size, w.plain_tensors())))
+    moved = w.to("meta")
+    assert moved.tensors["weight_scale"].dim() == 2 and moved.tensors["weight"].shape == w.shape
+    assert w.to_tensors()["weight_scale"].dim() == 2

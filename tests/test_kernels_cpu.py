@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from deltafin.kernels import cpu_native, intq, linear, quantize
-from deltafin.kernels.int8 import int8_dequantize, int8_quantize, int8_round_inputs
+from deltafin.kernels.int8 import (int8_dequantize, int8_interleave, int8_interleaved, int8_quantize,
+                                  int8_round_inputs)
 from deltafin.kernels.mxfp4 import mxfp4_dequantize
 from deltafin.model import ops
 
@@ -424,6 +425,33 @@ def test_grouped_int8_items_and_transposed_items_match_the_dequantized_products(
         full = int8_dequantize(w, s)
         got, at = yt[at:at + x.shape[0]], at + x.shape[0]
         assert ((got - x @ full).abs() <= 1e-5 * (x.abs() @ full.abs()) + 1e-30).all()
+
+
+@native
+@pytest.mark.parametrize("path", ["simd", "avx2", "portable"])
+@pytest.mark.parametrize("out,n", [(5, 96), (9, 512), (13, 2304), (67, 1024), (3, 6144)])
+def test_interleaved_grouped_int8_gemv_matches_the_plain_layouts_reference(path, out, n):
+    """Codes in the interleaved layout (int8_interleaved; rows of 96 have no whole block, 2304 end in half
+    of one) give the dequantized product of the plain codes times the rounded x, at every SIMD level and
+    1-5 rows of x; int8_dequantize reads both layouts alike, the layout change is its own inverse, and
+    only groups of 32 interleave."""
+    if path == "avx2" and cpu_native.simd() == "portable":
+        pytest.skip("no AVX2 here")
+    g = torch.Generator().manual_seed(out * n)
+    codes, scale = int8_quantize(torch.randn(out, n, generator=g) * torch.logspace(-2, 1, n), 32)
+    inter, iscale = int8_interleaved(codes, scale)
+    assert torch.equal(int8_interleave(inter), codes) and (n < 512 or not torch.equal(inter, codes))
+    assert torch.equal(int8_dequantize(inter, iscale), int8_dequantize(codes, scale))
+    for m in (1, 2, 3, 5):
+        x = torch.randn(m, n, generator=g)
+        ref = int8_round_inputs(x) @ int8_dequantize(codes, scale).double().T
+        with cpu_native.limit_simd("avx2" if path == "avx2" else "avx512"):
+            y = cpu_native.int8_gemv(x, inter, iscale, use_simd=path != "portable")
+        assert ((y.double() - ref).abs() <= 2e-6 * ref.abs().max()).all()
+    with pytest.raises(ValueError, match="whole groups"):
+        int8_interleave(torch.zeros(2, 48, dtype=torch.int8))
+    with pytest.raises(ValueError, match="groups of 32"):
+        int8_interleaved(*int8_quantize(torch.randn(2, 128), 64))
 
 
 def test_grouped_int8_quantize_rounds_within_half_a_scale_and_refuses_bad_groups():

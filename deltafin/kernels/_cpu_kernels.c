@@ -106,6 +106,7 @@ struct job {
     const int32_t *lane_group;   /* int4/int6 AVX-512, groups not aligned to steps: [steps, 16] */
     int64_t group, steps, x_stride;  /* int4/int6, grouped int8: group size; AVX-512 steps per row; x row stride */
     int bits;                    /* int4/int6: 4 or 6 */
+    int il16;                    /* grouped int8 of 32 interleaved by blocks of IL_BLOCK inputs (int8.py int8_interleave) */
     void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
     int64_t depth;           /* transposed dense products: the rows of W summed over (W is [depth, n]) */
@@ -1005,6 +1006,26 @@ static void int8q_inputs(const float *x, int64_t m, int64_t n, int16_t *q, float
     }
 }
 
+/* Interleaved grouped int8 (groups of 32): in each whole block of IL_BLOCK = 16 groups of a row, byte
+   32 s + 2 j + t holds input 32 j + 2 s + t of the block (j: the group, s: its step, t: the pair's half),
+   so that one step widened to int16 puts group j's pair into lane j of a vpdpwssd, and 16 steps sum all 16
+   groups in int32; inputs past the last whole block keep their order. x's rounded rows are permuted the
+   same way, so codes and inputs still meet in pairs. */
+#define IL_BLOCK 512
+#define INT8_INTERLEAVED (-32)  /* the group argument of interleaved groups of 32 */
+#define IL_GROUPS 16
+
+static void il16_permute(int16_t *q, int64_t m, int64_t n) {
+    int16_t t[IL_BLOCK];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b + IL_BLOCK <= n; b += IL_BLOCK) {
+            int16_t *v = q + i * n + b;
+            for (int s = 0; s < IL_GROUPS; s++)
+                for (int j = 0; j < IL_GROUPS; j++) t[32 * s + 2 * j] = v[32 * j + 2 * s], t[32 * s + 2 * j + 1] = v[32 * j + 2 * s + 1];
+            memcpy(v, t, sizeof t);
+        }
+}
+
 /* Point jobs[0..count-1] (int8, x set) at their rows of x as int16, in one buffer returned to be freed
    after the call (NULL when it cannot be allocated); items with the same x (a MoE layer's gate and up
    products) share one rounding. use_simd = 0: the portable rounding (the same integers). */
@@ -1024,12 +1045,14 @@ static void *int8q_setup(struct job *jobs, int64_t count, int use_simd) {
     for (int64_t i = 0; i < count; i++) {
         struct job *jb = &jobs[i];
         int64_t same = 0;
-        while (same < i && !(jobs[same].x == jb->x && jobs[same].m == jb->m && jobs[same].n == jb->n)) same++;
+        while (same < i && !(jobs[same].x == jb->x && jobs[same].m == jb->m && jobs[same].n == jb->n
+                             && jobs[same].il16 == jb->il16)) same++;
         if (same < i) {
             jb->xq = jobs[same].xq, jb->x_scale = jobs[same].x_scale;
             continue;
         }
         int8q_inputs(jb->x, jb->m, jb->n, q, scale, amax, round_row);
+        if (jb->il16) il16_permute(q, jb->m, jb->n);
         jb->xq = q, jb->x_scale = scale;
         q += jb->m * jb->n, scale += jb->m;
     }
@@ -1058,7 +1081,34 @@ static inline float int8q_finish(const struct job *jb, int64_t r, int64_t i, int
     return sum * jb->x_scale[i] * (jb->row_scale ? jb->row_scale[r] : 1.0f);
 }
 
+/* Interleaved groups of 32 (il16): each group's products summed exactly in int32, then times its scale. */
+static void int8il_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / INT8Q_STEP, whole = n / IL_BLOCK * IL_GROUPS;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < jb->m; i++) {
+            const int8_t *c = jb->codes + r * n;
+            const int16_t *q = jb->xq + i * n;
+            float sum = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t acc = 0;
+                for (int e = 0; e < INT8Q_STEP; e++) {
+                    /* input e of group g: in a whole block at step e / 2, lane g % 16; else in order */
+                    const int64_t k = g < whole ? g / IL_GROUPS * IL_BLOCK + 32 * (e / 2) + 2 * (g % IL_GROUPS) + e % 2
+                                                : g * INT8Q_STEP + e;
+                    acc += (int32_t)c[k] * q[k];
+                }
+                sum += (float)acc * half_to_float(jb->half_scale[r * groups + g]);
+            }
+            y[i * jb->out + r] = int8q_finish(jb, r, i, n, sum);
+        }
+}
+
 static void int8q_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
+    if (jb->il16) {
+        int8il_rows_portable(jb, r0, r1);
+        return;
+    }
     const int64_t n = jb->n, body = n - n % INT8Q_STEP, span = int8q_span(jb);
     float *y = (float *)jb->y;
     for (int64_t r = r0; r < r1; r++)
@@ -1176,6 +1226,67 @@ int8g32_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, con
             y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, n, _mm512_reduce_add_ps(acc[k][i]));
 }
 
+/* Interleaved groups of 32 (il16) for output rows r..r+R-1 and rows m0..m0+MB-1 of x (MB <= 2: an
+   int32 and a float accumulator per pair): per whole block 16 steps of one widening per row and one
+   vpdpwssd per row and row of x, then one conversion and one FMA with the block's 16 scales; the groups
+   past the last whole block as int8g32_block_vnni takes them. */
+static inline __attribute__((always_inline)) VNNI void
+int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
+    const int64_t n = jb->n, groups = n / INT8Q_STEP, blocks_end = n / IL_BLOCK * IL_BLOCK;
+    const uint16_t *hs = jb->half_scale + r * groups;
+    const int8_t *c = jb->codes + r * n;
+    const int16_t *q = jb->xq + m0 * n;
+    const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
+    __m512 acc[ROW_BLOCK][2];
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks_end; b += IL_BLOCK) {
+        __m512i sum[ROW_BLOCK][2];
+        for (int k = 0; k < R; k++)
+            for (int i = 0; i < MB; i++) sum[k][i] = _mm512_setzero_si512();
+        for (int64_t k0 = b; k0 < b + IL_BLOCK; k0 += INT8Q_STEP) {
+            __m512i w[ROW_BLOCK];
+            int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
+            for (int i = 0; i < MB; i++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
+                for (int k = 0; k < R; k++) sum[k][i] = _mm512_dpwssd_epi32(sum[k][i], w[k], xv);
+            }
+        }
+        for (int k = 0; k < R; k++) {
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hs + k * groups + b / INT8Q_STEP)));
+            for (int i = 0; i < MB; i++) acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[k][i]), sv, acc[k][i]);
+        }
+    }
+    for (int64_t k0 = blocks_end; k0 < n; k0 += INT8Q_STEP) {
+        __m512i w[ROW_BLOCK];
+        int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
+        for (int i = 0; i < MB; i++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
+            for (int k = 0; k < R; k++)
+                acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w[k], xv)),
+                                            _mm512_set1_ps(_cvtsh_ss(hs[k * groups + k0 / INT8Q_STEP])), acc[k][i]);
+        }
+    }
+    float *y = (float *)jb->y;
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++)
+            y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, n, _mm512_reduce_add_ps(acc[k][i]));
+}
+
+static inline __attribute__((always_inline)) VNNI void
+int8il_x_rows_vnni(const struct job *jb, int64_t r, const int R, int64_t next) {
+    int64_t m0 = 0;
+    for (; m0 + 2 <= jb->m; m0 += 2, next = -1) int8il_block_vnni(jb, r, m0, R, 2, next);
+    if (m0 < jb->m) int8il_block_vnni(jb, r, m0, R, 1, next);
+}
+
+static VNNI void int8il_rows_vnni(const struct job *jb, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
+        int8il_x_rows_vnni(jb, r, ROW_BLOCK, r + (INT8Q_AHEAD + 1) * ROW_BLOCK <= r1 ? r + INT8Q_AHEAD * ROW_BLOCK : -1);
+    for (; r < r1; r++) int8il_x_rows_vnni(jb, r, 1, -1);
+}
+
 /* Every row of x for output rows r..r+R-1, INT8Q_X_BLOCK rows of x at a time; the first block
    prefetches `next`. */
 static inline __attribute__((always_inline)) VNNI void
@@ -1202,7 +1313,8 @@ int8q_rows_vnni_g(const struct job *jb, int64_t r0, int64_t r1, const int G32) {
 }
 
 static VNNI void int8q_rows_vnni(const struct job *jb, int64_t r0, int64_t r1) {
-    if (jb->half_scale && jb->group == INT8Q_STEP) int8q_rows_vnni_g(jb, r0, r1, 1);
+    if (jb->il16) int8il_rows_vnni(jb, r0, r1);
+    else if (jb->half_scale && jb->group == INT8Q_STEP) int8q_rows_vnni_g(jb, r0, r1, 1);
     else int8q_rows_vnni_g(jb, r0, r1, 0);
 }
 
@@ -1254,7 +1366,48 @@ int8q_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const
             y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, body, hsum_avx2(acc[k][i]));
 }
 
+/* Interleaved groups of 32 (il16) on AVX2, one output row and one row of x: a step's first 16 codes are
+   groups 0-7's pair (8 lanes of a vpmaddwd), the next 16 groups 8-15's; each block's two int32 sums are
+   converted and scaled once. The groups past the last whole block take one product a group. */
+static AVX2_FMA void int8il_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    const int64_t n = jb->n, groups = n / INT8Q_STEP, blocks_end = n / IL_BLOCK * IL_BLOCK;
+    float *y = (float *)jb->y;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *c = jb->codes + r * n;
+        const uint16_t *hs = jb->half_scale + r * groups;
+        for (int64_t i = 0; i < jb->m; i++) {
+            const int16_t *q = jb->xq + i * n;
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            for (int64_t b = 0; b < blocks_end; b += IL_BLOCK) {
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int64_t k0 = b; k0 < b + IL_BLOCK; k0 += INT8Q_STEP) {
+                    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k0)));
+                    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k0 + 16)));
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(q + k0))));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + k0 + 16))));
+                }
+                const __m128i h = _mm_loadu_si128((const __m128i *)(hs + b / INT8Q_STEP));
+                const __m128i h1 = _mm_loadu_si128((const __m128i *)(hs + b / INT8Q_STEP + 8));
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_cvtph_ps(h), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_cvtph_ps(h1), acc1);
+            }
+            for (int64_t k0 = blocks_end; k0 < n; k0 += INT8Q_STEP) {
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k0)));
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k0 + 16)));
+                const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(q + k0))),
+                                                   _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + k0 + 16))));
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(_cvtsh_ss(hs[k0 / INT8Q_STEP])), acc0);
+            }
+            y[i * jb->out + r] = int8q_finish(jb, r, i, n, hsum_avx2(_mm256_add_ps(acc0, acc1)));
+        }
+    }
+}
+
 static AVX2_FMA void int8q_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
+    if (jb->il16) {
+        int8il_rows_avx2(jb, r0, r1);
+        return;
+    }
     int64_t r = r0;
     if (jb->m == 1)
         for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
@@ -1614,8 +1767,16 @@ int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int6
 }
 
 /* Point a job at int8 scales: float32 row scales (group 0) or float16 bits per group of `group`. */
+/* A group argument the int8 products take for rows of n inputs: 0 (row scales), a multiple of 32 dividing
+   n, or INT8_INTERLEAVED (groups of 32 interleaved; not for the transposed products, which read columns). */
+static int int8_group_fits(int64_t group, int64_t n) {
+    if (group == INT8_INTERLEAVED) return n % INT8Q_STEP == 0;
+    return group >= 0 && (!group || (group % 32 == 0 && n % group == 0));
+}
+
 static void int8_scales(struct job *jb, const void *scale, int64_t group) {
-    if (group) jb->half_scale = (const uint16_t *)scale, jb->group = group;
+    if (group == INT8_INTERLEAVED) jb->half_scale = (const uint16_t *)scale, jb->group = INT8Q_STEP, jb->il16 = 1;
+    else if (group) jb->half_scale = (const uint16_t *)scale, jb->group = group;
     else jb->row_scale = (const float *)scale;
 }
 
@@ -1657,7 +1818,7 @@ static int run_dense(struct job *jobs, int64_t count, int is_int8, int64_t out, 
    use_simd = 0 forces the portable code. Returns 0, -2 for a group that does not fit. */
 int int8_gemv_f32(const float *x, int64_t m, const int8_t *codes, const void *scale,
                   int64_t out, int64_t n, int64_t group, float *y, int threads, int use_simd) {
-    if (group < 0 || (group && (group % 32 || n % group))) return -2;
+    if (!int8_group_fits(group, n)) return -2;
     int64_t weights = 0;
     struct job jb = dense_job(x, m, codes, scale, y, out, n, 1, group, &weights);
     return run_dense(&jb, 1, 1, out, weights, threads, use_simd);
@@ -1756,7 +1917,7 @@ static struct job *dense_jobs(const float *const *x, const int64_t *m, const voi
 int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *const *w, const void *const *scale,
                          float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int64_t group,
                          int threads, int use_simd) {
-    if (group < 0 || (group && (group % 32 || n % group))) return -2;
+    if (!int8_group_fits(group, n)) return -2;
     int64_t weights;
     struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, &weights);
     if (!jobs) return -1;
@@ -1989,7 +2150,7 @@ done:
 int dense_gemv_outs_f32(const float *x, int64_t m, const void *const *w, const void *const *scale, float *const *y,
                         int64_t count, const int64_t *out, int64_t n, int is_int8, int64_t group, int threads,
                         int use_simd) {
-    if (group < 0 || (group && (group % 32 || n % group))) return -2;
+    if (!int8_group_fits(group, n)) return -2;
     struct job *jobs = malloc((size_t)(count > 0 ? count : 1) * sizeof *jobs);
     if (!jobs) return -1;
     int64_t weights = 0, most = 0;

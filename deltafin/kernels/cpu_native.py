@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .int8 import GROUP_MULTIPLE as INT8_GROUP_MULTIPLE, int8_check_shapes
+from .int8 import GROUP_MULTIPLE as INT8_GROUP_MULTIPLE, INTERLEAVED as INT8_INTERLEAVED, int8_check_shapes
 from .intq import BITS, intq_check_shapes
 from .mxfp4 import check_shapes, scale_bits
 
@@ -389,9 +389,16 @@ def _check_dense(rc: int, count: int) -> None:
 
 
 def _int8_group(out: int, n: int, scale: torch.Tensor) -> int | None:
-    """The group size int8 scales imply (0: per row), or None if the kernels cannot take them (the
-    cheap checks of the per-token path: contiguous CPU float32 [out, 1] or float16 [out, n / group])."""
-    if not (scale.is_contiguous() and scale.is_cpu and scale.dim() == 2 and scale.shape[0] == out):
+    """The group size int8 scales imply (0: per row; INTERLEAVED: int8.int8_interleaved's pair), or None if
+    the kernels cannot take them (the cheap checks of the per-token path: contiguous CPU float32 [out, 1],
+    float16 [out, n / group] or float16 [out, n / 32, 1])."""
+    if not (scale.dim() >= 2 and scale.is_contiguous() and scale.is_cpu and scale.shape[0] == out):
+        return None
+    if scale.dim() == 3:
+        fits = scale.dtype == torch.float16 and n % INT8_GROUP_MULTIPLE == 0 \
+            and tuple(scale.shape[1:]) == (n // INT8_GROUP_MULTIPLE, 1)
+        return INT8_INTERLEAVED if fits else None
+    if scale.dim() != 2:
         return None
     if scale.dtype == torch.float32 and scale.shape[1] == 1:
         return 0

@@ -14,6 +14,9 @@ Layout, for a weight W of shape [out, in]:
   and a float16 scale (11) is exact in float32. At g = 32 this is 1.0625 bytes a weight, as
   llama.cpp's Q8_0; a group follows the weights' local range, so it rounds finer than a row.
 
+  interleaved (in RAM on the CPU only, see int8_interleave): grouped codes of 32 permuted within each
+  block of 512 inputs, the same float16 scales viewed as [out, in/32, 1].
+
 The scale's dtype and shape say which: a store written before grouped scales existed stays
 readable. Rounding is to nearest, so |error| <= scale / 2.
 """
@@ -61,24 +64,31 @@ def _check_group(n: int, group_size: int) -> None:
 
 
 def int8_check_shapes(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
-    """Validate a codes/scale pair; returns (out, in, group size: 0 for row scales)."""
+    """Validate a codes/scale pair; returns (out, in, group size: 0 for row scales, INTERLEAVED for
+    interleaved groups of 32)."""
     if codes.dim() != 2 or codes.dtype != torch.int8:
         raise ValueError(f"int8 weight must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
     out, n = codes.shape
     if scale.dtype == torch.float32 and tuple(scale.shape) == (out, 1):
         return out, n, 0
+    if scale.dtype == torch.float16 and scale.dim() == 3 and tuple(scale.shape) == (out, n // INTERLEAVE_GROUP, 1) \
+            and n % INTERLEAVE_GROUP == 0:
+        return out, n, INTERLEAVED
     if scale.dtype == torch.float16 and scale.dim() == 2 and scale.shape[0] == out and scale.shape[1] > 0 \
             and n % scale.shape[1] == 0:
         group = n // scale.shape[1]
         _check_group(n, group)
         return out, n, group
-    raise ValueError(f"int8 weight_scale must be float32 {(out, 1)} (per row) or float16 [{out}, groups] "
-                     f"with groups dividing {n}, got {scale.dtype} {tuple(scale.shape)}")
+    raise ValueError(f"int8 weight_scale must be float32 {(out, 1)} (per row), float16 [{out}, groups] with "
+                     f"groups dividing {n}, or float16 [{out}, {n // INTERLEAVE_GROUP}, 1] (interleaved), got "
+                     f"{scale.dtype} {tuple(scale.shape)}")
 
 
 def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out, n, group = int8_check_shapes(codes, scale)
+    if group == INTERLEAVED:
+        codes, scale, group = int8_interleave(codes), scale[..., 0], INTERLEAVE_GROUP
     if not group:
         return (codes.float() * scale).to(dtype)
     w = codes.float().view(out, n // group, group) * scale.float().unsqueeze(-1)
@@ -95,3 +105,47 @@ def int8_round_inputs(x: torch.Tensor) -> torch.Tensor:
     q = torch.round(x64 * (32767.0 / torch.where(a > 0, a, 1.0)))
     step = (a / 32767.0).float().double()
     return torch.where(torch.isfinite(a), q * step, float("nan"))
+
+
+# Interleaved grouped int8 (groups of 32): the layout the CPU's integer products sum fastest. In each whole
+# block of INTERLEAVE_BLOCK inputs of a row (16 groups), byte 32 s + 2 j + t holds input 32 j + 2 s + t of
+# the block: a step of 32 codes widened to int16 then puts group j's pair of inputs into lane j, and 16
+# steps sum every group of the block exactly in int32 before one conversion and one multiplication by the
+# 16 scales (in the plain layout each group of 32 is a conversion and a multiplication of its own).
+# Inputs past the last whole block keep their order. The scales keep theirs.
+INTERLEAVE_GROUP = 32
+INTERLEAVE_BLOCK = 512
+INTERLEAVED = -32  # int8_check_shapes' group for interleaved codes (and the native products' argument)
+
+
+def _blocks(codes: torch.Tensor) -> tuple[int, int]:
+    if codes.dim() != 2 or codes.shape[1] % INTERLEAVE_GROUP:
+        raise ValueError(f"interleaved int8 needs 2-D codes of whole groups of {INTERLEAVE_GROUP} inputs, got "
+                         f"{tuple(codes.shape)}")
+    return codes.shape[0], codes.shape[1] // INTERLEAVE_BLOCK * INTERLEAVE_BLOCK
+
+
+def int8_interleave(codes: torch.Tensor) -> torch.Tensor:
+    """Grouped-32 int8 codes [out, in] in the plain layout -> the interleaved layout, as a new tensor; the
+    same call turns interleaved codes back (the permutation is its own inverse)."""
+    out, whole = _blocks(codes)
+    y = codes.clone()
+    g = INTERLEAVE_BLOCK // INTERLEAVE_GROUP
+    # [out, blocks, group j, step s, half t] <-> [out, blocks, s, j, t]
+    y[:, :whole] = codes[:, :whole].reshape(out, -1, g, g, 2).transpose(2, 3).reshape(out, whole)
+    return y
+
+
+def int8_interleaved(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-32 (codes, scale) -> the interleaved pair (new codes, the scales viewed [out, in/32, 1])."""
+    out, n, group = int8_check_shapes(codes, scale)
+    if group != INTERLEAVE_GROUP:
+        raise ValueError(f"only int8 of groups of {INTERLEAVE_GROUP} interleaves, got group {group}")
+    return int8_interleave(codes), scale.unsqueeze(-1)
+
+
+def int8_plain(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain layout of an int8 pair (interleaved ones turned back; any other pair as it is)."""
+    if int8_check_shapes(codes, scale)[2] != INTERLEAVED:
+        return codes, scale
+    return int8_interleave(codes), scale[..., 0]

@@ -29,7 +29,8 @@ from types import ModuleType
 import torch
 
 from . import cpu_native, intq
-from .int8 import int8_check_shapes, int8_dequantize, int8_quantize
+from .int8 import (INTERLEAVE_BLOCK, INTERLEAVE_GROUP, INTERLEAVED, int8_check_shapes, int8_dequantize, int8_interleaved,
+                   int8_plain, int8_quantize)
 from .mxfp4 import GROUP as MXFP4_GROUP
 from .mxfp4 import check_shapes as mxfp4_check_shapes
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize, scale_bits
@@ -85,12 +86,22 @@ class QWeight:
         return self.__dict__[key]
 
     def to(self, device: torch.device | str) -> "QWeight":
-        return QWeight(self.codec, self.shape, self.group_size,
-                       {k: t.to(device) for k, t in self.tensors.items()})
+        """On another device; interleaved int8 (a CPU layout, see int8.int8_interleave) in the plain one
+        there."""
+        tensors = self.tensors if torch.device(device).type == "cpu" else self.plain_tensors()
+        return QWeight(self.codec, self.shape, self.group_size, {k: t.to(device) for k, t in tensors.items()})
+
+    def plain_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors in the store's layout (int8 codes interleaved in RAM turned back)."""
+        if self.codec != "int8" or self.tensors["weight_scale"].dim() != 3:
+            return self.tensors
+        codes, scale = int8_plain(self.tensors["weight"], self.tensors["weight_scale"])
+        return {"weight": codes, "weight_scale": scale}
 
     def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
-        """Named tensors for a safetensors file: ``prefix + suffix`` (prefix e.g. 'x.q_proj.')."""
-        return {prefix + k: t for k, t in self.tensors.items()}
+        """Named tensors for a safetensors file: ``prefix + suffix`` (prefix e.g. 'x.q_proj.'), in the
+        store's layout."""
+        return {prefix + k: t for k, t in self.plain_tensors().items()}
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], prefix: str, codec: str) -> "QWeight":
@@ -123,7 +134,7 @@ def _shape_of(codec: str, t: dict[str, torch.Tensor]) -> tuple[tuple[int, int], 
         return (w.shape[0], w.shape[1]), 0
     if codec == "int8":
         out, n, g = int8_check_shapes(t["weight"], t["weight_scale"])
-        return (out, n), g
+        return (out, n), INTERLEAVE_GROUP if g == INTERLEAVED else g
     if codec == "mxfp4":
         return mxfp4_check_shapes(t["weight_packed"], t["weight_scale"]), MXFP4_GROUP
     out, n, g = intq.intq_check_shapes(t["weight_packed"], t["weight_scale"], codec)
@@ -178,12 +189,26 @@ def native_dense(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return _native_dense_of(w)
 
 
+def interleaved(w):
+    """w with its codes in the interleaved layout the CPU's int8 products sum fastest (int8.int8_interleave),
+    where that layout applies: an int8 QWeight on the CPU with a float16 scale per 32 inputs and at least
+    one whole block of them; w itself otherwise. For weights only the plain products read (not the
+    transposed ones of attention's latent projection)."""
+    if not (isinstance(w, QWeight) and w.codec == "int8" and w.group_size == INTERLEAVE_GROUP
+            and w.device.type == "cpu" and w.tensors["weight_scale"].dim() == 2 and w.shape[1] >= INTERLEAVE_BLOCK):
+        return w
+    codes, scale = int8_interleaved(w.tensors["weight"], w.tensors["weight_scale"])
+    return QWeight(w.codec, w.shape, w.group_size, {"weight": codes, "weight_scale": scale})
+
+
 def dense_kind(dense: tuple) -> tuple:
     """What the items of one native dense call share besides their shape (``native_dense``'s
     (weight, scale)): the weight's dtype and, for int8, its scaling (per row, or the group size)."""
     w, s = dense
     if s is None:
         return w.dtype, None
+    if s.dim() == 3:
+        return w.dtype, s.dtype, INTERLEAVED
     return w.dtype, s.dtype, 0 if s.dtype == torch.float32 else w.shape[1] // s.shape[1]
 
 
