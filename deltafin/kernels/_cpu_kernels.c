@@ -54,7 +54,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 16
+#define KERNELS_ABI 17
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -1140,6 +1140,23 @@ int8q_step_codes_vnni(const int8_t *c, int64_t n, int64_t k0, const int R, const
     for (int k = 0; k < R; k++) w[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + k * n + k0)));
 }
 
+/* sum[k][i] = the exact int32 lanes of codes times x of rows r + k and m0 + i over inputs k0..k1-1 (whole
+   steps): per step each row's 32 codes widen to int16 and one vpdpwssd per row of x adds their products. */
+static inline __attribute__((always_inline)) VNNI void
+int8q_sum_steps_vnni(const int8_t *c, const int16_t *q, int64_t n, int64_t k0, int64_t k1, const int R, const int MB,
+                     const char *next_codes, __m512i sum[ROW_BLOCK][INT8Q_X_BLOCK]) {
+    for (int k = 0; k < R; k++)
+        for (int i = 0; i < MB; i++) sum[k][i] = _mm512_setzero_si512();
+    for (int64_t at = k0; at < k1; at += INT8Q_STEP) {
+        __m512i w[ROW_BLOCK];
+        int8q_step_codes_vnni(c, n, at, R, next_codes, w);
+        for (int i = 0; i < MB; i++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + at));
+            for (int k = 0; k < R; k++) sum[k][i] = _mm512_dpwssd_epi32(sum[k][i], w[k], xv);
+        }
+    }
+}
+
 /* Output rows r..r+R-1 for rows m0..m0+MB-1 of x (constants at every call site). Per step each row's
    32 codes widen to int16 and one vpdpwssd per row of x adds their 32 products into 16 int32 lanes;
    at the end of a group (span) the lanes convert to float32 and one FMA applies the scale. `next`
@@ -1160,16 +1177,7 @@ int8q_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const
     for (int64_t g0 = 0; g0 < body; g0 += span) {
         const int64_t g1 = g0 + span < body ? g0 + span : body;
         __m512i sum[ROW_BLOCK][INT8Q_X_BLOCK];
-        for (int k = 0; k < R; k++)
-            for (int i = 0; i < MB; i++) sum[k][i] = _mm512_setzero_si512();
-        for (int64_t k0 = g0; k0 < g1; k0 += INT8Q_STEP) {
-            __m512i w[ROW_BLOCK];
-            int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
-            for (int i = 0; i < MB; i++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
-                for (int k = 0; k < R; k++) sum[k][i] = _mm512_dpwssd_epi32(sum[k][i], w[k], xv);
-            }
-        }
+        int8q_sum_steps_vnni(c, q, n, g0, g1, R, MB, next_codes, sum);
         for (int k = 0; k < R; k++) {
             const __m512 sv = _mm512_set1_ps(groups ? _cvtsh_ss(hs[k * groups]) : 1.0f);
             for (int i = 0; i < MB; i++) acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[k][i]), sv, acc[k][i]);
@@ -1237,21 +1245,12 @@ int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, cons
     const int8_t *c = jb->codes + r * n;
     const int16_t *q = jb->xq + m0 * n;
     const char *next_codes = next >= 0 ? (const char *)(jb->codes + next * n) : NULL;
-    __m512 acc[ROW_BLOCK][2];
+    __m512 acc[ROW_BLOCK][INT8Q_X_BLOCK];
     for (int k = 0; k < R; k++)
         for (int i = 0; i < MB; i++) acc[k][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks_end; b += IL_BLOCK) {
-        __m512i sum[ROW_BLOCK][2];
-        for (int k = 0; k < R; k++)
-            for (int i = 0; i < MB; i++) sum[k][i] = _mm512_setzero_si512();
-        for (int64_t k0 = b; k0 < b + IL_BLOCK; k0 += INT8Q_STEP) {
-            __m512i w[ROW_BLOCK];
-            int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
-            for (int i = 0; i < MB; i++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
-                for (int k = 0; k < R; k++) sum[k][i] = _mm512_dpwssd_epi32(sum[k][i], w[k], xv);
-            }
-        }
+        __m512i sum[ROW_BLOCK][INT8Q_X_BLOCK];
+        int8q_sum_steps_vnni(c, q, n, b, b + IL_BLOCK, R, MB, next_codes, sum);
         for (int k = 0; k < R; k++) {
             const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hs + k * groups + b / INT8Q_STEP)));
             for (int i = 0; i < MB; i++) acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[k][i]), sv, acc[k][i]);
