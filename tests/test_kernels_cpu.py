@@ -442,6 +442,8 @@ def test_interleaved_grouped_int8_gemv_matches_the_plain_layouts_reference(path,
     inter, iscale = int8_interleaved(codes, scale)
     assert torch.equal(int8_interleave(inter), codes) and (n < 512 or not torch.equal(inter, codes))
     assert torch.equal(int8_dequantize(inter, iscale), int8_dequantize(codes, scale))
+    in_place = codes.clone()
+    assert cpu_native.int8_interleave_(in_place) is in_place and torch.equal(in_place, inter)
     for m in (1, 2, 3, 5):
         x = torch.randn(m, n, generator=g)
         ref = int8_round_inputs(x) @ int8_dequantize(codes, scale).double().T

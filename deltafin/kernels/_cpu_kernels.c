@@ -1658,6 +1658,22 @@ static const float *e8m0_factors(void) {
 
 /* ------------------------------------------------------------------ exported */
 
+/* Grouped-32 int8 codes [out, n] turned between the plain and the interleaved layout in place (the
+   permutation of each whole IL_BLOCK of a row is its own inverse). Returns 0, -2 when n is not whole
+   groups of 32. */
+int int8_interleave_inplace(int8_t *codes, int64_t out, int64_t n) {
+    if (n % INT8Q_STEP || out < 0) return -2;
+    int8_t t[IL_BLOCK];
+    for (int64_t r = 0; r < out; r++)
+        for (int64_t b = 0; b + IL_BLOCK <= n; b += IL_BLOCK) {
+            int8_t *v = codes + r * n + b;
+            for (int s = 0; s < IL_GROUPS; s++)
+                for (int j = 0; j < IL_GROUPS; j++) t[32 * s + 2 * j] = v[32 * j + 2 * s], t[32 * s + 2 * j + 1] = v[32 * j + 2 * s + 1];
+            memcpy(v, t, sizeof t);
+        }
+    return 0;
+}
+
 int cpu_kernels_abi(void) { return KERNELS_ABI; }
 
 /* The widest code the gemvs run here: 2 AVX-512, 1 AVX2 (int8, bf16, MXFP4; the others portable), 0 portable. */

@@ -104,6 +104,8 @@ def _library() -> ctypes.CDLL | None:
         lib.mla_decode_attend_f32.restype = _int
         lib.read_memory.argtypes = [_p, _p, _i64, _int, _p]
         lib.read_memory.restype = _int
+        lib.int8_interleave_inplace.argtypes = [_p, _i64, _i64]
+        lib.int8_interleave_inplace.restype = _int
     except (OSError, AttributeError):
         return None
     return lib
@@ -840,3 +842,15 @@ def read_memory(tensors: list[torch.Tensor], threads: int | None = None) -> int:
     if lib.read_memory(ptrs, lens, count, _threads(threads), ctypes.byref(total)) != 0:
         raise MemoryError(f"read_memory could not allocate its index of {count} buffers")
     return total.value
+
+
+def int8_interleave_(codes: torch.Tensor) -> torch.Tensor:
+    """int8.int8_interleave in place (at memory speed, no second copy of a weight), returning codes."""
+    lib = _lib_or_raise()
+    if not (codes.dtype == torch.int8 and codes.dim() == 2 and codes.is_contiguous() and codes.is_cpu
+            and codes.shape[1] % INT8_GROUP_MULTIPLE == 0):
+        raise ValueError(f"int8_interleave_ needs contiguous CPU int8 codes [out, whole groups of 32], got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+    if lib.int8_interleave_inplace(codes.data_ptr(), codes.shape[0], codes.shape[1]) != 0:
+        raise RuntimeError("int8_interleave_ failed")
+    return codes
