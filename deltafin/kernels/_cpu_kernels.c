@@ -1015,16 +1015,22 @@ static void int8q_inputs(const float *x, int64_t m, int64_t n, int16_t *q, float
 #define INT8_INTERLEAVED (-32)  /* the group argument of interleaved groups of 32 */
 #define IL_GROUPS 16
 
-static void il16_permute(int16_t *q, int64_t m, int64_t n) {
-    int16_t t[IL_BLOCK];
+/* The permutation over m rows of n elements of `elem` bytes (a constant at each call site): the pair of
+   inputs 2 s, 2 s + 1 of group j and the pair 2 j, 2 j + 1 of group s trade places, so it is its own
+   inverse. */
+static inline __attribute__((always_inline)) void il_permute(void *rows, int64_t m, int64_t n, const size_t elem) {
+    const size_t pair = 2 * elem;
+    char t[IL_BLOCK * sizeof(int16_t)];
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; b + IL_BLOCK <= n; b += IL_BLOCK) {
-            int16_t *v = q + i * n + b;
+            char *v = (char *)rows + (size_t)(i * n + b) * elem;
             for (int s = 0; s < IL_GROUPS; s++)
-                for (int j = 0; j < IL_GROUPS; j++) t[32 * s + 2 * j] = v[32 * j + 2 * s], t[32 * s + 2 * j + 1] = v[32 * j + 2 * s + 1];
-            memcpy(v, t, sizeof t);
+                for (int j = 0; j < IL_GROUPS; j++) memcpy(t + (IL_GROUPS * s + j) * pair, v + (IL_GROUPS * j + s) * pair, pair);
+            memcpy(v, t, IL_BLOCK * elem);
         }
 }
+
+static void il16_permute(int16_t *q, int64_t m, int64_t n) { il_permute(q, m, n, sizeof *q); }
 
 /* Point jobs[0..count-1] (int8, x set) at their rows of x as int16, in one buffer returned to be freed
    after the call (NULL when it cannot be allocated); items with the same x (a MoE layer's gate and up
@@ -1663,14 +1669,7 @@ static const float *e8m0_factors(void) {
    groups of 32. */
 int int8_interleave_inplace(int8_t *codes, int64_t out, int64_t n) {
     if (n % INT8Q_STEP || out < 0) return -2;
-    int8_t t[IL_BLOCK];
-    for (int64_t r = 0; r < out; r++)
-        for (int64_t b = 0; b + IL_BLOCK <= n; b += IL_BLOCK) {
-            int8_t *v = codes + r * n + b;
-            for (int s = 0; s < IL_GROUPS; s++)
-                for (int j = 0; j < IL_GROUPS; j++) t[32 * s + 2 * j] = v[32 * j + 2 * s], t[32 * s + 2 * j + 1] = v[32 * j + 2 * s + 1];
-            memcpy(v, t, sizeof t);
-        }
+    il_permute(codes, out, n, sizeof *codes);
     return 0;
 }
 
