@@ -5,7 +5,6 @@ import time
 from concurrent.futures import Future
 
 from ..checkpoint.sizes import weight_bytes
-from ..kernels import cpu_native
 from ..kernels.linear import interleaved
 from ..model.moe import chosen_experts
 
@@ -38,11 +37,10 @@ class RAMProvider:
         self._spines: list[dict] = [{} for _ in range(cfg.num_layers)]
         self._experts: list[dict] = [{} for _ in range(cfg.num_layers)]
         layers = range(cfg.num_layers) if layers is None else layers
-        layout = _cpu_layout if cpu_native.available() else (lambda name, w: w)
-        self._globals = {k: layout(k, w) for k, w in self._globals.items()}
+        self._globals = {k: _cpu_layout(k, w) for k, w in self._globals.items()}
         for i in (progress(layers) if progress else layers):
-            self._spines[i] = {k: layout(k, w) for k, w in source.read_spine(i).items()}
-            self._experts[i] = ({e: tuple(layout("expert", w) for w in source.read_expert(i, e))
+            self._spines[i] = {k: _cpu_layout(k, w) for k, w in source.read_spine(i).items()}
+            self._experts[i] = ({e: tuple(_cpu_layout("expert", w) for w in source.read_expert(i, e))
                                  for e in range(cfg.num_experts)} if cfg.is_moe(i) else {})
         self._spine_bytes = [sum(weight_bytes(w) for w in s.values()) for s in self._spines]
         # counted once here: summing them per expert per layer per pass cost ~8% of a batched pass

@@ -1780,7 +1780,6 @@ int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int6
     return run_rows(&jb, fn, threads);
 }
 
-/* Point a job at int8 scales: float32 row scales (group 0) or float16 bits per group of `group`. */
 /* A group argument the int8 products take for rows of n inputs: 0 (row scales), a multiple of 32 dividing
    n, or INT8_INTERLEAVED (groups of 32 interleaved; not for the transposed products, which read columns). */
 static int int8_group_fits(int64_t group, int64_t n) {
@@ -1788,6 +1787,8 @@ static int int8_group_fits(int64_t group, int64_t n) {
     return group >= 0 && (!group || (group % 32 == 0 && n % group == 0));
 }
 
+/* Point a job at int8 scales: float32 row scales (group 0), float16 bits per group of `group`, or per group
+   of 32 with the codes interleaved (INT8_INTERLEAVED). */
 static void int8_scales(struct job *jb, const void *scale, int64_t group) {
     if (group == INT8_INTERLEAVED) jb->half_scale = (const uint16_t *)scale, jb->group = INT8Q_STEP, jb->il16 = 1;
     else if (group) jb->half_scale = (const uint16_t *)scale, jb->group = group;

@@ -140,9 +140,10 @@ def _moe_expert(ws: tuple) -> cpu_native.MoeExpert | None:
         return None
     try:
         item = cpu_native.moe_expert(*dense)
-        refs = tuple(weakref.ref(w) for w in ws)
     except ValueError:  # shapes that do not make an expert: the other paths decide (and say why)
         return None
+    try:
+        refs = tuple(weakref.ref(w) for w in ws)
     except TypeError:  # a weight no weak reference can follow: checked again next time
         return item
     if kept is None or kept[0][0]() is not w1:  # one finalizer a weight, however often its entry changes

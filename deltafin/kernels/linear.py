@@ -192,14 +192,16 @@ def native_dense(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 def interleaved(w):
     """w with its codes in the interleaved layout the CPU's int8 products sum fastest (int8.int8_interleave),
     where that layout applies: an int8 QWeight on the CPU with a float16 scale per 32 inputs and at least
-    one whole block of them; w itself otherwise. The codes are permuted in place (w must not be used
-    after: the caller hands its weight over, as the RAM provider does at load). For weights only the plain
-    products read (not the transposed ones of attention's latent projection)."""
+    one whole block of them, where the native kernels are built (without them every product dequantizes);
+    w itself otherwise. Contiguous codes are permuted in place (w must not be used after: the caller hands
+    its weight over, as the RAM provider does at load). For weights only the plain products read (not the
+    transposed ones of attention's latent projection)."""
     if not (isinstance(w, QWeight) and w.codec == "int8" and w.group_size == INTERLEAVE_GROUP
-            and w.device.type == "cpu" and w.tensors["weight_scale"].dim() == 2 and w.shape[1] >= INTERLEAVE_BLOCK):
+            and w.device.type == "cpu" and w.tensors["weight_scale"].dim() == 2 and w.shape[1] >= INTERLEAVE_BLOCK
+            and cpu_native.available()):
         return w
     codes, scale = w.tensors["weight"], w.tensors["weight_scale"]
-    if not (codes.is_contiguous() and cpu_native.available()):
+    if not codes.is_contiguous():
         codes, scale = int8_interleaved(codes, scale)
     else:  # in place: a resident model's codes are permuted at memory speed, and no second copy is held
         codes, scale = cpu_native.int8_interleave_(codes), scale.unsqueeze(-1)
