@@ -109,7 +109,7 @@ class Model:
         elif _want_stream(settings, self.source, model_bytes(self.source) if need is None else need):
             self.streaming = True
             from .io.stream import StreamProvider
-            provider = StreamProvider(self.source, settings, layers=layers, with_globals=with_globals)
+            provider = StreamProvider(self.source, settings, layers=layers, with_globals=with_globals, cpu_layout=True)
             self.residency = provider.budget_line
         else:
             self.streaming = False

@@ -339,27 +339,38 @@ def test_int8_group_is_refused_where_it_means_nothing(tiny_kl_path, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
-def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_plain_ones_do(tmp_path,
-                                                                                            monkeypatch):
+@pytest.fixture(scope="module")
+def wide_q8(tmp_path_factory):
+    """A tiny Kimi Linear 512 wide (one whole block of interleaved int8) as a grouped int8 store."""
+    from deltafin.checkpoint.synthetic import make_checkpoint
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    root = tmp_path_factory.mktemp("wide")
+    src = make_checkpoint("tiny-kimi-linear", root / "wide", seed=1, progress=False,
+                          overrides={"hidden_size": 512, "moe_intermediate_size": 512})
+    return convert(src, root / "q8", spine="int8", experts="int8", progress=False)
+
+
+WIDE_IDS = list(range(5, 29))
+
+
+def _prompt_and_decode(m) -> torch.Tensor:
+    """Logits of a 16-token prompt and 8 decode steps after it."""
+    st = m.new_state()
+    prompt = m.forward(WIDE_IDS[:16], st)
+    return torch.cat([prompt] + [m.forward(WIDE_IDS[t:t + 1], st) for t in range(16, len(WIDE_IDS))])
+
+
+def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_plain_ones_do(wide_q8, monkeypatch):
     """In RAM on the CPU, grouped int8 weights of 512 inputs or more (spine and experts; not MLA's kv_b,
     whose transposed products read columns) are held in the interleaved layout: the prompt's and the
     decode's logits stay within float32 summation order of the same store held plain, with the same greedy
     tokens, and a held weight gives back the stored layout (``to_tensors``, another device)."""
-    from deltafin.checkpoint.synthetic import make_checkpoint
     from deltafin.io import ram
-    from deltafin.kernels import cpu_native
-    if not cpu_native.available():
-        pytest.skip("native CPU kernels not built")
-    src = make_checkpoint("tiny-kimi-linear", tmp_path / "wide", seed=1, progress=False,
-                          overrides={"hidden_size": 512, "moe_intermediate_size": 512})
-    store = convert(src, tmp_path / "q8", spine="int8", experts="int8", progress=False)
-    ids = list(range(5, 29))
 
     def run():
-        m = _load(store)
-        st = m.new_state()
-        prompt = m.forward(ids[:16], st)
-        return m, torch.cat([prompt] + [m.forward(ids[t:t + 1], st) for t in range(16, len(ids))])
+        m = _load(wide_q8)
+        return m, _prompt_and_decode(m)
     m, inter = run()
     _, spines, experts = m.engine.provider.held()
     held = [w for s in spines for k, w in s.items() if isinstance(w, QWeight) and not k.endswith("kv_b_proj")]
@@ -368,7 +379,7 @@ def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_p
     assert wide and all(w.tensors["weight_scale"].dim() == 3 for w in wide)
     assert all(w.tensors["weight_scale"].dim() == 2 for s in spines for k, w in s.items() if k.endswith("kv_b_proj"))
     with monkeypatch.context() as p:
-        p.setattr(ram, "_cpu_layout", lambda name, w: w)
+        p.setattr(ram, "cpu_layout", lambda name, w: w)
         _, plain = run()
     # float32 summation order alone, through this random model: 2.5e-4 of the largest logit (as much as the
     # plain layout's AVX2 and AVX-512 products differ here)
@@ -379,3 +390,46 @@ def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_p
     moved = w.to("meta")
     assert moved.tensors["weight_scale"].dim() == 2 and moved.tensors["weight"].shape == w.shape
     assert w.to_tensors()["weight_scale"].dim() == 2
+
+
+def _interleaved(w) -> bool:
+    return w.tensors["weight_scale"].dim() == 3
+
+
+def test_a_streamed_models_ram_cache_keeps_grouped_int8_interleaved(wide_q8):
+    """Streamed on the CPU with a RAM cache that holds the whole model, what stays in RAM for good (the
+    globals, the spines the cache took, its experts) is laid out as in a resident model, and the logits
+    are the resident model's; a store read for a device keeps the stored layout."""
+    resident = _prompt_and_decode(_load(wide_q8))
+    m = deltafin.load(wide_q8, device="cpu", stream="on", ram_budget="8")
+    streamed = _prompt_and_decode(m)
+    assert (streamed - resident).abs().max() < 1e-5 * resident.abs().max()
+    assert torch.equal(streamed.argmax(-1), resident.argmax(-1))
+    provider, cfg = m.engine.provider, m.config
+    assert _interleaved(provider.globals()["lm_head"])
+    cache = provider.cache
+    spines = [cache.spine(i) for i in range(cfg.num_layers)]
+    assert all(s is not None for s in spines)
+    wide = [w for s in spines for k, w in s.items() if isinstance(w, QWeight) and w.shape[1] >= 512]
+    assert wide and all(_interleaved(w) != k.endswith("kv_b_proj")
+                        for s in spines for k, w in s.items() if isinstance(w, QWeight) and w.shape[1] >= 512)
+    experts = [cache.expert(i, e) for i in range(cfg.num_layers) if cfg.is_moe(i) for e in range(cfg.num_experts)]
+    held = [ws for ws in experts if ws is not None]
+    assert held and all(_interleaved(w) for ws in held for w in ws)
+
+
+def test_the_cache_lays_out_experts_only_while_it_holds_all_of_a_layers():
+    """Experts that replace each other in a cache holding some of a layer's keep the stored layout (their
+    permutation would cost about what their read does); with every expert held, and for spines, the CPU's."""
+    from deltafin.io.ram_cache import RamCache
+    w = quantize(torch.randn(64, 512), "int8", 32)
+    on_cpu = RamCache([10, 10], [0, 100], 4, cpu_layout=True)
+    for target, laid_out in ((20 + 2 * 100, False), (20 + 4 * 100, True)):  # both spines, then 2 or 4 slots
+        on_cpu.set_target(target)
+        kept = on_cpu.expert_to_keep((quantize(torch.randn(64, 512), "int8", 32),))
+        assert _interleaved(kept[0]) == laid_out
+    assert _interleaved(on_cpu.spine_to_keep({"mlp.down_proj": w})["mlp.down_proj"])
+    for_device = RamCache([10, 10], [0, 100], 4)
+    for_device.set_target(10 ** 6)
+    assert not _interleaved(for_device.expert_to_keep((quantize(torch.randn(64, 512), "int8", 32),))[0])
+    assert not _interleaved(for_device.spine_to_keep({"w": quantize(torch.randn(64, 512), "int8", 32)})["w"])

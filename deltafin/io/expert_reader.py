@@ -121,6 +121,7 @@ class ExpertReader:
                 for e, b, lay, mine in zip(missing, bufs, layouts, own):
                     out[e] = decode(i, e, views(b.mem, lay))
                     if mine is not None:
+                        out[e] = cache.expert_to_keep(out[e])
                         cache.put_expert(i, e, mine, out[e])
                 for e, a in under_way.items():
                     out[e] = a.weights  # decoded by the prefetch's own callback, which ran first

@@ -121,11 +121,13 @@ class Prefetcher:
 
     def _keep(self, i: int, a: Ahead) -> None:
         """Decode a taken prefetch (in the thread that completed its read) and offer it to the cache."""
-        a.weights = self._decode(i, a.expert, views(a.buf.mem, a.layout))
+        weights = self._decode(i, a.expert, views(a.buf.mem, a.layout))
         cache = self._cache
         if cache is not None and cache.admit_expert(i, a.expert, a.buf.nbytes, a.buf):
-            cache.put_expert(i, a.expert, a.buf, a.weights)  # the cache keeps the buffer; a new one replaces it
+            weights = cache.expert_to_keep(weights)
+            cache.put_expert(i, a.expert, a.buf, weights)  # the cache keeps the buffer; a new one replaces it
             a.kept = True
+        a.weights = weights
 
     def resident_bytes(self) -> int:
         return sum(b.nbytes for b in self._free) + \

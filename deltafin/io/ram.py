@@ -9,11 +9,19 @@ from ..kernels.linear import interleaved
 from ..model.moe import chosen_experts
 
 
-def _cpu_layout(name: str, w):
-    """A resident weight as the CPU's native products read it fastest: grouped int8 interleaved
-    (kernels/linear.py ``interleaved``), except attention's latent projection, whose transposed products
-    read it by columns; anything else as it is."""
+def cpu_layout(name: str, w):
+    """A weight held in RAM as the CPU's native products read it fastest: grouped int8 interleaved
+    (kernels/linear.py ``interleaved``, in place: `w` is handed over), except attention's latent
+    projection, whose transposed products read it by columns; anything else as it is."""
     return w if name.endswith("kv_b_proj") else interleaved(w)
+
+
+def spine_in_cpu_layout(weights: dict) -> dict:
+    return {k: cpu_layout(k, w) for k, w in weights.items()}
+
+
+def expert_in_cpu_layout(weights: tuple) -> tuple:
+    return tuple(cpu_layout("expert", w) for w in weights)
 
 
 def done(value) -> Future:
@@ -37,10 +45,10 @@ class RAMProvider:
         self._spines: list[dict] = [{} for _ in range(cfg.num_layers)]
         self._experts: list[dict] = [{} for _ in range(cfg.num_layers)]
         layers = range(cfg.num_layers) if layers is None else layers
-        self._globals = {k: _cpu_layout(k, w) for k, w in self._globals.items()}
+        self._globals = spine_in_cpu_layout(self._globals)
         for i in (progress(layers) if progress else layers):
-            self._spines[i] = {k: _cpu_layout(k, w) for k, w in source.read_spine(i).items()}
-            self._experts[i] = ({e: tuple(_cpu_layout("expert", w) for w in source.read_expert(i, e))
+            self._spines[i] = spine_in_cpu_layout(source.read_spine(i))
+            self._experts[i] = ({e: expert_in_cpu_layout(source.read_expert(i, e))
                                  for e in range(cfg.num_experts)} if cfg.is_moe(i) else {})
         self._spine_bytes = [sum(weight_bytes(w) for w in s.values()) for s in self._spines]
         # counted once here: summing them per expert per layer per pass cost ~8% of a batched pass

@@ -13,7 +13,12 @@ buffers, the expert slots):
   expert is read straight into its own buffer (the evicted expert's, when one makes room): no copy.
 
 Everything held is page-aligned memory whose tensors (views, decoded once) are handed to the
-engine as they are: no copy per use.
+engine as they are: no copy per use. For an engine computing on the CPU (``cpu_layout``), what is
+kept for good is first laid out as the CPU's products read it fastest (``io/ram.py`` ``cpu_layout``:
+grouped int8 codes permuted in place, once): every spine the cache takes, and experts while it holds
+all of a layer's (no routed expert is then ever evicted). While it holds only some, admitted experts
+replace each other every few tokens and keep the store's layout: the permutation would cost each of
+them about as much CPU as their read saves.
 
 Sizing: ``target`` is the bytes the cache may hold, together with the streamer's spine read-ahead
 buffers: those exist only while some layer is not held (two buffers of the largest layer still
@@ -45,16 +50,19 @@ import time
 from ..checkpoint.sizes import ModelSizes
 from ..units import GB
 from .placement import ExpertSlots, Placement
+from .ram import expert_in_cpu_layout, spine_in_cpu_layout
 from .reader import AlignedBuffer
 
 
 class RamCache:
     def __init__(self, spine_bytes: list[int], expert_bytes: list[int], num_experts: int, log=None,
-                 new_buffer=AlignedBuffer):
+                 new_buffer=AlignedBuffer, cpu_layout: bool = False):
         """`spine_bytes[i]`: buffer bytes layer i's spine takes here (0 for a layer that is never
         streamed: pinned, or held by a device); `expert_bytes[i]`: one expert of layer i (0: dense);
-        `new_buffer(nbytes)`: makes the buffer an admitted expert is read into."""
+        `new_buffer(nbytes)`: makes the buffer an admitted expert is read into; `cpu_layout`: what it
+        keeps is computed on the CPU (not copied to a device), see ``spine_to_keep``."""
         self._new_buffer = new_buffer
+        self.cpu_layout = cpu_layout
         self._sizes = ModelSizes(0, tuple(spine_bytes), tuple(expert_bytes), num_experts if any(expert_bytes) else 0)
         self._cacheable = [i for i, b in enumerate(spine_bytes) if b]
         self._lock = threading.Lock()
@@ -193,6 +201,11 @@ class RamCache:
         with self._lock:
             return i in self._plan.spine_layers and i not in self._spines and self._sizes.spine_bytes[i] > 0
 
+    def spine_to_keep(self, weights: dict) -> dict:
+        """A spine about to be offered to ``put_spine`` (by the one that read it, before anyone else
+        uses it: its codes may be permuted in place) as the cache keeps it; use the result from then on."""
+        return spine_in_cpu_layout(weights) if self.cpu_layout else weights
+
     def put_spine(self, i: int, buf, weights: dict) -> bool:
         """Keep layer i's spine, read into `buf` (a buffer the caller gives away: the cache holds it
         from now on, with the `weights` viewing it); False: not kept."""
@@ -249,6 +262,13 @@ class RamCache:
                 if buf is None and old.nbytes >= capacity:
                     return old
             return buf if buf is not None else self._new_buffer(capacity)
+
+    def expert_to_keep(self, weights: tuple) -> tuple:
+        """An admitted expert about to be stored by ``put_expert``, as the cache keeps it (see
+        ``spine_to_keep``): in the CPU layout only while the cache holds every expert of a layer."""
+        with self._lock:
+            every = self._plan.expert_slots >= self._sizes.num_experts > 0
+        return expert_in_cpu_layout(weights) if self.cpu_layout and every else weights
 
     def put_expert(self, i: int, e: int, buf, weights) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 from .origin import ReadOrigin, count
+from .ram import spine_in_cpu_layout
 from .reader import AHEAD, SPINE_CHUNK, AlignedBuffer, Batch, Layout, ReadPool, chunked, read_now, views
 
 
@@ -48,10 +49,12 @@ class _SpineBuffer:
 
 class SpineReader:
     def __init__(self, source, pool: ReadPool, files, origin: ReadOrigin, layouts: list[Layout],
-                 pin_layers: int, streamable: list[int], cache=None, new_buffer=AlignedBuffer):
+                 pin_layers: int, streamable: list[int], cache=None, new_buffer=AlignedBuffer,
+                 cpu_layout: bool = False):
         """`layouts[i]`: layer i's spine; `streamable`: the layers read here, neither pinned nor
         held by a device provider; `cache`: the host-RAM cache, if there is one; `new_buffer(nbytes)`:
-        makes a buffer (a device provider's are pinned memory)."""
+        makes a buffer (a device provider's are pinned memory); `cpu_layout`: pinned spines are
+        computed on the CPU, in the layout its products read fastest (io/ram.py)."""
         self._new_buffer = new_buffer
         self._source, self._pool, self._files, self._origin = source, pool, files, origin
         self._layouts = layouts
@@ -63,7 +66,8 @@ class SpineReader:
             buf = new_buffer(layouts[i].capacity)
             read_now(pool, layouts[i], buf)
             self._pinned_bufs.append(buf)
-            self._pinned.append(source.decode_spine(i, views(buf.mem, layouts[i])))
+            spine = source.decode_spine(i, views(buf.mem, layouts[i]))
+            self._pinned.append(spine_in_cpu_layout(spine) if cpu_layout else spine)
         self.streamable = streamable
         self._streamed = streamable  # of them, those not cached now (see _follow_cache)
         self._ring_size = max((layouts[i].capacity for i in self._streamed), default=0)
@@ -117,8 +121,7 @@ class SpineReader:
         stats.spine_wait_seconds += time.perf_counter() - t0
         count(stats, b.origin, self._layouts[b.layer].nbytes)
         stats.spines_loaded += 1
-        weights = self._decoded(b)
-        return weights, self._keep(b, weights)
+        return self._keep(b, self._decoded(b))
 
     def in_ram(self, j: int) -> dict | None:
         """Layer j's spine if it is in RAM for good (pinned or cached): weights that stay valid until
@@ -155,20 +158,22 @@ class SpineReader:
             b.settle()
 
     # -- internals ---------------------------------------------------------------------------
-    def _keep(self, b: _SpineBuffer, weights: dict) -> bool:
-        """Offer the spine read into `b` to the cache; True: kept, with its buffer."""
+    def _keep(self, b: _SpineBuffer, weights: dict) -> tuple[dict, bool]:
+        """Offer the spine read into `b` to the cache; its weights from now on (as the cache lays them
+        out), and True if kept, with its buffer."""
         i = b.layer
         if self._cache is None or not self._cache.wants_spine(i):
-            return False
+            return weights, False
         # Kept from now on in the buffer it was read into (no copy, no second buffer of its size
         # while the read-ahead buffers still exist); the read-ahead makes a new one when it needs it.
         buf = b.buf
         buf.trim(self._layouts[i].capacity)
+        weights = b.weights = self._cache.spine_to_keep(weights)
         if not self._cache.put_spine(i, buf, weights):
-            return False
+            return weights, False
         b.buf = None
         self._follow_cache()  # the last spine kept: the other read-ahead buffer goes now
-        return True
+        return weights, True
 
     def _decoded(self, b: _SpineBuffer) -> dict:
         """The weights of the layer read into `b` (decoded once: a guess may have asked first)."""

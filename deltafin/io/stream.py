@@ -41,6 +41,7 @@ from .expert_reader import ExpertReader
 from .memory import WATCH_INTERVAL_S, MemoryBudget, Watcher
 from .origin import ReadOrigin
 from .prefetch import Guesses, Prefetcher
+from .ram import spine_in_cpu_layout
 from .ram_cache import RamCache
 from .reader import AlignedBuffer, Files, ReadPool, align_up, expert_layout, globals_layout, read_now, \
     spine_layout, views
@@ -50,7 +51,7 @@ from .spine_reader import SpineReader
 class StreamProvider:
     def __init__(self, source, settings: Settings, held: frozenset[int] = frozenset(), cache: bool = True,
                  memory_root: str = "/", watch: bool = True, layers: range | None = None,
-                 with_globals: bool = True, new_buffer=AlignedBuffer):
+                 with_globals: bool = True, new_buffer=AlignedBuffer, cpu_layout: bool = False):
         """``held``: layers whose spine a device provider keeps; they are never read here.
         ``layers``: the layers whose weights are read (default all; a rank of a split model reads its
         own; ``pin_layers`` then pins only where the range starts at the first layer);
@@ -59,7 +60,9 @@ class StreamProvider:
         ``memory_root``: the file tree memory is read from (``/``; tests give a tree they write);
         ``watch``: check memory from a thread a few times a second (else only ``watcher.check()``);
         ``new_buffer(nbytes)``: makes every buffer the streamer and its cache read into (a device
-        provider's are pinned memory, so copies out of them to the device are asynchronous)."""
+        provider's are pinned memory, so copies out of them to the device are asynchronous);
+        ``cpu_layout``: the weights are computed on the CPU: what stays in RAM for good (the globals,
+        pinned spines, what the cache keeps) is laid out as its products read it fastest (io/ram.py)."""
         self.source = source
         cfg = self.config = source.config
         self.settings = settings
@@ -81,6 +84,8 @@ class StreamProvider:
             self._global_buf = new_buffer(glayout.capacity)
             read_now(self.pool, glayout, self._global_buf)
             self._globals = source.decode_globals(views(self._global_buf.mem, glayout))
+            if cpu_layout:
+                self._globals = spine_in_cpu_layout(self._globals)
             embed = self._globals["embed"]
             self._embed_row_bytes = embed.shape[1] * embed.element_size()
             # Per pass the whole of every global but the embedding is used; of the embedding, one row per token.
@@ -97,9 +102,10 @@ class StreamProvider:
         if cache and ceiling != 0 and (self.streamable or moe):
             self.cache = RamCache([align_up(layouts[i].capacity) if i in self.streamable else 0 for i in range(L)],
                                   [align_up(expert_layout(source, i, 0).capacity) if i in moe else 0
-                                   for i in range(L)], cfg.num_experts, new_buffer=new_buffer)
+                                   for i in range(L)], cfg.num_experts, new_buffer=new_buffer,
+                                  cpu_layout=cpu_layout)
         self._spines = SpineReader(source, self.pool, self.files, origin, layouts, pin_layers, self.streamable,
-                                   self.cache, new_buffer)
+                                   self.cache, new_buffer, cpu_layout)
         self._experts = ExpertReader(source, self.pool, self.files, origin, self.cache, cfg.experts_per_token,
                                      new_buffer)
         self.prefetcher: Prefetcher | None = None
