@@ -11,8 +11,9 @@ from deltafin.runtime.pass_stats import PassObserver, PassStats
 from deltafin.runtime.thread_policy import EVERY_CORE_BELOW, READERS_ABOVE, WINDOW, ThreadPolicy
 
 
-def _pass(wait_share: float) -> PassStats:
-    return PassStats(tokens=1, seconds=1.0, spine_wait_seconds=wait_share / 2, expert_wait_seconds=wait_share / 2)
+def _pass(wait_share: float, spines_from_disk: int = 1, prefetched: int = 0) -> PassStats:
+    return PassStats(tokens=1, seconds=1.0, spine_wait_seconds=wait_share / 2, expert_wait_seconds=wait_share / 2,
+                     spines_loaded=4, spines_cached=4 - spines_from_disk, prefetch_bytes=prefetched)
 
 
 def test_the_count_follows_the_waits_with_hysteresis():
@@ -38,6 +39,25 @@ def test_the_count_follows_the_waits_with_hysteresis():
     p.after(PassStats(tokens=1, seconds=0.0))  # a pass that took no time says nothing: no window yet
     assert p.now == 4
     p.after(_pass(0.9))
+    assert (p.now, p.switches) == (1, 4)
+
+
+def test_waits_for_the_chosen_experts_alone_leave_every_core_to_the_products():
+    """A pass that read no spine from the disk and prefetched nothing read only while its products
+    waited: every core, however long it waited; a spine read or a prefetch beside the products: the
+    readers get their core back."""
+    p = ThreadPolicy(waiting=1, every=2)
+    for _ in range(WINDOW):
+        p.after(_pass(0.6, spines_from_disk=0))
+    assert (p.now, p.switches) == (2, 1)
+    for _ in range(WINDOW):
+        p.after(_pass(0.6, spines_from_disk=0, prefetched=1 << 20))
+    assert (p.now, p.switches) == (1, 2)
+    for _ in range(WINDOW):
+        p.after(_pass(0.6, spines_from_disk=0))
+    assert p.now == 2
+    for _ in range(WINDOW):
+        p.after(_pass(0.6, spines_from_disk=1))
     assert (p.now, p.switches) == (1, 4)
 
 
