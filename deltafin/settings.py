@@ -84,7 +84,9 @@ class Settings:
                          "one fewer than the cores (at least 1), because the pread workers need a core and "
                          "compute threads that share one with them stall on every small op (2 cores, "
                          "streaming: 1 thread measured faster than 2); passes of several rows (a batch, "
-                         "drafts, a prompt piece) run their products on every core")
+                         "drafts, a prompt piece) run their products on every core, and one-token passes too "
+                         "once they stop reading from disk while they compute (the RAM cache serves their "
+                         "spines)")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill (deltafin's own form; "
                            "flash-linear-attention's kernel, used on CUDA with bf16 products where installed, "
                            "picks its own)")

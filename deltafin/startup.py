@@ -78,7 +78,7 @@ def threads_message(model) -> str:
     rows = model.row_threads
     if rows is not None and rows != model.threads:
         why += (f"; {rows} for the products of a pass of several rows, and of one-token passes once they "
-                "wait little on the disk")
+                "stop reading from disk as they compute")
     return f"{model.threads} compute thread{'s' if model.threads != 1 else ''} (auto, {why})"
 
 

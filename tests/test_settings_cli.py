@@ -121,7 +121,7 @@ def test_start_up_line_says_what_auto_threads_chose(tiny_k3_path):
         cores = os.cpu_count() or 1
         assert m.threads == max(1, cores - 1)
         rows = (f"; {cores} for the products of a pass of several rows, and of one-token passes once they "
-                "wait little on the disk" if cores > 1 else "")
+                "stop reading from disk as they compute" if cores > 1 else "")
         assert threads_message(m).endswith(f"(auto, streaming: one core left to the readers{rows})")
         m = deltafin.load(tiny_k3_path, device="cpu", stream="off", threads=3)
         assert threads_message(m) == "3 compute threads (set)"

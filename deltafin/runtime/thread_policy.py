@@ -51,7 +51,3 @@ class ThreadPolicy:
 
     def summary(self) -> dict:
         return {"now": self.now, "waiting": self.waiting, "every": self.every, "switches": self.switches}
-
-    def describe(self) -> str:
-        return (f"{self.now} now: {self.waiting} while passes wait on the disk as they compute, {self.every} once "
-                f"they wait less than {EVERY_CORE_BELOW:.0%} of a pass or read only the experts they wait for")
