@@ -36,6 +36,21 @@ def tiny_kl_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wide_q8_path(tmp_path_factory):
+    """A tiny Kimi Linear 512 wide (one whole block of interleaved int8, kernels/int8.py) as a grouped
+    int8 store: what the CPU holds interleaved in RAM."""
+    from deltafin.checkpoint.convert import convert
+    from deltafin.checkpoint.synthetic import make_checkpoint
+    from deltafin.kernels import cpu_native
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    root = tmp_path_factory.mktemp("wide")
+    src = make_checkpoint("tiny-kimi-linear", root / "wide", seed=1, progress=False,
+                          overrides={"hidden_size": 512, "moe_intermediate_size": 512})
+    return convert(src, root / "q8", spine="int8", experts="int8", progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_k3_model(tiny_k3_path):
     import deltafin
     return deltafin.load(tiny_k3_path, device="cpu", stream="off")

@@ -339,29 +339,18 @@ def test_int8_group_is_refused_where_it_means_nothing(tiny_kl_path, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
-@pytest.fixture(scope="module")
-def wide_q8(tmp_path_factory):
-    """A tiny Kimi Linear 512 wide (one whole block of interleaved int8) as a grouped int8 store."""
-    from deltafin.checkpoint.synthetic import make_checkpoint
-    if not cpu_native.available():
-        pytest.skip("native CPU kernels not built")
-    root = tmp_path_factory.mktemp("wide")
-    src = make_checkpoint("tiny-kimi-linear", root / "wide", seed=1, progress=False,
-                          overrides={"hidden_size": 512, "moe_intermediate_size": 512})
-    return convert(src, root / "q8", spine="int8", experts="int8", progress=False)
-
-
 WIDE_IDS = list(range(5, 29))
 
 
-def _prompt_and_decode(m) -> torch.Tensor:
-    """Logits of a 16-token prompt and 8 decode steps after it."""
+def _prompt_and_decode(m, prompt: int = 16) -> torch.Tensor:
+    """Logits of a `prompt`-token prompt and the decode steps after it (WIDE_IDS in all)."""
     st = m.new_state()
-    prompt = m.forward(WIDE_IDS[:16], st)
-    return torch.cat([prompt] + [m.forward(WIDE_IDS[t:t + 1], st) for t in range(16, len(WIDE_IDS))])
+    first = m.forward(WIDE_IDS[:prompt], st)
+    return torch.cat([first] + [m.forward(WIDE_IDS[t:t + 1], st) for t in range(prompt, len(WIDE_IDS))])
 
 
-def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_plain_ones_do(wide_q8, monkeypatch):
+def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_plain_ones_do(wide_q8_path,
+                                                                                            monkeypatch):
     """In RAM on the CPU, grouped int8 weights of 512 inputs or more (spine and experts; not MLA's kv_b,
     whose transposed products read columns) are held in the interleaved layout: the prompt's and the
     decode's logits stay within float32 summation order of the same store held plain, with the same greedy
@@ -369,7 +358,7 @@ def test_resident_int8_weights_are_interleaved_on_the_cpu_and_compute_what_the_p
     from deltafin.io import ram
 
     def run():
-        m = _load(wide_q8)
+        m = _load(wide_q8_path)
         return m, _prompt_and_decode(m)
     m, inter = run()
     _, spines, experts = m.engine.provider.held()
@@ -396,13 +385,23 @@ def _interleaved(w) -> bool:
     return w.tensors["weight_scale"].dim() == 3
 
 
-def test_a_streamed_models_ram_cache_keeps_grouped_int8_interleaved(wide_q8):
+@pytest.mark.parametrize("prefetch", ["off", "early"])
+def test_a_streamed_models_ram_cache_keeps_grouped_int8_interleaved(wide_q8_path, prefetch):
     """Streamed on the CPU with a RAM cache that holds the whole model, what stays in RAM for good (the
-    globals, the spines the cache took, its experts) is laid out as in a resident model, and the logits
-    are the resident model's; a store read for a device keeps the stored layout."""
-    resident = _prompt_and_decode(_load(wide_q8))
-    m = deltafin.load(wide_q8, device="cpu", stream="on", ram_budget="8")
-    streamed = _prompt_and_decode(m)
+    globals, the spines the cache took, its experts, also those a prefetch read: a one-token prompt leaves
+    experts for the decode's guesses) is laid out as in a resident model, and the logits are the resident
+    model's."""
+    from deltafin.runtime.pass_stats import PassObserver
+    resident = _prompt_and_decode(_load(wide_q8_path), prompt=1)
+    m = deltafin.load(wide_q8_path, device="cpu", stream="on", ram_budget="8", prefetch=prefetch)
+    prefetched = []
+
+    class Prefetched(PassObserver):
+        def on_pass(self, stats):
+            prefetched.append(stats.prefetch_used_bytes)
+    with m.observe(Prefetched()):
+        streamed = _prompt_and_decode(m, prompt=1)
+    assert (sum(prefetched) > 0) == (prefetch == "early")
     assert (streamed - resident).abs().max() < 1e-5 * resident.abs().max()
     assert torch.equal(streamed.argmax(-1), resident.argmax(-1))
     provider, cfg = m.engine.provider, m.config

@@ -343,6 +343,27 @@ def generate(path, settings, provider_kwargs, between=None):
     return out, stats
 
 
+def shrink_at_5_grow_at_8(tmp_path, lines: list):
+    """generate's `between`: free memory the cache grows into, taken by another program before decode
+    pass 5 (the cache gives everything back) and returned before pass 8. Log lines go to `lines`."""
+    host(tmp_path, free=8 * GiB)
+    clock = Clock()
+    clock.t = time.monotonic()  # the provider's first look used the real clock
+
+    def between(k, provider):
+        provider.cache._log = lines.append
+        provider.watcher.budget.clock = clock
+        clock.t += 2.0  # a token every two seconds
+        if k == 5:
+            host(tmp_path, free=64 * 2**20)
+            provider.watcher.check()
+            assert provider.cache.held_bytes() == 0
+        if k == 8:
+            host(tmp_path, free=8 * GiB)
+            provider.watcher.check()
+    return between
+
+
 @pytest.mark.parametrize("name", ["k3", "kl"])
 @pytest.mark.parametrize("pin", [0, 1])
 def test_cached_logits_equal_streamed_through_shrink_and_grow(tmp_path, tiny_k3_path, tiny_kl_path, name, pin):
@@ -351,26 +372,10 @@ def test_cached_logits_equal_streamed_through_shrink_and_grow(tmp_path, tiny_k3_
     want, base = generate(path, plain, {})
     assert all(s.experts_cached == 0 for s in base)
 
-    host(tmp_path, free=8 * GiB)
     lines = []
-
-    clock = Clock()
-    clock.t = time.monotonic()  # the provider's first look used the real clock
-
-    def between(k, provider):
-        provider.cache._log = lines.append
-        provider.watcher.budget.clock = clock
-        clock.t += 2.0  # a token every two seconds
-        if k == 5:  # another program takes the memory: the cache gives it back mid-generation
-            host(tmp_path, free=64 * 2**20)
-            provider.watcher.check()
-            assert provider.cache.held_bytes() == 0
-        if k == 8:  # and returns it
-            host(tmp_path, free=8 * GiB)
-            provider.watcher.check()
-
     cached = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "auto", "pin_layers": pin})
-    got, stats = generate(path, cached, {"memory_root": str(tmp_path), "watch": False}, between)
+    got, stats = generate(path, cached, {"memory_root": str(tmp_path), "watch": False},
+                          shrink_at_5_grow_at_8(tmp_path, lines))
     for k, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"pass {k} differs"
     streamed = sum(1 for _ in base[0].__dataclass_fields__) and base[0].bytes_read
@@ -454,3 +459,27 @@ def test_a_pass_is_admitted_no_more_experts_than_slots_and_keeps_its_hits():
     assert c.admit_expert(1, 2, page) is None and c.expert(1, 0) == "w0" and c.expert(1, 1) == "w1"
     c.routed(1, [1, 2])  # expert 0 is not in use now: its buffer is reused for expert 2
     assert c.admit_expert(1, 2, page) is got[0] and c.expert(1, 0) is None and c.expert(1, 1) == "w1"
+
+
+def test_a_cache_in_the_cpu_layout_keeps_the_logits_through_shrink_and_grow(tmp_path, wide_q8_path):
+    """A streamed model computing on the CPU keeps its spines and experts interleaved (grouped int8): a
+    pass served from the cache, one after it gave everything back (weights read per pass, stored layout)
+    and one after it grew again compute the logits of the model streamed without a cache, within float32
+    summation order, with the same greedy tokens; what the cache holds at the end is interleaved again."""
+    plain = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "0"})
+    want, _ = generate(wide_q8_path, plain, {})
+    lines, held = [], []
+    cached = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "auto"})
+
+    def between(k, provider, shrink_grow=shrink_at_5_grow_at_8(tmp_path, lines)):
+        shrink_grow(k, provider)
+        if k in (4, len(DECODE) - 1):
+            held.append([w for i in range(provider.config.num_layers) for name, w in (provider.cache.spine(i) or {}).items()
+                         if getattr(w, "group_size", 0) == 32 and w.shape[1] >= 512 and not name.endswith("kv_b_proj")])
+    got, stats = generate(wide_q8_path, cached, {"memory_root": str(tmp_path), "watch": False, "cpu_layout": True},
+                          between)
+    for k, (a, b) in enumerate(zip(want, got)):
+        assert (a - b).abs().max() <= 1e-3 * a.abs().max(), f"pass {k} differs"
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert stats[4].spines_cached and stats[5].spines_cached == 0 and stats[-1].spines_cached
+    assert all(ws and all(w.tensors["weight_scale"].dim() == 3 for w in ws) for ws in held)
