@@ -1196,6 +1196,23 @@ int8q_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const
             y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, body, _mm512_reduce_add_ps(acc[k][i]));
 }
 
+/* One group of 32 inputs from k0 for rows c.. of the codes and rows q.. of x, as Q8_0 sums it: per row of x
+   and output row one vpmaddwd of the widened codes, its int32 lanes to float32, one FMA with the output
+   row's scale (scale[k * stride]) into acc. */
+static inline __attribute__((always_inline)) VNNI void
+int8g32_step_vnni(const int8_t *c, const int16_t *q, int64_t n, int64_t k0, const int R, const int MB,
+                  const char *next_codes, const float *scale, const int64_t stride,
+                  __m512 acc[ROW_BLOCK][INT8Q_X_BLOCK]) {
+    __m512i w[ROW_BLOCK];
+    int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
+    for (int i = 0; i < MB; i++) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
+        for (int k = 0; k < R; k++)
+            acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w[k], xv)),
+                                        _mm512_set1_ps(scale[k * stride]), acc[k][i]);
+    }
+}
+
 /* int8q_block_vnni for groups of 32 (Q8_0's layout, the default int8 store), with the same operations
    in the same order, so the same bits: each step is one group, its 32 products summed by one vpmaddwd
    (the int32 sum of a step starts at 0) and added to the float lanes by one FMA with the group's
@@ -1222,17 +1239,8 @@ int8g32_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, con
             else
                 for (int64_t j = 0; j < steps; j++) sc[k][j] = _cvtsh_ss(hs[k * groups + g0 + j]);
         }
-        for (int64_t j = 0; j < steps; j++) {
-            const int64_t k0 = (g0 + j) * INT8Q_STEP;
-            __m512i w[ROW_BLOCK];
-            int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
-            for (int i = 0; i < MB; i++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
-                for (int k = 0; k < R; k++)
-                    acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w[k], xv)),
-                                                _mm512_set1_ps(sc[k][j]), acc[k][i]);
-            }
-        }
+        for (int64_t j = 0; j < steps; j++)
+            int8g32_step_vnni(c, q, n, (g0 + j) * INT8Q_STEP, R, MB, next_codes, &sc[0][j], 16, acc);
     }
     float *y = (float *)jb->y;
     for (int k = 0; k < R; k++)
@@ -1243,7 +1251,7 @@ int8g32_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, con
 /* Interleaved groups of 32 (il16) for output rows r..r+R-1 and rows m0..m0+MB-1 of x (MB <= 2: an
    int32 and a float accumulator per pair): per whole block 16 steps of one widening per row and one
    vpdpwssd per row and row of x, then one conversion and one FMA with the block's 16 scales; the groups
-   past the last whole block as int8g32_block_vnni takes them. */
+   past the last whole block one int8g32_step_vnni each, as int8g32_block_vnni takes them. */
 static inline __attribute__((always_inline)) VNNI void
 int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
     const int64_t n = jb->n, groups = n / INT8Q_STEP, blocks_end = n / IL_BLOCK * IL_BLOCK;
@@ -1263,14 +1271,9 @@ int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, cons
         }
     }
     for (int64_t k0 = blocks_end; k0 < n; k0 += INT8Q_STEP) {
-        __m512i w[ROW_BLOCK];
-        int8q_step_codes_vnni(c, n, k0, R, next_codes, w);
-        for (int i = 0; i < MB; i++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(q + i * n + k0));
-            for (int k = 0; k < R; k++)
-                acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w[k], xv)),
-                                            _mm512_set1_ps(_cvtsh_ss(hs[k * groups + k0 / INT8Q_STEP])), acc[k][i]);
-        }
+        float sc[ROW_BLOCK];
+        for (int k = 0; k < R; k++) sc[k] = _cvtsh_ss(hs[k * groups + k0 / INT8Q_STEP]);
+        int8g32_step_vnni(c, q, n, k0, R, MB, next_codes, sc, 1, acc);
     }
     float *y = (float *)jb->y;
     for (int k = 0; k < R; k++)
