@@ -471,7 +471,9 @@ def test_a_cache_in_the_cpu_layout_keeps_the_logits_through_shrink_and_grow(tmp_
     lines, held = [], []
     cached = Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "auto"})
 
-    def between(k, provider, shrink_grow=shrink_at_5_grow_at_8(tmp_path, lines)):
+    shrink_grow = shrink_at_5_grow_at_8(tmp_path, lines)
+
+    def between(k, provider):
         shrink_grow(k, provider)
         if k in (4, len(DECODE) - 1):
             held.append([w for i in range(provider.config.num_layers) for name, w in (provider.cache.spine(i) or {}).items()
