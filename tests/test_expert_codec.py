@@ -128,12 +128,15 @@ def test_trained_model_stays_within_the_measured_budget(trained_stores, codec):
 
 @pytest.mark.parametrize("experts", ["bf16", "int8"])
 def test_trained_model_decodes_the_same_through_the_fused_native_paths(trained_stores, monkeypatch, experts):
-    """A decode on kl-code-tiny (int8 spine; bf16 or int8 experts): all of a layer's routed experts
-    and its shared expert in two native calls gives the logits of the shared expert apart and of the
-    per-expert path bit for bit; MLA's kv_b applied on its
-    stored bytes stays within float32 rounding of decoding it first, with the same greedy tokens."""
-    from deltafin.kernels import experts_cpu
+    """A decode on kl-code-tiny (int8 spine; bf16 or int8 experts): a MoE layer's whole feed-forward half
+    in one native call (where the shared expert is of the routed experts' kind: int8) gives the logits
+    of its norm, router and experts called apart; all of a layer's routed experts and its shared expert
+    in two native calls gives the logits of the shared expert apart and of the per-expert path bit for
+    bit; MLA's kv_b applied on its stored bytes stays within float32 rounding of decoding it first, with
+    the same greedy tokens."""
+    from deltafin.kernels import cpu_native, experts_cpu
     from deltafin.model import mla
+    from deltafin.model.moe import MoE
     base, stores = trained_stores
     m = _load(base if experts == "bf16" else stores["int8"], threads=2)
     ids = m.encode(TEXTS[0])[:24]
@@ -143,13 +146,20 @@ def test_trained_model_decodes_the_same_through_the_fused_native_paths(trained_s
         m.forward(ids[:8], st)
         return torch.cat([m.forward(ids[t:t + 1], st) for t in range(8, len(ids))])
     calls = []
-    for name in ("routed", "routed_and_shared"):
-        real = getattr(experts_cpu, name)
-        monkeypatch.setattr(experts_cpu, name,
-                            lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    fused = decode()
+    for name in ("routed", "routed_and_shared", "moe_block_silu"):
+        where = cpu_native if name == "moe_block_silu" else experts_cpu
+        real = getattr(where, name)
+        monkeypatch.setattr(where, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    whole = decode()
+    assert ("moe_block_silu" in calls) == (experts == "int8")
+    with monkeypatch.context() as p:
+        p.setattr(MoE, "block", lambda *a: None)
+        calls.clear()
+        fused = decode()
+        assert torch.equal(fused, whole)
     assert "routed_and_shared" in calls  # the fused path ran, the shared expert in its calls
     with monkeypatch.context() as p:
+        p.setattr(MoE, "block", lambda *a: None)
         p.setattr(experts_cpu, "routed_and_shared", lambda *a, **k: None)
         assert torch.equal(decode(), fused)  # the shared expert apart
         p.setattr(experts_cpu, "applies", lambda z, e: False)

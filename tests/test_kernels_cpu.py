@@ -1214,9 +1214,66 @@ def test_moe_silu_refuses_what_does_not_fit():
 
 
 @native
+@SIMD
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("T,k,shared", [(1, 4, True), (5, 2, True), (3, 3, False)])
+def test_moe_block_equals_the_norm_router_and_experts_called_apart(kind, T, k, shared, use_simd):
+    """A MoE layer's feed-forward half in one native call against its steps apart (rms_norm,
+    route_sigmoid, moe_silu on the pairs ordered by a stable sort, the sums as the layer adds them):
+    bit for bit, the chosen ids too, whatever the thread count; a bf16 norm and router as well."""
+    H, I, E = 64, 96, 6
+    g = torch.Generator().manual_seed(T * k + 7)
+    mats = [_dense_weights(kind, 2, I, H, seed=10 * e) + _dense_weights(kind, 1, H, I, seed=10 * e + 5)
+            for e in range(E + 1)]
+    table = cpu_native.moe_table([cpu_native.moe_expert(*d) for d in mats[:E]])
+    one = cpu_native.moe_expert(*mats[E]) if shared else None
+    p = torch.randn(T, H, generator=g) * 3
+    for wdtype in (torch.float32, torch.bfloat16):
+        norm = (torch.rand(H, generator=g) + 0.5).to(wdtype)
+        gate = torch.randn(E, H, generator=g).to(wdtype)
+        bias = torch.randn(E, generator=g) * 0.1
+        x = cpu_native.rms_norm(p, norm, 1e-5, use_simd=use_simd)
+        ids, w = cpu_native.route_sigmoid(x, gate, bias, k, True, 2.5, use_simd=use_simd)
+        flat = ids.reshape(-1).tolist()
+        order = sorted(range(len(flat)), key=flat.__getitem__)
+        chosen = sorted(set(flat))
+        y, ys = cpu_native.moe_silu(x, [flat.count(e) for e in chosen], [i // k for i in order],
+                                    w.reshape(-1)[order].contiguous(), [table.experts[e] for e in chosen], one,
+                                    use_simd=use_simd)
+        want = p + (y + (ys if shared else 0.0))
+        for threads in (1, 2, 3):
+            out, got_ids = cpu_native.moe_block_silu(p, norm, 1e-5, gate, bias, k, True, 2.5, table, one,
+                                                     threads=threads, use_simd=use_simd)
+            assert torch.equal(got_ids, ids) and torch.equal(out, want)
+
+
+@native
+def test_moe_block_refuses_what_does_not_fit():
+    H, I, E = 32, 64, 3
+    int8 = [cpu_native.moe_expert(*(_dense_weights("int8", 2, I, H, seed=e) + _dense_weights("int8", 1, H, I, seed=9)))
+            for e in range(E)]
+    bf16 = cpu_native.moe_expert(*(_dense_weights("bf16", 2, I, H, seed=1) + _dense_weights("bf16", 1, H, I, seed=2)))
+    table = cpu_native.moe_table(int8)
+    p, norm, gate, bias = torch.zeros(2, H), torch.ones(H), torch.zeros(E, H), torch.zeros(E)
+    cases = [((p.double(), norm, 1e-5, gate, bias, 2, True, 1.0, table, None), "float32 rows"),
+             ((torch.zeros(2, 16), norm, 1e-5, gate, bias, 2, True, 1.0, table, None), "width 32"),
+             ((p, norm, 1e-5, gate, bias, 2, True, 1.0, table, bf16), "shared"),
+             ((p, torch.ones(H + 1), 1e-5, gate, bias, 2, True, 1.0, table, None), "norm"),
+             ((p, norm, 1e-5, torch.zeros(E + 1, H), bias, 2, True, 1.0, table, None), "gate"),
+             ((p, norm, 1e-5, gate, bias.double(), 2, True, 1.0, table, None), "bias"),
+             ((p, norm, 1e-5, gate, bias, E + 1, True, 1.0, table, None), "picks 1..3")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cpu_native.moe_block_silu(*args)
+    for bad in ([], [int8[0], bf16], [int8[0], "expert"]):
+        with pytest.raises(ValueError, match="one signature"):
+            cpu_native.moe_table(bad)
+
+
+@native
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 def test_a_moe_experts_checks_run_once_per_weights_and_keep_none_of_them_alive(kind, monkeypatch):
-    """experts_cpu._moe_expert checks an expert's weights once (bf16 tensors as QWeights; a decode token
+    """experts_cpu.moe_expert_of checks an expert's weights once (bf16 tensors as QWeights; a decode token
     asks for every chosen expert of every layer): again only when one of the three is another object,
     and what it keeps holds no weight alive and leaves with the first one."""
     import gc
@@ -1236,13 +1293,13 @@ def test_a_moe_experts_checks_run_once_per_weights_and_keep_none_of_them_alive(k
     check = cpu_native.moe_expert
     monkeypatch.setattr(cpu_native, "moe_expert", lambda *d: checks.append(1) or check(*d))
     ws, other = weights(1), weights(3)
-    first = experts_cpu._moe_expert(ws)
-    again = experts_cpu._moe_expert(ws)
+    first = experts_cpu.moe_expert_of(ws)
+    again = experts_cpu.moe_expert_of(ws)
     assert len(checks) == 1 and (again.pointers, again.signature) == (first.pointers, first.signature)
     assert first.pointers[:3] == tuple(codes(w).data_ptr() for w in ws)
-    swapped = experts_cpu._moe_expert((ws[0], other[1], ws[2]))
+    swapped = experts_cpu.moe_expert_of((ws[0], other[1], ws[2]))
     assert len(checks) == 2 and swapped.pointers[1] == codes(other[1]).data_ptr()
-    experts_cpu._moe_expert((ws[0], other[1], ws[2]))
+    experts_cpu.moe_expert_of((ws[0], other[1], ws[2]))
     assert len(checks) == 2
     key, up = id(ws[0]), weakref.ref(other[1])
     del ws, other, first, again, swapped

@@ -373,6 +373,74 @@ def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bi
         assert torch.equal(moe(x, arriving), apart) and len(calls) == 3
 
 
+def test_a_resident_moe_layer_in_one_native_call_computes_and_counts_what_its_calls_apart_do(tiny_kl_path,
+                                                                                            wide_q8_path,
+                                                                                            monkeypatch):
+    """A resident Kimi Linear on the CPU (bf16, and a grouped int8 store) runs each MoE layer's norm,
+    router, experts and sums in one native call (MoE.block): the logits of a prompt, of decode steps and
+    of a batch equal the separate calls' bit for bit, and the pass counts the same experts and bytes. An
+    expert swapped in the held experts is used from the next pass; an observer of the routing sees
+    every MoE layer (the layer then calls its steps apart)."""
+    import deltafin
+    from deltafin.kernels import cpu_native
+    from deltafin.model.moe import MoE
+    from deltafin.runtime.engine import Seq
+    from deltafin.runtime.pass_stats import PassObserver
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels not built")
+    calls = []
+    real = cpu_native.moe_block_silu
+    monkeypatch.setattr(cpu_native, "moe_block_silu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for path in (tiny_kl_path, wide_q8_path):
+        m = deltafin.load(path, device="cpu", stream="off")
+        moe_layers = sum(m.config.is_moe(i) for i in range(m.config.num_layers))
+        ids = torch.randint(3, 400, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+
+        def run():
+            a, b = m.engine.new_state(), m.engine.new_state()
+            out = [m.engine.forward(ids[:6], a)]
+            counts = [(m.engine.last_pass.experts_loaded, m.engine.last_pass.bytes_from_ram)]
+            for t in (6, 7):
+                out.append(m.engine.forward(ids[t:t + 1], a))
+            m.engine.forward(ids[:3], b)
+            out += m.engine.forward_batch([Seq(ids[8:9], a), Seq(ids[3:5], b)])
+            counts.append((m.engine.last_pass.experts_loaded, m.engine.last_pass.bytes_from_ram))
+            return out, counts
+        calls.clear()
+        whole, whole_counts = run()
+        assert len(calls) == 5 * moe_layers  # every pass, every MoE layer
+        with monkeypatch.context() as p:
+            p.setattr(MoE, "block", lambda *a: None)
+            apart, apart_counts = run()
+        assert all(torch.equal(x, y) for x, y in zip(whole, apart)) and whole_counts == apart_counts
+        layer = next(i for i in range(m.config.num_layers) if m.config.is_moe(i))
+        held = m.engine.provider.held_experts(layer)
+        saved = dict(held)
+        try:
+            for e in held:  # every expert of the layer the same: the pass must see the swap
+                held[e] = held[1]
+            calls.clear()
+            swapped, _ = run()
+            with monkeypatch.context() as p:
+                p.setattr(MoE, "block", lambda *a: None)
+                swapped_apart, _ = run()
+            assert calls and all(torch.equal(x, y) for x, y in zip(swapped, swapped_apart))
+            assert not torch.equal(swapped[0], whole[0])
+        finally:
+            held.update(saved)
+
+        class Watch(PassObserver):
+            def __init__(self):
+                self.layers = []
+
+            def on_route(self, layer, ids, x):
+                self.layers.append(layer)
+        calls.clear()
+        with m.engine.observe(Watch()) as watch:
+            m.engine.forward(ids[:2], m.engine.new_state())
+        assert not calls and len(watch.layers) == moe_layers
+
+
 def test_kda_steps_sequences_of_equal_length_together_like_each_alone():
     """Sequences with the same number of new rows step together (adjacent or not, with drafts kept
     for rollback); a long prompt piece goes alone. Each equals that sequence run alone."""

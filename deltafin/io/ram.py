@@ -24,6 +24,11 @@ def expert_in_cpu_layout(weights: tuple) -> tuple:
     return tuple(cpu_layout("expert", w) for w in weights)
 
 
+class HeldExperts(dict):
+    """A layer's experts held in memory, {expert id: (w1, w3, w2)}. What a kernel derives from all of them
+    at once (kernels/experts_cpu.py ``held_table``) is kept on it, so it lives as long as they do."""
+
+
 def done(value) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -48,8 +53,8 @@ class RAMProvider:
         self._globals = spine_in_cpu_layout(self._globals)
         for i in (progress(layers) if progress else layers):
             self._spines[i] = spine_in_cpu_layout(source.read_spine(i))
-            self._experts[i] = ({e: expert_in_cpu_layout(source.read_expert(i, e))
-                                 for e in range(cfg.num_experts)} if cfg.is_moe(i) else {})
+            self._experts[i] = HeldExperts({e: expert_in_cpu_layout(source.read_expert(i, e))
+                                            for e in range(cfg.num_experts)} if cfg.is_moe(i) else {})
         self._spine_bytes = [sum(weight_bytes(w) for w in s.values()) for s in self._spines]
         # counted once here: summing them per expert per layer per pass cost ~8% of a batched pass
         self._expert_bytes = [{e: weight_bytes(w) for e, w in layer.items()} for layer in self._experts]
@@ -76,7 +81,19 @@ class RAMProvider:
     def experts(self, i: int, ids, stats, residual=None) -> Future:
         t0 = time.perf_counter()
         got = {e: self._experts[i][e] for e in chosen_experts(ids)}
-        stats.bytes_from_ram += sum(self._expert_bytes[i][e] for e in got)
-        stats.experts_loaded += len(got)
+        self._count(i, got, stats)
         stats.expert_wait_seconds += time.perf_counter() - t0
         return done(got)
+
+    def held_experts(self, i: int) -> HeldExperts:
+        """Every expert of layer i, for a layer that computes with them before it knows its choice (a
+        resident MoE layer in one native call); it then tells the choice (``count_experts``)."""
+        return self._experts[i]
+
+    def count_experts(self, i: int, ids, stats) -> None:
+        """Account the experts of layer i that a routing chose, as ``experts`` does for what it hands out."""
+        self._count(i, chosen_experts(ids), stats)
+
+    def _count(self, i: int, chosen, stats) -> None:
+        stats.bytes_from_ram += sum(self._expert_bytes[i][e] for e in chosen)
+        stats.experts_loaded += len(chosen)

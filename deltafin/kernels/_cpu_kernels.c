@@ -54,7 +54,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 17
+#define KERNELS_ABI 18
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -2158,6 +2158,70 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
     if (shared) memcpy(y_shared, dn + P * H, (size_t)(T * H) * sizeof *y_shared);
 done:
     free(xg), free(gu), free(dn), free(xs), free(ys), free(m);
+    return rc;
+}
+
+/* A MoE layer's whole feed-forward half for rows p [T, H] of the residual stream, in one call, where every
+   expert lies in memory (Kimi Linear: a sigmoid router without expert groups, SiLU-GLU experts):
+     x = rms_norm(p) * norm_w                     (rms_norm_f32)
+     ids, w = the router's top k of x             (route_sigmoid_f32; ids [T, k] are written out)
+     routed, shared = the chosen experts and the shared expert over x (moe_silu_f32, its pairs ordered
+                      by expert and within one expert by row and slot: a stable sort of the ids)
+     out = p + (routed + shared)                  (shared: zero without one)
+   Each step is the function named, called as the layer's separate calls call it, so `out` equals theirs
+   bit for bit; what goes is the ~150 us a layer of a decode token that the calls, the ordering of the
+   pairs and the additions cost between them. experts_w / experts_scale hold every expert's gate, up and
+   down ([E][3]; scales NULL for bf16), shared_w / shared_scale the shared expert's (NULL for none).
+   Returns 0, -1 when out of memory, -2 for a group that does not fit, -3 for a bad argument. */
+int moe_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w, int norm_bf16, float eps,
+                       const void *gate, int gate_bf16, const float *bias, int64_t E, int64_t k, int renormalize,
+                       float scale, int64_t I, const void *const *experts_w, const void *const *experts_scale,
+                       const void *const *shared_w, const void *const *shared_scale, int is_int8, int64_t group_in,
+                       int64_t group_out, int64_t *ids, float *out, int threads, int use_simd) {
+    if (T < 0 || H <= 0 || I <= 0 || E < 1 || k < 1 || k > E) return -3;
+    if (T == 0) return 0;
+    const int64_t P = T * k, items = E + 1;  /* at most E chosen experts and the shared one */
+    float *x = malloc((size_t)(T * H) * sizeof *x), *wts = malloc((size_t)P * sizeof *wts);
+    float *pair_w = malloc((size_t)P * sizeof *pair_w), *y = malloc((size_t)(2 * T * H) * sizeof *y);
+    int64_t *at = calloc((size_t)(E + 1), sizeof *at), *counts = malloc((size_t)E * sizeof *counts);
+    int64_t *pair_row = malloc((size_t)P * sizeof *pair_row);
+    const void **w = malloc((size_t)(6 * items) * sizeof *w);
+    int rc = -1;
+    if (!x || !wts || !pair_w || !y || !at || !counts || !pair_row || !w) goto done;
+    rms_norm_f32(p, T, H, norm_w, norm_bf16, eps, x, use_simd);
+    rc = route_sigmoid_f32(x, T, H, gate, gate_bf16, bias, E, k, renormalize, scale, ids, wts, use_simd);
+    if (rc) goto done;
+    /* the stable sort by expert: count each expert's pairs, then place the pairs in their order */
+    for (int64_t q = 0; q < P; q++) at[ids[q] + 1]++;
+    int64_t chosen = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (at[e + 1]) {
+            const void *const *ew = experts_w + 3 * e, *const *es = experts_scale + 3 * e;
+            for (int j = 0; j < 3; j++) w[j * items + chosen] = ew[j], w[3 * items + j * items + chosen] = es[j];
+            counts[chosen++] = at[e + 1];
+        }
+        at[e + 1] += at[e];
+    }
+    for (int64_t q = 0; q < P; q++) {
+        const int64_t to = at[ids[q]]++;
+        pair_row[to] = q / k, pair_w[to] = wts[q];
+    }
+    const int shared = shared_w != NULL;
+    /* moe_silu_f32 reads its items' gates, then ups, then downs, with the shared expert after the chosen */
+    void const **ws = malloc((size_t)(6 * (chosen + 1)) * sizeof *ws);
+    if (!ws) { rc = -1; goto done; }
+    const int64_t n = chosen + shared;
+    for (int j = 0; j < 3; j++) {
+        for (int64_t c = 0; c < chosen; c++) ws[j * n + c] = w[j * items + c], ws[3 * n + j * n + c] = w[3 * items + j * items + c];
+        if (shared) ws[j * n + chosen] = shared_w[j], ws[3 * n + j * n + chosen] = shared_scale[j];
+    }
+    rc = moe_silu_f32(x, T, H, I, chosen, counts, pair_row, pair_w, ws, ws + 3 * n, shared, is_int8, group_in,
+                      group_out, y, y + T * H, threads, use_simd);
+    free(ws);
+    if (rc) goto done;
+    for (int64_t i = 0; i < T * H; i++) out[i] = p[i] + (y[i] + (shared ? y[T * H + i] : 0.0f));
+done:
+    free(x), free(wts), free(pair_w), free(y), free(at), free(counts), free(pair_row), free(w);
     return rc;
 }
 

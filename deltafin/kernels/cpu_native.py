@@ -34,7 +34,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 17
+ABI = 18
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -91,6 +91,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moe_silu_f32.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _int, _int, _i64, _i64, _p, _p,
                                      _int, _int]
         lib.moe_silu_f32.restype = _int
+        lib.moe_block_silu_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int, _p, _i64, _i64, _int,
+                                           ctypes.c_float, _i64, _p, _p, _p, _p, _int, _i64, _i64, _p, _p, _int, _int]
+        lib.moe_block_silu_f32.restype = _int
         lib.silu_glu_f32.argtypes = [_p, _p, _p, _i64, _int]
         lib.silu_glu_f32.restype = _int
         lib.rms_norm_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int]
@@ -718,6 +721,65 @@ def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weig
     if rc != 0:
         raise RuntimeError(f"moe_silu failed with code {rc}")
     return y, y_shared
+
+
+@dataclass(frozen=True)
+class MoeTable:
+    """Every expert of a MoE layer (``moe_table``), checked once, with the pointer arrays
+    ``moe_block_silu`` hands the native call: a resident layer's experts are the same every token."""
+    experts: tuple  # the MoeExperts, by expert id (they keep the weights alive)
+    w_ptrs: ctypes.Array  # [E * 3]: each expert's gate, up, down
+    s_ptrs: ctypes.Array
+    signature: tuple
+
+
+def moe_table(experts: list[MoeExpert]) -> MoeTable:
+    """The table of a layer's experts 0..E-1 (each made by ``moe_expert``), all of one signature."""
+    if not experts or any(not isinstance(e, MoeExpert) or e.signature != experts[0].signature for e in experts):
+        raise ValueError("a MoE table needs at least one expert, all made by moe_expert with one signature")
+    return MoeTable(tuple(experts), _array(_p, [p for e in experts for p in e.pointers[:3]]),
+                    _array(_p, [p for e in experts for p in e.pointers[3:]]), experts[0].signature)
+
+
+def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.Tensor, bias: torch.Tensor, k: int,
+                   renormalize: bool, scale: float, table: MoeTable, shared: MoeExpert | None,
+                   threads: int | None = None, use_simd: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's feed-forward half over the residual rows p [T, H] in one native call: p + the routed
+    experts and the shared expert of rms_norm(p) * norm, routed by the sigmoid router (gate [E, H] float32
+    or bf16, bias float32 [E]) to its top k of the table's E experts. Returns (that sum [T, H], the chosen
+    ids [T, k]); equal bit for bit to ``rms_norm``, ``route_sigmoid`` and ``moe_silu`` called in turn and
+    their outputs added as the layer adds them (moe_block_silu_f32 in _cpu_kernels.c)."""
+    lib = _lib_or_raise()
+    if not (p.dim() == 2 and p.dtype == torch.float32 and p.is_contiguous() and p.is_cpu):
+        raise ValueError(f"moe_block_silu needs contiguous CPU float32 rows [T, H], got {p.dtype} {tuple(p.shape)}")
+    T, H = p.shape
+    kind, group_in, group_out, I, width = table.signature
+    E = len(table.experts)
+    if width != H or (shared is not None and shared.signature != table.signature):
+        raise ValueError(f"moe_block_silu: experts reading rows of width {width} (shared: "
+                         f"{None if shared is None else shared.signature}) for rows of width {H}")
+    for t, shape, name in ((norm, (H,), "norm"), (gate, (E, H), "gate")):
+        if not (t.dtype in (torch.float32, torch.bfloat16) and tuple(t.shape) == shape and t.is_contiguous() and t.is_cpu):
+            raise ValueError(f"moe_block_silu needs a contiguous CPU float32 or bf16 {name} {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)}")
+    if not (bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous() and bias.is_cpu):
+        raise ValueError(f"moe_block_silu needs a float32 bias [{E}], got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= k <= E:
+        raise ValueError(f"moe_block_silu picks 1..{E} experts a row, got {k}")
+    out = torch.empty(T, H, dtype=torch.float32)
+    ids = torch.empty(T, k, dtype=torch.int64)
+    shared_w = shared_s = None
+    if shared is not None:
+        shared_w, shared_s = _array(_p, list(shared.pointers[:3])), _array(_p, list(shared.pointers[3:]))
+    rc = lib.moe_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), int(norm.dtype == torch.bfloat16), eps,
+                                gate.data_ptr(), int(gate.dtype == torch.bfloat16), bias.data_ptr(), E, k,
+                                int(renormalize), scale, I, table.w_ptrs, table.s_ptrs, shared_w, shared_s, kind,
+                                group_in, group_out, ids.data_ptr(), out.data_ptr(), _threads(threads), int(use_simd))
+    if rc == -1:
+        raise MemoryError(f"moe_block_silu could not allocate scratch for {T} rows")
+    if rc != 0:
+        raise RuntimeError(f"moe_block_silu failed with code {rc}")
+    return out, ids
 
 
 # The widest KDA head the native decode step takes (KDA_MAX_D in _cpu_kernels.c).

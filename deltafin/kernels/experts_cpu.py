@@ -20,6 +20,8 @@ cost ~250 us a MoE layer of a decode token, and the products' rows and results a
 """
 from __future__ import annotations
 
+import contextlib
+import operator
 import weakref
 from itertools import accumulate
 
@@ -117,7 +119,7 @@ def _moe_silu(z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Ten
         else:
             chosen.append(flat[i])
             counts.append(1)
-    items = [_moe_expert(experts[e]) for e in chosen] + ([_moe_expert(shared)] if shared is not None else [])
+    items = [moe_expert_of(experts[e]) for e in chosen] + ([moe_expert_of(shared)] if shared is not None else [])
     if any(it is None for it in items) or len({it.signature for it in items}) != 1:
         return None
     pair_w = weights.reshape(-1).float().tolist()
@@ -126,7 +128,26 @@ def _moe_silu(z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Ten
                                items[:len(chosen)], items[-1] if shared is not None else None)
 
 
-def _moe_expert(ws: tuple) -> cpu_native.MoeExpert | None:
+def held_table(experts: dict) -> cpu_native.MoeTable | None:
+    """The native table (cpu_native.moe_table) of a layer's experts 0..E-1 held in memory ({id: (w1, w3,
+    w2)}, io.ram.HeldExperts), or None where one of them is not an int8 or bf16 expert of the others'
+    signature. Made once and kept on `experts`, and made again when an entry was swapped (the
+    sensitivity tool re-encodes experts in place): a token checks that each entry is the one it was."""
+    kept = getattr(experts, "moe_table", None)
+    if kept is not None and len(kept[0]) == len(experts) and all(map(operator.is_, kept[0], experts.values())):
+        return kept[1]
+    entries = tuple(experts.values())
+    items = [moe_expert_of(ws) for ws in entries]
+    table = None
+    if list(experts) == list(range(len(items))) and all(it is not None for it in items) \
+            and len({it.signature for it in items}) == 1:
+        table = cpu_native.moe_table(items)
+    with contextlib.suppress(AttributeError):  # a plain dict keeps nothing: made again next time
+        experts.moe_table = (entries, table)
+    return table
+
+
+def moe_expert_of(ws: tuple) -> cpu_native.MoeExpert | None:
     """cpu_native.moe_expert of an expert's weights (w1, w3, w2), None unless all three are int8 or bf16
     weights the native products take; kept by its first weight while the other two are the same
     objects (a decode token asks for each chosen expert in every layer; a caller may swap weights in
@@ -152,7 +173,7 @@ def _moe_expert(ws: tuple) -> cpu_native.MoeExpert | None:
     return item
 
 
-# _moe_expert's checked experts by the id of their first weight, for QWeights and bf16 tensors alike: weak
+# moe_expert_of's checked experts by the id of their first weight, for QWeights and bf16 tensors alike: weak
 # references to the three weights and what the native call reads of them, so an entry keeps no weight alive
 # and leaves with its first weight (an attribute on a tensor would travel with it through torch.save, raw
 # pointers included).

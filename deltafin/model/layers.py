@@ -61,6 +61,9 @@ class DecoderLayer(Bindable):
         else:
             a_in, base = h, h
         p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
+        if not B and isinstance(self.mlp, MoE) and \
+                (out := self.mlp.block(p, self.post_attention_layernorm, eps, fetch)) is not None:
+            return out
         m_in = attn_res(p, blocks, self.mlp_res_proj, self.mlp_res_norm, eps) if B else p
         x = rms_norm(m_in, self.post_attention_layernorm, eps)
         return p + (self.mlp(x, fetch, m_in) if isinstance(self.mlp, MoE) else self.mlp(x))

@@ -64,7 +64,8 @@ def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tup
 # fetch(ids [T, k], x [T, H] (the router's input), residual [T, H] (the stream it came from)) -> a handle
 # whose .result() is {expert_id: (w1, w3, w2)} for the
 # chosen experts, or an ExpertStack of all of them (every expert resident on the device); the handle
-# lets the caller compute the shared expert while the routed experts are being read.
+# lets the caller compute the shared expert while the routed experts are being read. The engine's fetch
+# (runtime.engine.LayerExperts) may also offer every expert at once (``held()``, then ``count(ids)``).
 ExpertFetch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "object"]
 
 
@@ -127,6 +128,33 @@ class MoE(Bindable):
             self.slots(routed_expert_down_proj=(L, H), routed_expert_up_proj=(H, L))
             if cfg.latent_norm:
                 self.slots(routed_expert_norm=(L,))
+
+    def block(self, p: torch.Tensor, norm: torch.Tensor, eps: float, fetch: ExpertFetch) -> torch.Tensor | None:
+        """p + forward(rms_norm(p) * norm) in one native call (cpu_native.moe_block_silu: the norm, the
+        router, the chosen and the shared experts, the sums) where the fetch holds every expert of the
+        layer in memory (a resident model on the CPU, no observer of the routing), the layer is Kimi
+        Linear's kind (sigmoid router without expert groups, SiLU-GLU experts read by the native products,
+        no latent projection) and p is decode-sized float32 rows; else None. The same bits as the
+        separate calls: what goes is the time between them."""
+        c = self.cfg
+        held = getattr(fetch, "held", None)
+        if not (p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 2
+                and p.shape[0] <= cpu_native.GEMV_MAX_ROWS and held is not None and not c.latent_size
+                and c.hidden_act != "situ" and c.router_activation == "sigmoid"
+                and c.num_expert_group <= c.topk_group and cpu_native.available()):
+            return None
+        experts = held()
+        table = experts_cpu.held_table(experts) if experts else None
+        shared = (experts_cpu.moe_expert_of((self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj))
+                  if c.num_shared_experts else None)
+        if table is None or (c.num_shared_experts and (shared is None or shared.signature != table.signature)) \
+                or not all(isinstance(t, torch.Tensor) for t in (self.gate, norm)):
+            return None  # the layer's other paths decide (and say why)
+        out, ids = cpu_native.moe_block_silu(p.contiguous(), norm.contiguous(), eps, self.gate.contiguous(),
+                                             self.e_score_correction_bias.float().contiguous(), c.experts_per_token,
+                                             c.renormalize, c.routed_scaling_factor, table, shared)
+        fetch.count(ids)
+        return out
 
     def forward(self, x: torch.Tensor, fetch: ExpertFetch, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: the router's input (normalized); residual: the residual stream it came from (a

@@ -164,16 +164,9 @@ class Engine:
             return cpu_native.decode_threads(self.row_threads if rows > 1 else one)
         return contextlib.nullcontext()
 
-    def _fetch(self, i: int, stats: PassStats, routes):
+    def _fetch(self, i: int, stats: PassStats, routes) -> "LayerExperts":
         """Layer i's expert fetch (model.moe.ExpertFetch): the provider's read, seen by the observers."""
-        if not routes:
-            return lambda ids, x, residual: self.provider.experts(i, ids, stats, residual)
-
-        def fetch(ids, x, residual):
-            for on_route in routes:
-                on_route(i, ids, x)
-            return self.provider.experts(i, ids, stats, residual)
-        return fetch
+        return LayerExperts(self.provider, i, stats, routes)
 
     def embed(self, ids_t: torch.Tensor) -> torch.Tensor:
         """The rows of the residual stream for token ids (the table stays on the host). They cross to
@@ -236,6 +229,29 @@ class Engine:
         logits = linear(rms_norm(h, g["norm"], cfg.rms_norm_eps), head).float()
         stats.compute_seconds += time.perf_counter() - c0
         return logits
+
+
+class LayerExperts:
+    """A layer's routed experts as its MoE asks for them (model.moe.ExpertFetch): called with a routing,
+    the provider's read of the chosen ones, seen first by the observers (``routes``: their on_route
+    callbacks). ``held()`` offers every expert of the layer at once where the provider holds them all in
+    memory and no observer watches the routing (a routing computed inside a native call is not seen);
+    whoever computes with them tells the choice afterwards (``count``)."""
+
+    def __init__(self, provider, i: int, stats: PassStats, routes):
+        self.provider, self.i, self.stats, self.routes = provider, i, stats, routes
+
+    def __call__(self, ids, x, residual):
+        for on_route in self.routes:
+            on_route(self.i, ids, x)
+        return self.provider.experts(self.i, ids, self.stats, residual)
+
+    def held(self):
+        get = getattr(self.provider, "held_experts", None)
+        return get(self.i) if get is not None and not self.routes else None
+
+    def count(self, ids) -> None:
+        self.provider.count_experts(self.i, ids, self.stats)
 
 
 @dataclass
