@@ -302,3 +302,64 @@ def test_every_simd_level_steps_the_same_values(lower_bound):
         assert all(torch.equal(c, c0) for c, c0 in zip(convs, convs0)), level  # the tails are the inputs
     if "avx2" in results:
         assert torch.equal(results["avx2"][0], o0)  # AVX2 runs the portable per-channel code
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_a_kda_layers_norm_attention_and_sum_in_one_call_equal_the_calls_apart(codec):
+    """KDAttention.block (cpu_native.kda_block: the norm, the projections, the recurrence, the output
+    projection and the residual sum in one native call) against the layer's own calls, for sequences of
+    one and of several rows in one pass: the same outputs, S and conv tails bit for bit. A pass that
+    keeps rollback states, a full-rank gate or float32 projections take the calls apart (None)."""
+    import copy
+
+    from deltafin.kernels import quantize
+    from deltafin.model.ops import rms_norm
+    cfg = kimi_linear_config(4, 32)
+    attn = layer(cfg, 5, torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    norm = (torch.rand(cfg.hidden_size, generator=gen) + 0.5).to(torch.bfloat16)
+    assert attn.block(torch.zeros(1, cfg.hidden_size), norm, 1e-5, [Rows(attn.new_state(torch.float32), 1, False)]) is None
+    names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "f_b_proj", "g_b_proj", "o_proj")
+    bind(attn, {**{n: getattr(attn, n) for n in attn._slot_shapes},
+                **{n: getattr(attn, n).to(torch.bfloat16) if codec == "bf16" else quantize(getattr(attn, n), "int8")
+                   for n in names}})
+    states = []
+    for i in range(2):
+        st = attn.new_state(torch.float32)
+        attn(torch.randn(5 + i, cfg.hidden_size, generator=gen), [Rows(st, 5 + i, False)], 4)
+        states.append(st)
+    h = torch.randn(3, cfg.hidden_size, generator=gen) * 2
+    apart_states = copy.deepcopy(states)
+    whole = attn.block(h, norm, 1e-5, [Rows(states[0], 1, False), Rows(states[1], 2, False)])
+    apart = h + attn(rms_norm(h, norm, 1e-5), [Rows(apart_states[0], 1, False), Rows(apart_states[1], 2, False)], 4)
+    assert torch.equal(whole, apart)
+    for st, ref in zip(states, apart_states):
+        assert torch.equal(st.S, ref.S) and torch.equal(st.conv, ref.conv)
+    assert attn.block(h[:1], norm, 1e-5, [Rows(states[0], 1, True)]) is None
+    full_rank = layer(k3_config(), 3, torch.float32)
+    assert full_rank.block(torch.zeros(1, k3_config().hidden_size), norm[:0], 1e-5,
+                           [Rows(full_rank.new_state(torch.float32), 1, False)]) is None
+
+
+def test_kda_block_refuses_what_does_not_fit():
+    nh, d, K, H = 2, 8, 4, 16
+    D = nh * d
+
+    def bf16(out, n):
+        return torch.zeros(out, n, dtype=torch.bfloat16), None
+    good = dict(h=torch.zeros(1, H), norm=torch.ones(H), eps=1e-5,
+                first=[bf16(D, H), bf16(D, H), bf16(D, H), bf16(nh, H), bf16(d, H), bf16(d, H)],
+                second=[bf16(D, d), bf16(D, d)], o_proj=bf16(H, D), counts=[1], convs=[torch.zeros(3, K - 1, D)],
+                conv_w=(torch.zeros(D, K),) * 3, dt_bias=torch.zeros(D), a_log=torch.zeros(nh), lower_bound=None,
+                o_norm=torch.ones(d), states=[torch.zeros(nh, d, d)])
+    assert torch.equal(cpu_native.kda_block(**good), torch.zeros(1, H))
+    int8 = (torch.zeros(D, d, dtype=torch.int8), torch.ones(D, 1))
+    for change, message in [(dict(h=torch.zeros(1, H, dtype=torch.float64)), "float32 rows"),
+                            (dict(norm=torch.ones(H + 1)), "norm"), (dict(counts=[2]), "rows"),
+                            (dict(first=good["first"][:5]), "first projections"),
+                            (dict(first=[bf16(D, H)] * 6), "first projections"),
+                            (dict(second=[bf16(D, d), int8]), "one kind"),
+                            (dict(o_proj=bf16(H, D + 1)), "output projection"),
+                            (dict(states=[torch.zeros(nh, d, d + 1)]), "KDA step")]:
+        with pytest.raises(ValueError, match=message):
+            cpu_native.kda_block(**{**good, **change})

@@ -373,27 +373,34 @@ def test_shared_expert_rides_in_the_routed_experts_native_calls_with_the_same_bi
         assert torch.equal(moe(x, arriving), apart) and len(calls) == 3
 
 
-def test_a_resident_moe_layer_in_one_native_call_computes_and_counts_what_its_calls_apart_do(tiny_kl_path,
-                                                                                            wide_q8_path,
-                                                                                            monkeypatch):
+def test_a_resident_layers_halves_in_one_native_call_compute_and_count_what_their_calls_apart_do(
+        tiny_kl_path, wide_q8_path, monkeypatch):
     """A resident Kimi Linear on the CPU (bf16, and a grouped int8 store) runs each MoE layer's norm,
-    router, experts and sums in one native call (MoE.block): the logits of a prompt, of decode steps and
-    of a batch equal the separate calls' bit for bit, and the pass counts the same experts and bytes. An
-    expert swapped in the held experts is used from the next pass; an observer of the routing sees
-    every MoE layer (the layer then calls its steps apart)."""
+    router, experts and sums in one native call (MoE.block), and each KDA layer's norm, attention and
+    sum in another (KDAttention.block): the logits of a prompt, of decode steps and of a batch equal the
+    separate calls' bit for bit, and the pass counts the same experts and bytes. An expert swapped in the
+    held experts is used from the next pass; an observer of the routing sees every MoE layer (the layer
+    then calls its steps apart)."""
     import deltafin
     from deltafin.kernels import cpu_native
+    from deltafin.model.kda import KDAttention
     from deltafin.model.moe import MoE
+
+    def apart(p):
+        p.setattr(MoE, "block", lambda *a: None)
+        p.setattr(KDAttention, "block", lambda *a: None)
     from deltafin.runtime.engine import Seq
     from deltafin.runtime.pass_stats import PassObserver
     if not cpu_native.available():
         pytest.skip("native CPU kernels not built")
-    calls = []
-    real = cpu_native.moe_block_silu
+    calls, kda_calls = [], []
+    real, real_kda = cpu_native.moe_block_silu, cpu_native.kda_block
     monkeypatch.setattr(cpu_native, "moe_block_silu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_native, "kda_block", lambda *a, **k: kda_calls.append(1) or real_kda(*a, **k))
     for path in (tiny_kl_path, wide_q8_path):
         m = deltafin.load(path, device="cpu", stream="off")
         moe_layers = sum(m.config.is_moe(i) for i in range(m.config.num_layers))
+        kda_layers = len(m.config.kda_layers)
         ids = torch.randint(3, 400, (9,), generator=torch.Generator().manual_seed(2)).tolist()
 
         def run():
@@ -406,13 +413,13 @@ def test_a_resident_moe_layer_in_one_native_call_computes_and_counts_what_its_ca
             out += m.engine.forward_batch([Seq(ids[8:9], a), Seq(ids[3:5], b)])
             counts.append((m.engine.last_pass.experts_loaded, m.engine.last_pass.bytes_from_ram))
             return out, counts
-        calls.clear()
+        calls.clear(), kda_calls.clear()
         whole, whole_counts = run()
-        assert len(calls) == 5 * moe_layers  # every pass, every MoE layer
+        assert len(calls) == 5 * moe_layers and len(kda_calls) == 5 * kda_layers  # every pass, every such layer
         with monkeypatch.context() as p:
-            p.setattr(MoE, "block", lambda *a: None)
-            apart, apart_counts = run()
-        assert all(torch.equal(x, y) for x, y in zip(whole, apart)) and whole_counts == apart_counts
+            apart(p)
+            separate, separate_counts = run()
+        assert all(torch.equal(x, y) for x, y in zip(whole, separate)) and whole_counts == separate_counts
         layer = next(i for i in range(m.config.num_layers) if m.config.is_moe(i))
         held = m.engine.provider.held_experts(layer)
         saved = dict(held)
@@ -422,7 +429,7 @@ def test_a_resident_moe_layer_in_one_native_call_computes_and_counts_what_its_ca
             calls.clear()
             swapped, _ = run()
             with monkeypatch.context() as p:
-                p.setattr(MoE, "block", lambda *a: None)
+                apart(p)
                 swapped_apart, _ = run()
             assert calls and all(torch.equal(x, y) for x, y in zip(swapped, swapped_apart))
             assert not torch.equal(swapped[0], whole[0])

@@ -54,7 +54,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 18
+#define KERNELS_ABI 19
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -2684,6 +2684,58 @@ int kda_steps_f32(int64_t B, const int64_t *offsets, const float *xin, float *co
     if (rows * nh * d * d < MIN_WEIGHTS_PER_THREAD / 4) t = 1;  /* little work: waking a thread costs more */
     run_parallel(run_kda_heads, &st, 0, t < 1 ? 1 : (int)t);
     return 0;
+}
+
+/* A KDA layer's attention half for the rows h [T, H] of B sequences in one call (a resident Kimi Linear
+   layer on the CPU: low-rank decay and gate):
+     x = rms_norm(h) * norm_w                                   (rms_norm_f32)
+     q, k, v, beta, f_a, g_a = x @ W_i^T for w1[0..5]           (dense_gemv_outs_f32: one kind, out sizes
+                                                                 D, D, D, nh, d, d)
+     r, gate = f_a @ w2[0]^T, g_a @ w2[1]^T                     (dense_gemv_items_f32: [D, d] each)
+     o = every sequence's recurrence over its rows              (kda_steps_f32, xin = q | k | v a row)
+     out = h + o @ wo^T                                         (dense_gemv_outs_f32 with one weight)
+   Each step is the function named, called as the layer's separate calls call it, so `out` and the
+   states equal theirs bit for bit; what goes is the time between the calls (~300 us a layer of a
+   decode token). Returns 0, -1 when out of memory, -2 for a group that does not fit, or what
+   kda_steps_f32 returns. */
+int kda_block_f32(const float *h, int64_t T, int64_t H, const void *norm_w, int norm_bf16, float eps,
+                  const void *const *w1, const void *const *s1, int kind1, int64_t group1,
+                  const void *const *w2, const void *const *s2, int kind2, int64_t group2,
+                  const void *wo, const void *so, int kindo, int64_t groupo,
+                  int64_t B, const int64_t *offsets, float *const *conv, const void *const *conv_w, int conv_bf16,
+                  const void *dt_bias, int dt_bf16, const void *a_log, int a_bf16, int bounded, float lower_bound,
+                  const void *o_norm, int o_norm_bf16, float *const *S, int64_t nh, int64_t d, int64_t K,
+                  float *out, int threads, int use_simd) {
+    if (T < 1 || H < 1 || nh < 1 || d < 1 || B < 1 || offsets[B] != T) return -3;
+    const int64_t D = nh * d;
+    const int64_t sizes[6] = {D, D, D, nh, d, d}, one_out[1] = {H};
+    float *x = malloc((size_t)(T * H) * sizeof *x), *first = malloc((size_t)(T * (3 * D + nh + 2 * d)) * sizeof *first);
+    float *xin = malloc((size_t)(T * 3 * D) * sizeof *xin), *rg = malloc((size_t)(2 * T * D) * sizeof *rg);
+    float *o = malloc((size_t)(T * D) * sizeof *o), *y = malloc((size_t)(T * H) * sizeof *y);
+    int rc = -1;
+    if (!x || !first || !xin || !rg || !o || !y) goto done;
+    rms_norm_f32(h, T, H, norm_w, norm_bf16, eps, x, use_simd);
+    float *ys[6];
+    for (int i = 0, at = 0; i < 6; at += (int)(T * sizes[i]), i++) ys[i] = first + at;
+    rc = dense_gemv_outs_f32(x, T, w1, s1, ys, 6, sizes, H, kind1, group1, threads, use_simd);
+    if (rc) goto done;
+    for (int64_t t = 0; t < T; t++)  /* xin [T, 3, D]: a row's q, k and v side by side */
+        for (int w = 0; w < 3; w++) memcpy(xin + (t * 3 + w) * D, ys[w] + t * D, (size_t)D * sizeof *xin);
+    const float *low[2] = {ys[4], ys[5]};
+    float *rg_out[2] = {rg, rg + T * D};
+    const int64_t rows[2] = {T, T};
+    rc = dense_gemv_items_f32(low, rows, w2, s2, rg_out, 2, D, d, kind2, group2, threads, use_simd);
+    if (rc) goto done;
+    rc = kda_steps_f32(B, offsets, xin, conv, conv_w, conv_bf16, rg, dt_bias, dt_bf16, a_log, a_bf16, ys[3], bounded,
+                       lower_bound, rg + T * D, o_norm, o_norm_bf16, eps, S, o, nh, d, K, threads);
+    if (rc) goto done;
+    float *yo[1] = {y};
+    rc = dense_gemv_outs_f32(o, T, &wo, &so, yo, 1, one_out, D, kindo, groupo, threads, use_simd);
+    if (rc) goto done;
+    for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + y[i];
+done:
+    free(x), free(first), free(xin), free(rg), free(o), free(y);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ MLA decode attention */

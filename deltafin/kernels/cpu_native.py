@@ -34,7 +34,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 18
+ABI = 19
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -94,6 +94,10 @@ def _library() -> ctypes.CDLL | None:
         lib.moe_block_silu_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int, _p, _i64, _i64, _int,
                                            ctypes.c_float, _i64, _p, _p, _p, _p, _int, _i64, _i64, _p, _p, _int, _int]
         lib.moe_block_silu_f32.restype = _int
+        lib.kda_block_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _p, _int, _i64, _p, _p, _int, _i64,
+                                      _p, _p, _int, _i64, _i64, _p, _p, _p, _int, _p, _int, _p, _int, _int,
+                                      ctypes.c_float, _p, _int, _p, _i64, _i64, _i64, _p, _int, _int]
+        lib.kda_block_f32.restype = _int
         lib.silu_glu_f32.argtypes = [_p, _p, _p, _i64, _int]
         lib.silu_glu_f32.restype = _int
         lib.rms_norm_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int]
@@ -809,6 +813,44 @@ def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
     Returns the gated, normalized outputs float32 [T, nh, d]; a sequence's rows do not depend on the
     other sequences in the call."""
     lib = _lib_or_raise()
+    step = _kda_step(counts, convs, conv_w, dt_bias, a_log, lower_bound, o_norm, states)
+    T, nh, d, D = step.rows, step.nh, step.d, step.nh * step.d
+    for t, shape, name in ((xin, (T, 3, D), "xin"), (r, (T, D), "r"), (b, (T, nh), "b"), (gate, (T, D), "gate")):
+        if _f32_or_bf16(t, shape, name):
+            raise ValueError(f"KDA step: {name} must be float32, got bf16")
+    o = torch.empty(T, nh, d, dtype=torch.float32)
+    rc = lib.kda_steps_f32(
+        len(states), step.offsets, xin.data_ptr(), step.convs, step.conv_w, step.conv_bf16, r.data_ptr(),
+        dt_bias.data_ptr(), step.dt_bf16, a_log.data_ptr(), step.a_bf16, b.data_ptr(), int(lower_bound is not None),
+        0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(), o_norm.data_ptr(), step.norm_bf16,
+        float(eps), step.states, o.data_ptr(), nh, d, step.K, _threads(threads))
+    if rc != 0:
+        raise RuntimeError(f"KDA step failed with code {rc}")
+    return o
+
+
+@dataclass(frozen=True)
+class _KdaStep:
+    """A KDA layer's state and small weights checked for the native step: the arrays it reads them by."""
+    rows: int
+    nh: int
+    d: int
+    K: int
+    offsets: ctypes.Array
+    convs: ctypes.Array
+    states: ctypes.Array
+    conv_w: ctypes.Array
+    conv_bf16: int
+    dt_bf16: int
+    a_bf16: int
+    norm_bf16: int
+
+
+def _kda_step(counts: list[int], convs: list[torch.Tensor], conv_w: tuple, dt_bias: torch.Tensor,
+              a_log: torch.Tensor, lower_bound: float | None, o_norm: torch.Tensor,
+              states: list[torch.Tensor]) -> _KdaStep:
+    """The checks of ``kda_steps``' states and small weights (what keeps a wrong pointer out of C), and
+    their arrays."""
     B = len(states)
     if B == 0 or len(convs) != B or len(counts) != B or any(n < 1 for n in counts):
         raise ValueError(f"KDA step: needs a conv tail and at least one row per state, got {len(convs)} "
@@ -826,24 +868,65 @@ def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
     for S, conv in zip(states, convs):  # each sequence's state: written in place, so checked whole
         _f32_state(S, (nh, d, d), "S")
         _f32_state(conv, (3, K - 1, D), "conv")
-    T = sum(counts)
-    for t, shape, name in ((xin, (T, 3, D), "xin"), (r, (T, D), "r"), (b, (T, nh), "b"), (gate, (T, D), "gate")):
-        if _f32_or_bf16(t, shape, name):
-            raise ValueError(f"KDA step: {name} must be float32, got bf16")
     kinds = {_f32_or_bf16(w, (D, K), "conv weight") for w in conv_w}
     if len(kinds) != 1:
         raise ValueError("KDA step: the three conv weights must have one dtype")
-    o = torch.empty(T, nh, d, dtype=torch.float32)
-    rc = lib.kda_steps_f32(
-        B, (_i64 * (B + 1))(*accumulate(counts, initial=0)), xin.data_ptr(), (_p * B)(*(c.data_ptr() for c in convs)),
-        (_p * 3)(*(w.data_ptr() for w in conv_w)), kinds.pop(), r.data_ptr(), dt_bias.data_ptr(),
-        _f32_or_bf16(dt_bias, (D,), "dt_bias"), a_log.data_ptr(), _f32_or_bf16(a_log, (nh,), "A_log"), b.data_ptr(),
-        int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(),
-        o_norm.data_ptr(), _f32_or_bf16(o_norm, (d,), "o_norm"), float(eps), (_p * B)(*(S.data_ptr() for S in states)),
-        o.data_ptr(), nh, d, K, _threads(threads))
+    return _KdaStep(sum(counts), nh, d, K, (_i64 * (B + 1))(*accumulate(counts, initial=0)),
+                    (_p * B)(*(c.data_ptr() for c in convs)), (_p * B)(*(S.data_ptr() for S in states)),
+                    (_p * 3)(*(w.data_ptr() for w in conv_w)), kinds.pop(), _f32_or_bf16(dt_bias, (D,), "dt_bias"),
+                    _f32_or_bf16(a_log, (nh,), "A_log"), _f32_or_bf16(o_norm, (d,), "o_norm"))
+
+
+def kda_block(h: torch.Tensor, norm: torch.Tensor, eps: float, first: list[tuple], second: list[tuple], o_proj: tuple,
+              counts: list[int], convs: list[torch.Tensor], conv_w: tuple, dt_bias: torch.Tensor, a_log: torch.Tensor,
+              lower_bound: float | None, o_norm: torch.Tensor, states: list[torch.Tensor],
+              threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
+    """A KDA layer's attention half over the residual rows h [T, H] of B sequences in one native call:
+    h + o_proj(the recurrence of (rms_norm(h) * norm)'s projections), where first holds the (weight,
+    scale) of q, k, v, beta and the decay's and the gate's first low-rank halves (one kind, ``native_dense``'s
+    pairs), second the two second halves, o_proj the output projection; the rest as ``kda_steps`` takes
+    it (states updated in place). Equal bit for bit to ``rms_norm``, ``dense_gemv_outs``,
+    ``dense_gemv_items``, ``kda_steps`` and ``dense_gemv`` called in turn and added as the layer adds
+    them (kda_block_f32 in _cpu_kernels.c)."""
+    lib = _lib_or_raise()
+    if not (h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() and h.is_cpu):
+        raise ValueError(f"kda_block needs contiguous CPU float32 rows [T, H], got {h.dtype} {tuple(h.shape)}")
+    T, H = h.shape
+    step = _kda_step(counts, convs, conv_w, dt_bias, a_log, lower_bound, o_norm, states)
+    nh, d = step.nh, step.d
+    D = nh * d
+    if step.rows != T:
+        raise ValueError(f"kda_block: the sequences' rows {counts} are not the {T} rows of h")
+    if not (norm.dtype in (torch.float32, torch.bfloat16) and tuple(norm.shape) == (H,) and norm.is_contiguous()
+            and norm.is_cpu):
+        raise ValueError(f"kda_block needs a contiguous CPU float32 or bf16 norm [{H}], got {norm.dtype} "
+                         f"{list(norm.shape)}")
+    groups = []
+    for ws, outs, n, name in ((first, (D, D, D, nh, d, d), H, "first projections"), (second, (D, D), d, "second halves"),
+                              ([o_proj], (H,), D, "output projection")):
+        if len(ws) != len(outs) or any(tuple(w.shape) != (out, n) for (w, _), out in zip(ws, outs)):
+            raise ValueError(f"kda_block: the {name} must be {len(outs)} weights [out, {n}] with outputs {list(outs)}, "
+                             f"got {[tuple(w.shape) for w, _ in ws]}")
+        checked = {_dense_weights([w], [s]) for w, s in ws}
+        if len(checked) != 1:
+            raise ValueError(f"kda_block: the {name} must be of one kind (and one int8 group size)")
+        groups.append((_array(_p, [w.data_ptr() for w, _ in ws]), _array(_p, [0 if s is None else s.data_ptr() for _, s in ws]),
+                       *checked.pop()))
+    out = torch.empty(T, H, dtype=torch.float32)
+    (w1, s1, k1, g1), (w2, s2, k2, g2), (wo, so, ko, go) = groups
+    rc = lib.kda_block_f32(h.data_ptr(), T, H, norm.data_ptr(), int(norm.dtype == torch.bfloat16), float(eps),
+                           w1, s1, k1, g1, w2, s2, k2, g2, wo[0], so[0], ko, go, len(states), step.offsets, step.convs,
+                           step.conv_w, step.conv_bf16, dt_bias.data_ptr(), step.dt_bf16, a_log.data_ptr(), step.a_bf16,
+                           int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound),
+                           o_norm.data_ptr(), step.norm_bf16, step.states, nh, d, step.K, out.data_ptr(),
+                           _threads(threads), int(use_simd))
+    if rc == -1:
+        raise MemoryError(f"kda_block could not allocate scratch for {T} rows")
+    if rc == -2:
+        raise ValueError("kda_block: an int8 group size does not fit its weight")
     if rc != 0:
-        raise RuntimeError(f"KDA step failed with code {rc}")
-    return o
+        raise RuntimeError(f"kda_block failed with code {rc}")
+    return out
 
 
 def _f32_state(t: torch.Tensor, shape: tuple, name: str) -> None:

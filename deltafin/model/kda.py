@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_native
+from ..kernels.linear import dense_kind, native_dense
 from .binding import Bindable
 from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm, triton_kernels
 from .kda_recurrence import (fused_decode_available, fused_prompt_available, kda_decode_fused, kda_prompt,
@@ -82,6 +83,29 @@ class KDAttention(Bindable):
         if _native_steps(x, parts, self.cfg.kda_head_dim):
             return self._native_forward(x, parts)
         return self._torch_forward(x, parts, chunk)
+
+    def block(self, h: torch.Tensor, norm: torch.Tensor, eps: float, parts: list[Rows]) -> torch.Tensor | None:
+        """h + forward(rms_norm(h) * norm) in one native call (cpu_native.kda_block: the norm, the
+        projections, the recurrence, the output projection, the sum) for decode-sized rows on the CPU that
+        the native step takes (_native_steps), with the low-rank decay and gate, int8 or bf16 projections of
+        one kind a call as the separate calls group them, and no sequence keeping rollback states (a draft
+        check keeps its inputs for them: forward does); else None. The same bits as the separate calls."""
+        c = self.cfg
+        if (c.kda_full_rank_gate or h.dim() != 2 or h.shape[0] > cpu_native.GEMV_MAX_ROWS
+                or any(keep for _, _, keep in parts) or not isinstance(norm, torch.Tensor)
+                or not _native_steps(h, parts, c.kda_head_dim)):
+            return None
+        first = [native_dense(w) for w in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj,
+                                           self.g_a_proj)]
+        second = [native_dense(w) for w in (self.f_b_proj, self.g_b_proj)]
+        out = native_dense(self.o_proj)
+        if out is None or any(d is None for d in first + second) \
+                or any(len({dense_kind(d) for d in ds}) != 1 for ds in (first, second)):
+            return None
+        return cpu_native.kda_block(h.contiguous(), norm.contiguous(), eps, first, second, out,
+                                    [n for _, n, _ in parts], [st.conv for st, _, _ in parts],
+                                    (self.q_conv, self.k_conv, self.v_conv), self.dt_bias, self.A_log,
+                                    c.kda_gate_lower_bound, self.o_norm, [st.S for st, _, _ in parts])
 
     def _torch_forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         c = self.cfg

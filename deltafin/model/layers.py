@@ -60,7 +60,11 @@ class DecoderLayer(Bindable):
                 base = h
         else:
             a_in, base = h, h
-        p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
+        # A KDA layer's norm, attention and sum in one native call where it runs (KDAttention.block)
+        p = self.self_attn.block(h, self.input_layernorm, eps, parts) \
+            if not B and isinstance(self.self_attn, KDAttention) else None
+        if p is None:
+            p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
         if not B and isinstance(self.mlp, MoE) and \
                 (out := self.mlp.block(p, self.post_attention_layernorm, eps, fetch)) is not None:
             return out
