@@ -621,15 +621,7 @@ def route_sigmoid(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: in
     if not (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu):
         raise ValueError(f"route_sigmoid needs contiguous CPU float32 rows [T, H], got {x.dtype} {tuple(x.shape)}")
     T, H = x.shape
-    if not (gate.dim() == 2 and gate.shape[1] == H and gate.dtype in (torch.float32, torch.bfloat16)
-            and gate.is_contiguous() and gate.is_cpu):
-        raise ValueError(f"route_sigmoid needs a contiguous CPU float32 or bf16 gate [E, {H}], got {gate.dtype} "
-                         f"{tuple(gate.shape)}")
-    E = gate.shape[0]
-    if not (bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous() and bias.is_cpu):
-        raise ValueError(f"route_sigmoid needs a float32 bias [{E}], got {bias.dtype} {tuple(bias.shape)}")
-    if not 1 <= k <= E:
-        raise ValueError(f"route_sigmoid picks 1..{E} experts a row, got {k}")
+    E = _check_router("route_sigmoid", gate, gate.shape[0] if gate.dim() == 2 else -1, H, bias, k)
     ids = torch.empty(T, k, dtype=torch.int64)
     w = torch.empty(T, k, dtype=torch.float32)
     rc = lib.route_sigmoid_f32(x.data_ptr(), T, H, gate.data_ptr(), int(gate.dtype == torch.bfloat16),
@@ -640,6 +632,20 @@ def route_sigmoid(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: in
     if rc != 0:
         raise RuntimeError(f"route_sigmoid failed with code {rc}")
     return ids, w
+
+
+def _check_router(who: str, gate: torch.Tensor, E: int, H: int, bias: torch.Tensor, k: int) -> int:
+    """The checks of a sigmoid router's gate (contiguous CPU float32 or bf16 [E, H]), bias (float32 [E])
+    and k (1..E); returns E."""
+    if not (gate.dtype in (torch.float32, torch.bfloat16) and tuple(gate.shape) == (E, H) and gate.is_contiguous()
+            and gate.is_cpu):
+        raise ValueError(f"{who} needs a contiguous CPU float32 or bf16 gate [{E}, {H}], got {gate.dtype} "
+                         f"{tuple(gate.shape)}")
+    if not (bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous() and bias.is_cpu):
+        raise ValueError(f"{who} needs a float32 bias [{E}], got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= k <= E:
+        raise ValueError(f"{who} picks 1..{E} experts a row, got {k}")
+    return E
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor, use_simd: bool = True) -> torch.Tensor:
@@ -762,14 +768,11 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
     if width != H or (shared is not None and shared.signature != table.signature):
         raise ValueError(f"moe_block_silu: experts reading rows of width {width} (shared: "
                          f"{None if shared is None else shared.signature}) for rows of width {H}")
-    for t, shape, name in ((norm, (H,), "norm"), (gate, (E, H), "gate")):
-        if not (t.dtype in (torch.float32, torch.bfloat16) and tuple(t.shape) == shape and t.is_contiguous() and t.is_cpu):
-            raise ValueError(f"moe_block_silu needs a contiguous CPU float32 or bf16 {name} {list(shape)}, got "
-                             f"{t.dtype} {list(t.shape)}")
-    if not (bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous() and bias.is_cpu):
-        raise ValueError(f"moe_block_silu needs a float32 bias [{E}], got {bias.dtype} {tuple(bias.shape)}")
-    if not 1 <= k <= E:
-        raise ValueError(f"moe_block_silu picks 1..{E} experts a row, got {k}")
+    if not (norm.dtype in (torch.float32, torch.bfloat16) and tuple(norm.shape) == (H,) and norm.is_contiguous()
+            and norm.is_cpu):
+        raise ValueError(f"moe_block_silu needs a contiguous CPU float32 or bf16 norm [{H}], got {norm.dtype} "
+                         f"{list(norm.shape)}")
+    _check_router("moe_block_silu", gate, E, H, bias, k)
     out = torch.empty(T, H, dtype=torch.float32)
     ids = torch.empty(T, k, dtype=torch.int64)
     shared_w = shared_s = None
