@@ -40,7 +40,9 @@ layer's spine, ``experts_per_token`` random experts per MoE layer, the head) whe
 native call that only loads and sums their bytes (best of 3 passes, probed immediately before and
 immediately after the decode, like the disk; ``ram_read`` has both probes and their spread).
 ``ram_limit_tok_s`` = ram_read_gbps / weight bytes per token is the tok/s that reading the
-weights alone allows, and ``decode_vs_ram_limit`` the share of it the decode reached.
+weights alone allows, ``decode_vs_ram_limit`` the share of it the decode reached,
+``decode_vs_ram_limit_range`` the same against the faster and the slower probe, and ``ram_limit_note``
+explains a decode that read faster than either probe (see ``ram_limit``).
 
 A model split across ranks (``torchrun ... -m deltafin bench``, docs/distributed.md): the figures
 above are rank 0's (its layers and the head; the probes read its layers only), and ``dist`` has the
@@ -200,19 +202,35 @@ def disk_limit(tok_s: float, read_bytes_per_token: float, raw: dict | None) -> d
     ``limit_note`` saying so: a share above 1 then says that the probes understate the disk under this
     run's conditions (reads the page cache of a memory group served, a device's own cache, the probes'
     drift), not that the decode beat the disk."""
-    if not raw or read_bytes_per_token <= 0:
+    return _limit(tok_s, read_bytes_per_token, raw, "from the model's files", "the disk",
+                  "(the page cache of a memory group, a device cache, or drift), so decode_vs_limit above 1 is the "
+                  "probe's error, not a decode faster than the disk")
+
+
+def ram_limit(tok_s: float, bytes_per_token: float, ram: dict | None) -> dict:
+    """``disk_limit`` for a model in RAM: the tok/s reading a token's weights at the memory probes' mean
+    rate allows (``limit_tok_s``), the share reached, its range against the faster and the slower probe,
+    and a note when the decode read faster than either probe: the machine's memory moved between the
+    probes and the decode (other tenants of a shared host), so the share says as much of the host as of
+    the decode."""
+    return _limit(tok_s, bytes_per_token, ram, "its weights", "memory",
+                  "(the host's memory bandwidth moved between the probes and the decode), so a share near or above "
+                  "1 is the probes' error, not a decode faster than memory")
+
+
+def _limit(tok_s: float, bytes_per_token: float, probes: dict | None, read: str, tier: str, why: str) -> dict:
+    if not probes or bytes_per_token <= 0:
         return {"limit_tok_s": None, "decode_vs_limit": None, "decode_vs_limit_range": None, "limit_note": None}
-    limit = raw["gbps"] * GB / read_bytes_per_token
-    share = lambda gbps: tok_s * read_bytes_per_token / (gbps * GB) if gbps > 0 else None  # noqa: E731
-    achieved = tok_s * read_bytes_per_token / GB
+    limit = probes["gbps"] * GB / bytes_per_token
+    share = lambda gbps: tok_s * bytes_per_token / (gbps * GB) if gbps > 0 else None  # noqa: E731
+    achieved = tok_s * bytes_per_token / GB
     note = None
-    if achieved > raw["max_gbps"]:
-        note = (f"the decode read {achieved:.2f} GB/s from the model's files, faster than either probe "
-                f"({raw['min_gbps']:.2f}-{raw['max_gbps']:.2f} GB/s): the probes understate the disk in this run "
-                "(the page cache of a memory group, a device cache, or drift), so decode_vs_limit above 1 is the "
-                "probe's error, not a decode faster than the disk")
+    if achieved > probes["max_gbps"]:
+        note = (f"the decode read {achieved:.2f} GB/s {read}, faster than either probe "
+                f"({probes['min_gbps']:.2f}-{probes['max_gbps']:.2f} GB/s): the probes understate {tier} in this run "
+                + why)
     return {"limit_tok_s": limit, "decode_vs_limit": tok_s / limit,
-            "decode_vs_limit_range": [share(raw["max_gbps"]), share(raw["min_gbps"])], "limit_note": note}
+            "decode_vs_limit_range": [share(probes["max_gbps"]), share(probes["min_gbps"])], "limit_note": note}
 
 
 def machine_info(settings: Settings) -> dict:
@@ -345,7 +363,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     disk = disk_limit(d["tokens"] / decode_seconds, d["read_bytes_per_token"], raw)
     limit = disk["limit_tok_s"]
     ram = raw_read_summary(ram_probes) if ram_probes else None
-    ram_limit = ram["gbps"] * GB / d["bytes_per_token"] if ram and d["bytes_per_token"] > 0 else None
+    in_ram = ram_limit(d["tokens"] / decode_seconds, d["bytes_per_token"], ram)
     sizes = ModelSizes.of(model.source)
     out = {
         "model": str(path),
@@ -385,8 +403,10 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         "decode_vs_limit_range": disk["decode_vs_limit_range"],
         "limit_note": disk["limit_note"],
         "ram_read_gbps": ram["gbps"] if ram else None,
-        "ram_limit_tok_s": ram_limit,
-        "decode_vs_ram_limit": d["tokens"] / decode_seconds / ram_limit if ram_limit else None,
+        "ram_limit_tok_s": in_ram["limit_tok_s"],
+        "decode_vs_ram_limit": in_ram["decode_vs_limit"],
+        "decode_vs_ram_limit_range": in_ram["decode_vs_limit_range"],
+        "ram_limit_note": in_ram["limit_note"],
         "ram_read": ram,
         "bytes_by_source_per_token": d["bytes_by_source_per_token"],
         "prefill_bytes_by_source": {name: sum(getattr(p, field) for p in prefill) for name, field in SOURCES}
@@ -739,7 +759,11 @@ def format_table(r: dict) -> str:
         rows.append(("limit", f"{r['ram_limit_tok_s']:.2f} tok/s set by memory: {r['threads']} threads read the "
                               f"weights at {r['ram_read_gbps']:.1f} GB/s (probes before / after decode "
                               + " / ".join(f"{p['gbps']:.1f}" for p in ram["probes"])
-                              + f"); decode reached {r['decode_vs_ram_limit'] * 100:.0f}%"))
+                              + f"); decode reached {r['decode_vs_ram_limit'] * 100:.0f}%, "
+                              + "-".join(f"{x * 100:.0f}" for x in r["decode_vs_ram_limit_range"])
+                              + "% against the faster and the slower probe"))
+        if r["ram_limit_note"]:
+            rows.append(("note", r["ram_limit_note"]))
     else:
         lo, hi = r["decode_vs_limit_range"] or (None, None)
         rows.append(("limit", f"{r['limit_tok_s']:.2f} tok/s set by the disk (decode reached "

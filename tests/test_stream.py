@@ -244,6 +244,7 @@ def test_bench_cli_json(tiny_k3_path, capsys):
     # Which numerics produced the figures: the synthetic folder has only the exact bf16 spine.
     assert (r["spine"], r["spine_exact"], r["product_dtype"], r["threads"]) == ("bf16", True, "float32", 1)
     assert r["ram_read"] is None and r["ram_read_gbps"] is r["ram_limit_tok_s"] is r["decode_vs_ram_limit"] is None
+    assert r["decode_vs_ram_limit_range"] is r["ram_limit_note"] is None
     from deltafin.bench import format_table
     assert "probes before / after decode" in format_table(r) and "spine bf16 (exact)" in format_table(r)
 
@@ -258,6 +259,19 @@ def test_disk_limit_explains_a_decode_faster_than_its_probes():
     assert beyond["decode_vs_limit"] == pytest.approx(1.68) and "2.10 GB/s" in beyond["limit_note"]
     assert "1.20-1.30 GB/s" in beyond["limit_note"]
     assert disk_limit(5.0, 0, raw)["limit_tok_s"] is None and disk_limit(5.0, 1e6, None)["limit_note"] is None
+
+
+def test_ram_limit_gives_its_range_and_explains_a_decode_faster_than_its_probes():
+    """The memory bound as the disk's: the share against the mean probe and against each, and a note
+    when the decode read faster than either probe (the host's memory moved between them)."""
+    from deltafin.bench import ram_limit
+    ram = {"gbps": 20.0, "min_gbps": 15.0, "max_gbps": 25.0}
+    within = ram_limit(16.0, 1e9, ram)  # the decode read 16 GB/s
+    assert within["limit_tok_s"] == pytest.approx(20.0) and within["decode_vs_limit"] == pytest.approx(0.8)
+    assert within["decode_vs_limit_range"] == pytest.approx([16 / 25, 16 / 15]) and within["limit_note"] is None
+    beyond = ram_limit(26.0, 1e9, ram)
+    assert "26.00 GB/s its weights" in beyond["limit_note"] and "15.00-25.00 GB/s" in beyond["limit_note"]
+    assert "memory" in beyond["limit_note"] and ram_limit(5.0, 1e9, None)["limit_tok_s"] is None
 
 
 def test_bench_in_ram_neither_evicts_nor_probes_the_disk(tiny_k3_path, capsys):
@@ -288,6 +302,9 @@ def test_bench_in_ram_bounds_decode_by_reading_the_weights(tiny_k3_path, capsys)
     assert r["ram_read_gbps"] == ram["gbps"] == pytest.approx(sum(rates) / 2) and ram["gbps"] > 0
     assert r["ram_limit_tok_s"] == pytest.approx(r["ram_read_gbps"] * 1e9 / r["bytes_per_token"])
     assert r["decode_vs_ram_limit"] == pytest.approx(r["decode_tok_s"] / r["ram_limit_tok_s"])
+    fast, slow = max(rates), min(rates)
+    assert r["decode_vs_ram_limit_range"] == pytest.approx([r["decode_vs_ram_limit"] * ram["gbps"] / fast,
+                                                            r["decode_vs_ram_limit"] * ram["gbps"] / slow])
     from deltafin.bench import format_table
     assert "set by memory: 2 threads read the weights at" in format_table(r)
 
