@@ -2716,7 +2716,7 @@ int kda_block_f32(const float *h, int64_t T, int64_t H, const void *norm_w, int 
     if (!x || !first || !xin || !rg || !o || !y) goto done;
     rms_norm_f32(h, T, H, norm_w, norm_bf16, eps, x, use_simd);
     float *ys[6];
-    for (int i = 0, at = 0; i < 6; at += (int)(T * sizes[i]), i++) ys[i] = first + at;
+    for (int64_t i = 0, at = 0; i < 6; at += T * sizes[i], i++) ys[i] = first + at;
     rc = dense_gemv_outs_f32(x, T, w1, s1, ys, 6, sizes, H, kind1, group1, threads, use_simd);
     if (rc) goto done;
     for (int64_t t = 0; t < T; t++)  /* xin [T, 3, D]: a row's q, k and v side by side */
