@@ -3,6 +3,7 @@ provider's answers at every residency split (on the CPU here: the same provider 
 copies; on a CUDA device also with the copy stream and the grouped Triton kernels)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -252,7 +253,11 @@ def test_cuda_mxfp4_kernels_at_every_scale():
 def test_moe_layer_bench_refuses_bad_arguments_in_one_line(args, says):
     """tools/moe_layer_bench.py: a bad argument is a usage error before anything touches a device."""
     tool = Path(__file__).parent.parent / "tools" / "moe_layer_bench.py"
-    run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=120)
+    # the deltafin this test imported, installed or not (a GPU machine may run the tree from its folder)
+    path = os.pathsep.join([str(Path(deltafin.__file__).parents[1])] + ([os.environ["PYTHONPATH"]]
+                                                                         if os.environ.get("PYTHONPATH") else []))
+    run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": path})
     assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
 
 
