@@ -2180,14 +2180,15 @@ int moe_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w,
                        int64_t group_out, int64_t *ids, float *out, int threads, int use_simd) {
     if (T < 0 || H <= 0 || I <= 0 || E < 1 || k < 1 || k > E) return -3;
     if (T == 0) return 0;
-    const int64_t P = T * k, items = E + 1;  /* at most E chosen experts and the shared one */
+    const int64_t P = T * k;
+    const int shared = shared_w != NULL;
     float *x = malloc((size_t)(T * H) * sizeof *x), *wts = malloc((size_t)P * sizeof *wts);
     float *pair_w = malloc((size_t)P * sizeof *pair_w), *y = malloc((size_t)(2 * T * H) * sizeof *y);
     int64_t *at = calloc((size_t)(E + 1), sizeof *at), *counts = malloc((size_t)E * sizeof *counts);
-    int64_t *pair_row = malloc((size_t)P * sizeof *pair_row);
-    const void **w = malloc((size_t)(6 * items) * sizeof *w);
+    int64_t *which = malloc((size_t)E * sizeof *which), *pair_row = malloc((size_t)P * sizeof *pair_row);
+    const void **ws = malloc((size_t)(6 * (E + 1)) * sizeof *ws);
     int rc = -1;
-    if (!x || !wts || !pair_w || !y || !at || !counts || !pair_row || !w) goto done;
+    if (!x || !wts || !pair_w || !y || !at || !counts || !which || !pair_row || !ws) goto done;
     rms_norm_f32(p, T, H, norm_w, norm_bf16, eps, x, use_simd);
     rc = route_sigmoid_f32(x, T, H, gate, gate_bf16, bias, E, k, renormalize, scale, ids, wts, use_simd);
     if (rc) goto done;
@@ -2195,33 +2196,27 @@ int moe_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w,
     for (int64_t q = 0; q < P; q++) at[ids[q] + 1]++;
     int64_t chosen = 0;
     for (int64_t e = 0; e < E; e++) {
-        if (at[e + 1]) {
-            const void *const *ew = experts_w + 3 * e, *const *es = experts_scale + 3 * e;
-            for (int j = 0; j < 3; j++) w[j * items + chosen] = ew[j], w[3 * items + j * items + chosen] = es[j];
-            counts[chosen++] = at[e + 1];
-        }
+        if (at[e + 1]) which[chosen] = e, counts[chosen++] = at[e + 1];
         at[e + 1] += at[e];
     }
     for (int64_t q = 0; q < P; q++) {
         const int64_t to = at[ids[q]]++;
         pair_row[to] = q / k, pair_w[to] = wts[q];
     }
-    const int shared = shared_w != NULL;
-    /* moe_silu_f32 reads its items' gates, then ups, then downs, with the shared expert after the chosen */
-    void const **ws = malloc((size_t)(6 * (chosen + 1)) * sizeof *ws);
-    if (!ws) { rc = -1; goto done; }
+    /* moe_silu_f32 reads its items' gates, then ups, then downs (weights, then scales), the shared
+       expert after the chosen ones */
     const int64_t n = chosen + shared;
     for (int j = 0; j < 3; j++) {
-        for (int64_t c = 0; c < chosen; c++) ws[j * n + c] = w[j * items + c], ws[3 * n + j * n + c] = w[3 * items + j * items + c];
+        for (int64_t c = 0; c < chosen; c++)
+            ws[j * n + c] = experts_w[3 * which[c] + j], ws[3 * n + j * n + c] = experts_scale[3 * which[c] + j];
         if (shared) ws[j * n + chosen] = shared_w[j], ws[3 * n + j * n + chosen] = shared_scale[j];
     }
     rc = moe_silu_f32(x, T, H, I, chosen, counts, pair_row, pair_w, ws, ws + 3 * n, shared, is_int8, group_in,
                       group_out, y, y + T * H, threads, use_simd);
-    free(ws);
     if (rc) goto done;
     for (int64_t i = 0; i < T * H; i++) out[i] = p[i] + (y[i] + (shared ? y[T * H + i] : 0.0f));
 done:
-    free(x), free(wts), free(pair_w), free(y), free(at), free(counts), free(pair_row), free(w);
+    free(x), free(wts), free(pair_w), free(y), free(at), free(counts), free(which), free(pair_row), free(ws);
     return rc;
 }
 

@@ -597,17 +597,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, use_simd:
     n = x.shape[-1] if x.dim() else 0
     if not (x.dtype == torch.float32 and x.dim() >= 1 and n > 0 and x.is_contiguous() and x.is_cpu):
         raise ValueError(f"rms_norm needs contiguous CPU float32 rows, got {x.dtype} {tuple(x.shape)}")
-    w_bf16 = 0
-    if weight is not None:
-        if not (weight.dtype in (torch.float32, torch.bfloat16) and tuple(weight.shape) == (n,)
-                and weight.is_contiguous() and weight.is_cpu):
-            raise ValueError(f"rms_norm needs a contiguous CPU float32 or bf16 weight [{n}], got {weight.dtype} "
-                             f"{tuple(weight.shape)}")
-        w_bf16 = int(weight.dtype == torch.bfloat16)
+    w_bf16 = 0 if weight is None else _norm_weight("rms_norm", "weight", weight, n)
     y = torch.empty_like(x)
     lib.rms_norm_f32(x.data_ptr(), x.numel() // n, n, 0 if weight is None else weight.data_ptr(), w_bf16, eps,
                      y.data_ptr(), int(use_simd))
     return y
+
+
+def _norm_weight(who: str, name: str, w: torch.Tensor, n: int) -> int:
+    """Checks an RMSNorm's weight (contiguous CPU float32 or bf16 [n]); 1 when it holds bf16, else 0."""
+    if not (w.dtype in (torch.float32, torch.bfloat16) and tuple(w.shape) == (n,) and w.is_contiguous() and w.is_cpu):
+        raise ValueError(f"{who} needs a contiguous CPU float32 or bf16 {name} [{n}], got {w.dtype} {tuple(w.shape)}")
+    return int(w.dtype == torch.bfloat16)
 
 
 def route_sigmoid(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
@@ -768,17 +769,14 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
     if width != H or (shared is not None and shared.signature != table.signature):
         raise ValueError(f"moe_block_silu: experts reading rows of width {width} (shared: "
                          f"{None if shared is None else shared.signature}) for rows of width {H}")
-    if not (norm.dtype in (torch.float32, torch.bfloat16) and tuple(norm.shape) == (H,) and norm.is_contiguous()
-            and norm.is_cpu):
-        raise ValueError(f"moe_block_silu needs a contiguous CPU float32 or bf16 norm [{H}], got {norm.dtype} "
-                         f"{list(norm.shape)}")
+    norm_bf16 = _norm_weight("moe_block_silu", "norm", norm, H)
     _check_router("moe_block_silu", gate, E, H, bias, k)
     out = torch.empty(T, H, dtype=torch.float32)
     ids = torch.empty(T, k, dtype=torch.int64)
     shared_w = shared_s = None
     if shared is not None:
         shared_w, shared_s = _array(_p, list(shared.pointers[:3])), _array(_p, list(shared.pointers[3:]))
-    rc = lib.moe_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), int(norm.dtype == torch.bfloat16), eps,
+    rc = lib.moe_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps,
                                 gate.data_ptr(), int(gate.dtype == torch.bfloat16), bias.data_ptr(), E, k,
                                 int(renormalize), scale, I, table.w_ptrs, table.s_ptrs, shared_w, shared_s, kind,
                                 group_in, group_out, ids.data_ptr(), out.data_ptr(), _threads(threads), int(use_simd))
@@ -900,10 +898,7 @@ def kda_block(h: torch.Tensor, norm: torch.Tensor, eps: float, first: list[tuple
     D = nh * d
     if step.rows != T:
         raise ValueError(f"kda_block: the sequences' rows {counts} are not the {T} rows of h")
-    if not (norm.dtype in (torch.float32, torch.bfloat16) and tuple(norm.shape) == (H,) and norm.is_contiguous()
-            and norm.is_cpu):
-        raise ValueError(f"kda_block needs a contiguous CPU float32 or bf16 norm [{H}], got {norm.dtype} "
-                         f"{list(norm.shape)}")
+    norm_bf16 = _norm_weight("kda_block", "norm", norm, H)
     groups = []
     for ws, outs, n, name in ((first, (D, D, D, nh, d, d), H, "first projections"), (second, (D, D), d, "second halves"),
                               ([o_proj], (H,), D, "output projection")):
@@ -917,7 +912,7 @@ def kda_block(h: torch.Tensor, norm: torch.Tensor, eps: float, first: list[tuple
                        *checked.pop()))
     out = torch.empty(T, H, dtype=torch.float32)
     (w1, s1, k1, g1), (w2, s2, k2, g2), (wo, so, ko, go) = groups
-    rc = lib.kda_block_f32(h.data_ptr(), T, H, norm.data_ptr(), int(norm.dtype == torch.bfloat16), float(eps),
+    rc = lib.kda_block_f32(h.data_ptr(), T, H, norm.data_ptr(), norm_bf16, float(eps),
                            w1, s1, k1, g1, w2, s2, k2, g2, wo[0], so[0], ko, go, len(states), step.offsets, step.convs,
                            step.conv_w, step.conv_bf16, dt_bias.data_ptr(), step.dt_bf16, a_log.data_ptr(), step.a_bf16,
                            int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound),
