@@ -38,7 +38,8 @@ In RAM on the CPU (``--stream off``) nothing is read from disk per token; the bo
 instead. ``ram_read_gbps`` is how fast the run's threads read the weights a token reads (every
 layer's spine, ``experts_per_token`` random experts per MoE layer, the head) where they lie, in one
 native call that only loads and sums their bytes (best of 3 passes, probed immediately before and
-immediately after the decode, like the disk; ``ram_read`` has both probes and their spread).
+immediately after the decode, like the disk, and between its passes every ``RAM_PROBE_EVERY`` tokens, the
+probes' time left out of the decode's; ``ram_read`` has the probes and their spread).
 ``ram_limit_tok_s`` = ram_read_gbps / weight bytes per token is the tok/s that reading the
 weights alone allows, ``decode_vs_ram_limit`` the share of it the decode reached,
 ``decode_vs_ram_limit_range`` the same against the faster and the slower probe, and ``ram_limit_note``
@@ -95,6 +96,9 @@ def checkpoint_files(source) -> list[str]:
 # the 4 tokens of a K3-shaped model (the 18 GB slice reads ~10 GB a token: two probes of 4 tokens
 # took over a minute of a bench run on a 1.36 GB/s disk).
 PROBE_MAX_BYTES = 4 * GB
+# A resident CPU model's memory probe runs again after every this many decode tokens (between passes,
+# untimed): a host's memory bandwidth moved by a third within seconds between the probes before and after.
+RAM_PROBE_EVERY = 8
 
 
 def measure_raw_read(source, settings: Settings, tokens: int = 4, seed: int = 0, evict: list[str] = (),
@@ -320,11 +324,21 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
     split = model.placement is not None  # bench runs on rank 0 of a split model
     ranks_before: list[dict] = []
 
+    started = prefills - 1 + groups * untimed  # the pass after which the timed decode starts
+    paused = [0.0]  # seconds of the timed decode spent in probes between its passes
+
     def on_pass(index: int, stats) -> None:
         if index == prefills - 1:
             marks["first_token"] = time.perf_counter()
+        # In RAM the host's memory drifts within seconds (other tenants): probes between the decode's
+        # passes follow it, and their time is not the decode's.
+        if ram_probing and index > started and (index - started) % (groups * RAM_PROBE_EVERY) == 0 \
+                and index < started + groups * (tokens - 1):  # the last pass: the probe after the decode
+            t = time.perf_counter()
+            probe()
+            paused[0] += time.perf_counter() - t
         # probe the disk, then decode is measured from disk, not from cache
-        if index == prefills - 1 + groups * untimed:
+        if index == started:
             probe()
             drop_file_cache(files)
             if split:
@@ -342,7 +356,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         gen_stats = _decode(model, prompts, tokens + untimed, piece)
     if len(rec.passes) < prefills + groups * (1 + untimed):
         raise RuntimeError("generation stopped after the prefill; nothing to measure")
-    decode_seconds = rec.ended[-1] - marks["decode_start"]
+    decode_seconds = rec.ended[-1] - marks["decode_start"] - paused[0]
     ranks_after = model.ranks_report() if split else []
     probe()
     prefill, decode = rec.passes[:prefills], rec.passes[prefills + groups * untimed:]
@@ -757,11 +771,11 @@ def format_table(r: dict) -> str:
     elif r["ram_limit_tok_s"]:
         ram = r["ram_read"]
         rows.append(("limit", f"{r['ram_limit_tok_s']:.2f} tok/s set by memory: {r['threads']} threads read the "
-                              f"weights at {r['ram_read_gbps']:.1f} GB/s (probes before / after decode "
+                              f"weights at {r['ram_read_gbps']:.1f} GB/s (probes before, during and after decode "
                               + " / ".join(f"{p['gbps']:.1f}" for p in ram["probes"])
                               + f"); decode reached {r['decode_vs_ram_limit'] * 100:.0f}%, "
                               + "-".join(f"{x * 100:.0f}" for x in r["decode_vs_ram_limit_range"])
-                              + "% against the faster and the slower probe"))
+                              + "% against the fastest and the slowest probe"))
         if r["ram_limit_note"]:
             rows.append(("note", r["ram_limit_note"]))
     else:

@@ -341,6 +341,51 @@ def test_a_kda_layers_norm_attention_and_sum_in_one_call_equal_the_calls_apart(c
                            [Rows(full_rank.new_state(torch.float32), 1, False)]) is None
 
 
+def test_a_kda_layers_checked_weights_are_kept_while_they_are_the_same_objects(monkeypatch):
+    """KDAttention.block checks a layer's weights once (cpu_native.kda_weights) while the bound weights are
+    the same objects, checks them again when one is swapped (and computes with the new one), and keeps no
+    weight alive."""
+    import gc
+    import weakref
+
+    from deltafin.kernels import quantize
+    from deltafin.model.ops import rms_norm
+    cfg = kimi_linear_config(4, 32)
+    attn = layer(cfg, 7, torch.float32)
+    names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "f_b_proj", "g_b_proj", "o_proj")
+    weights = {**{n: getattr(attn, n) for n in attn._slot_shapes}, **{n: quantize(getattr(attn, n), "int8") for n in names}}
+    bind(attn, weights)
+    checks = []
+    real = cpu_native.kda_weights
+    monkeypatch.setattr(cpu_native, "kda_weights", lambda *a: checks.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(8)
+    norm = torch.rand(cfg.hidden_size, generator=gen) + 0.5
+    st = attn.new_state(torch.float32)
+
+    def both(h):
+        before = (st.S.clone(), st.conv.clone())
+        whole = attn.block(h, norm, 1e-5, [Rows(st, 1, False)])
+        after = (st.S.clone(), st.conv.clone())
+        st.S.copy_(before[0]), st.conv.copy_(before[1])
+        apart = h + attn(rms_norm(h, norm, 1e-5), [Rows(st, 1, False)], 4)
+        assert torch.equal(whole, apart) and torch.equal(st.S, after[0]) and torch.equal(st.conv, after[1])
+
+    for _ in range(3):
+        both(torch.randn(1, cfg.hidden_size, generator=gen))
+    assert len(checks) == 1
+    swapped = quantize(torch.randn(attn.v_proj.shape, generator=gen) * 0.05, "int8")
+    bind(attn, {**weights, "v_proj": swapped})
+    both(torch.randn(1, cfg.hidden_size, generator=gen))
+    both(torch.randn(1, cfg.hidden_size, generator=gen))
+    assert len(checks) == 2
+    first = id(weights["q_proj"])
+    gone = weakref.ref(swapped)
+    bind(attn, {n: torch.zeros(shape) for n, shape in attn._slot_shapes.items()})
+    del weights, swapped
+    gc.collect()
+    assert first not in kda._kept_blocks and gone() is None
+
+
 def test_kda_block_refuses_what_does_not_fit():
     nh, d, K, H = 2, 8, 4, 16
     D = nh * d
@@ -352,7 +397,11 @@ def test_kda_block_refuses_what_does_not_fit():
                 second=[bf16(D, d), bf16(D, d)], o_proj=bf16(H, D), counts=[1], convs=[torch.zeros(3, K - 1, D)],
                 conv_w=(torch.zeros(D, K),) * 3, dt_bias=torch.zeros(D), a_log=torch.zeros(nh), lower_bound=None,
                 o_norm=torch.ones(d), states=[torch.zeros(nh, d, d)])
-    assert torch.equal(cpu_native.kda_block(**good), torch.zeros(1, H))
+
+    def block(h, norm, eps, first, second, o_proj, counts, convs, conv_w, dt_bias, a_log, lower_bound, o_norm, states):
+        weights = cpu_native.kda_weights(norm, first, second, o_proj, conv_w, dt_bias, a_log, o_norm)
+        return cpu_native.kda_block(h, eps, weights, counts, convs, states, lower_bound)
+    assert torch.equal(block(**good), torch.zeros(1, H))
     int8 = (torch.zeros(D, d, dtype=torch.int8), torch.ones(D, 1))
     for change, message in [(dict(h=torch.zeros(1, H, dtype=torch.float64)), "float32 rows"),
                             (dict(norm=torch.ones(H + 1)), "norm"), (dict(counts=[2]), "rows"),
@@ -362,4 +411,4 @@ def test_kda_block_refuses_what_does_not_fit():
                             (dict(o_proj=bf16(H, D + 1)), "output projection"),
                             (dict(states=[torch.zeros(nh, d, d + 1)]), "KDA step")]:
         with pytest.raises(ValueError, match=message):
-            cpu_native.kda_block(**{**good, **change})
+            block(**{**good, **change})

@@ -814,16 +814,16 @@ def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
     Returns the gated, normalized outputs float32 [T, nh, d]; a sequence's rows do not depend on the
     other sequences in the call."""
     lib = _lib_or_raise()
-    step = _kda_step(counts, convs, conv_w, dt_bias, a_log, lower_bound, o_norm, states)
+    step, small = _kda_step(counts, convs, conv_w, dt_bias, a_log, o_norm, states)
     T, nh, d, D = step.rows, step.nh, step.d, step.nh * step.d
     for t, shape, name in ((xin, (T, 3, D), "xin"), (r, (T, D), "r"), (b, (T, nh), "b"), (gate, (T, D), "gate")):
         if _f32_or_bf16(t, shape, name):
             raise ValueError(f"KDA step: {name} must be float32, got bf16")
     o = torch.empty(T, nh, d, dtype=torch.float32)
     rc = lib.kda_steps_f32(
-        len(states), step.offsets, xin.data_ptr(), step.convs, step.conv_w, step.conv_bf16, r.data_ptr(),
-        dt_bias.data_ptr(), step.dt_bf16, a_log.data_ptr(), step.a_bf16, b.data_ptr(), int(lower_bound is not None),
-        0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(), o_norm.data_ptr(), step.norm_bf16,
+        len(states), step.offsets, xin.data_ptr(), step.convs, small.conv_w, small.conv_bf16, r.data_ptr(),
+        dt_bias.data_ptr(), small.dt_bf16, a_log.data_ptr(), small.a_bf16, b.data_ptr(), int(lower_bound is not None),
+        0.0 if lower_bound is None else float(lower_bound), gate.data_ptr(), o_norm.data_ptr(), small.norm_bf16,
         float(eps), step.states, o.data_ptr(), nh, d, step.K, _threads(threads))
     if rc != 0:
         raise RuntimeError(f"KDA step failed with code {rc}")
@@ -831,8 +831,9 @@ def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
 
 
 @dataclass(frozen=True)
-class _KdaStep:
-    """A KDA layer's state and small weights checked for the native step: the arrays it reads them by."""
+class _KdaStates:
+    """The sequences of a native KDA call checked (their states are written in place, so each is checked
+    whole): the arrays the call reads them by."""
     rows: int
     nh: int
     d: int
@@ -840,6 +841,37 @@ class _KdaStep:
     offsets: ctypes.Array
     convs: ctypes.Array
     states: ctypes.Array
+
+
+def _kda_states(counts: list[int], convs: list[torch.Tensor], states: list[torch.Tensor],
+                shape: tuple[int, int, int] | None = None) -> _KdaStates:
+    """The checks of B sequences' conv tails and S, and their arrays; ``shape`` (heads, head dim, conv
+    taps) where the weights set it, else the first state's."""
+    B = len(states)
+    if B == 0 or len(convs) != B or len(counts) != B or any(n < 1 for n in counts):
+        raise ValueError(f"KDA step: needs a conv tail and at least one row per state, got {len(convs)} "
+                         f"tails and rows {counts} for {B} states")
+    if shape is None:
+        S0 = states[0]
+        if S0.dim() != 3 or S0.shape[1] != S0.shape[2]:
+            raise ValueError(f"KDA step: S must be [heads, d, d], got {list(S0.shape)}")
+        if convs[0].dim() != 3 or convs[0].shape[0] != 3 or convs[0].shape[2] != S0.shape[0] * S0.shape[1]:
+            raise ValueError(f"KDA step: conv must be [3, K-1, {S0.shape[0] * S0.shape[1]}], got {list(convs[0].shape)}")
+        shape = S0.shape[0], S0.shape[1], convs[0].shape[1] + 1
+    nh, d, K = shape
+    if not 0 < d <= KDA_MAX_HEAD_DIM:
+        raise ValueError(f"KDA step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
+    for S, conv in zip(states, convs):
+        _f32_state(S, (nh, d, d), "S")
+        _f32_state(conv, (3, K - 1, nh * d), "conv")
+    return _KdaStates(sum(counts), nh, d, K, (_i64 * (B + 1))(*accumulate(counts, initial=0)),
+                      (_p * B)(*(c.data_ptr() for c in convs)), (_p * B)(*(S.data_ptr() for S in states)))
+
+
+@dataclass(frozen=True)
+class _KdaSmall:
+    """A KDA layer's conv taps, dt_bias, A_log and o_norm checked for the native step: the conv weights'
+    array and which of them hold bf16."""
     conv_w: ctypes.Array
     conv_bf16: int
     dt_bf16: int
@@ -847,58 +879,56 @@ class _KdaStep:
     norm_bf16: int
 
 
+def _kda_small(conv_w: tuple, dt_bias: torch.Tensor, a_log: torch.Tensor, o_norm: torch.Tensor,
+               nh: int, d: int, K: int) -> _KdaSmall:
+    D = nh * d
+    kinds = {_f32_or_bf16(w, (D, K), "conv weight") for w in conv_w}
+    if len(conv_w) != 3 or len(kinds) != 1:
+        raise ValueError("KDA step: needs three conv weights of one dtype")
+    return _KdaSmall((_p * 3)(*(w.data_ptr() for w in conv_w)), kinds.pop(), _f32_or_bf16(dt_bias, (D,), "dt_bias"),
+                     _f32_or_bf16(a_log, (nh,), "A_log"), _f32_or_bf16(o_norm, (d,), "o_norm"))
+
+
 def _kda_step(counts: list[int], convs: list[torch.Tensor], conv_w: tuple, dt_bias: torch.Tensor,
-              a_log: torch.Tensor, lower_bound: float | None, o_norm: torch.Tensor,
-              states: list[torch.Tensor]) -> _KdaStep:
+              a_log: torch.Tensor, o_norm: torch.Tensor, states: list[torch.Tensor]) -> tuple[_KdaStates, _KdaSmall]:
     """The checks of ``kda_steps``' states and small weights (what keeps a wrong pointer out of C), and
     their arrays."""
-    B = len(states)
-    if B == 0 or len(convs) != B or len(counts) != B or any(n < 1 for n in counts):
-        raise ValueError(f"KDA step: needs a conv tail and at least one row per state, got {len(convs)} "
-                         f"tails and rows {counts} for {B} states")
-    S0 = states[0]
-    if S0.dim() != 3 or S0.shape[1] != S0.shape[2]:
-        raise ValueError(f"KDA step: S must be [heads, d, d], got {list(S0.shape)}")
-    nh, d = S0.shape[0], S0.shape[1]
+    seqs = _kda_states(counts, convs, states)
+    return seqs, _kda_small(conv_w, dt_bias, a_log, o_norm, seqs.nh, seqs.d, seqs.K)
+
+
+@dataclass(frozen=True)
+class KdaWeights:
+    """A KDA layer's weights checked for ``kda_block`` (made by ``kda_weights``): their sizes, pointers and
+    kinds as the native call reads them. It holds no weight: whoever calls with it holds the weights it
+    was made from (a resident layer's are the same every token, so model/kda.py keeps it while they live)."""
+    H: int
+    nh: int
+    d: int
+    K: int
+    norm: int  # pointers
+    norm_bf16: int
+    groups: tuple  # (weights, scales, kind, int8 group) of the first projections, the second halves, o_proj
+    small: _KdaSmall
+    dt_bias: int
+    a_log: int
+    o_norm: int
+
+
+def kda_weights(norm: torch.Tensor, first: list[tuple], second: list[tuple], o_proj: tuple, conv_w: tuple,
+                dt_bias: torch.Tensor, a_log: torch.Tensor, o_norm: torch.Tensor) -> KdaWeights:
+    """Checks a KDA layer's weights for ``kda_block``: the input norm [H]; first: the (weight, scale) of q,
+    k, v, beta and the decay's and the gate's first low-rank halves (one kind, ``native_dense``'s pairs);
+    second: the two second halves; o_proj: the output projection; conv_w: the three [D, K] conv weights;
+    dt_bias [D], A_log [heads] and o_norm [head dim] in float32 or bf16."""
+    if a_log.dim() != 1 or o_norm.dim() != 1 or not conv_w or conv_w[0].dim() != 2 or o_proj[0].dim() != 2:
+        raise ValueError("kda_weights: A_log and o_norm must be vectors, the conv weights and o_proj matrices")
+    H, nh, d, K = o_proj[0].shape[0], a_log.shape[0], o_norm.shape[0], conv_w[0].shape[1]
+    D = nh * d
     if not 0 < d <= KDA_MAX_HEAD_DIM:
         raise ValueError(f"KDA step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
-    D = nh * d
-    if convs[0].dim() != 3 or convs[0].shape[0] != 3 or convs[0].shape[2] != D:
-        raise ValueError(f"KDA step: conv must be [3, K-1, {D}], got {list(convs[0].shape)}")
-    K = convs[0].shape[1] + 1
-    for S, conv in zip(states, convs):  # each sequence's state: written in place, so checked whole
-        _f32_state(S, (nh, d, d), "S")
-        _f32_state(conv, (3, K - 1, D), "conv")
-    kinds = {_f32_or_bf16(w, (D, K), "conv weight") for w in conv_w}
-    if len(kinds) != 1:
-        raise ValueError("KDA step: the three conv weights must have one dtype")
-    return _KdaStep(sum(counts), nh, d, K, (_i64 * (B + 1))(*accumulate(counts, initial=0)),
-                    (_p * B)(*(c.data_ptr() for c in convs)), (_p * B)(*(S.data_ptr() for S in states)),
-                    (_p * 3)(*(w.data_ptr() for w in conv_w)), kinds.pop(), _f32_or_bf16(dt_bias, (D,), "dt_bias"),
-                    _f32_or_bf16(a_log, (nh,), "A_log"), _f32_or_bf16(o_norm, (d,), "o_norm"))
-
-
-def kda_block(h: torch.Tensor, norm: torch.Tensor, eps: float, first: list[tuple], second: list[tuple], o_proj: tuple,
-              counts: list[int], convs: list[torch.Tensor], conv_w: tuple, dt_bias: torch.Tensor, a_log: torch.Tensor,
-              lower_bound: float | None, o_norm: torch.Tensor, states: list[torch.Tensor],
-              threads: int | None = None, use_simd: bool = True) -> torch.Tensor:
-    """A KDA layer's attention half over the residual rows h [T, H] of B sequences in one native call:
-    h + o_proj(the recurrence of (rms_norm(h) * norm)'s projections), where first holds the (weight,
-    scale) of q, k, v, beta and the decay's and the gate's first low-rank halves (one kind, ``native_dense``'s
-    pairs), second the two second halves, o_proj the output projection; the rest as ``kda_steps`` takes
-    it (states updated in place). Equal bit for bit to ``rms_norm``, ``dense_gemv_outs``,
-    ``dense_gemv_items``, ``kda_steps`` and ``dense_gemv`` called in turn and added as the layer adds
-    them (kda_block_f32 in _cpu_kernels.c)."""
-    lib = _lib_or_raise()
-    if not (h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() and h.is_cpu):
-        raise ValueError(f"kda_block needs contiguous CPU float32 rows [T, H], got {h.dtype} {tuple(h.shape)}")
-    T, H = h.shape
-    step = _kda_step(counts, convs, conv_w, dt_bias, a_log, lower_bound, o_norm, states)
-    nh, d = step.nh, step.d
-    D = nh * d
-    if step.rows != T:
-        raise ValueError(f"kda_block: the sequences' rows {counts} are not the {T} rows of h")
     norm_bf16 = _norm_weight("kda_block", "norm", norm, H)
+    small = _kda_small(conv_w, dt_bias, a_log, o_norm, nh, d, K)
     groups = []
     for ws, outs, n, name in ((first, (D, D, D, nh, d, d), H, "first projections"), (second, (D, D), d, "second halves"),
                               ([o_proj], (H,), D, "output projection")):
@@ -910,13 +940,35 @@ def kda_block(h: torch.Tensor, norm: torch.Tensor, eps: float, first: list[tuple
             raise ValueError(f"kda_block: the {name} must be of one kind (and one int8 group size)")
         groups.append((_array(_p, [w.data_ptr() for w, _ in ws]), _array(_p, [0 if s is None else s.data_ptr() for _, s in ws]),
                        *checked.pop()))
-    out = torch.empty(T, H, dtype=torch.float32)
-    (w1, s1, k1, g1), (w2, s2, k2, g2), (wo, so, ko, go) = groups
-    rc = lib.kda_block_f32(h.data_ptr(), T, H, norm.data_ptr(), norm_bf16, float(eps),
-                           w1, s1, k1, g1, w2, s2, k2, g2, wo[0], so[0], ko, go, len(states), step.offsets, step.convs,
-                           step.conv_w, step.conv_bf16, dt_bias.data_ptr(), step.dt_bf16, a_log.data_ptr(), step.a_bf16,
+    return KdaWeights(H, nh, d, K, norm.data_ptr(), norm_bf16, tuple(groups), small, dt_bias.data_ptr(),
+                      a_log.data_ptr(), o_norm.data_ptr())
+
+
+def kda_block(h: torch.Tensor, eps: float, weights: KdaWeights, counts: list[int], convs: list[torch.Tensor],
+              states: list[torch.Tensor], lower_bound: float | None, threads: int | None = None,
+              use_simd: bool = True) -> torch.Tensor:
+    """A KDA layer's attention half over the residual rows h [T, H] of B sequences in one native call:
+    h + o_proj(the recurrence of (rms_norm(h) * norm)'s projections), with the layer's weights as
+    ``kda_weights`` checked them (the caller holds them) and the sequences as ``kda_steps`` takes them
+    (states updated in place). Equal bit for bit to ``rms_norm``, ``dense_gemv_outs``,
+    ``dense_gemv_items``, ``kda_steps`` and ``dense_gemv`` called in turn and added as the layer adds
+    them (kda_block_f32 in _cpu_kernels.c)."""
+    lib = _lib_or_raise()
+    w = weights
+    if not (h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() and h.is_cpu and h.shape[1] == w.H):
+        raise ValueError(f"kda_block needs contiguous CPU float32 rows [T, {w.H}], got {h.dtype} {tuple(h.shape)}")
+    T = h.shape[0]
+    seqs = _kda_states(counts, convs, states, (w.nh, w.d, w.K))
+    if seqs.rows != T:
+        raise ValueError(f"kda_block: the sequences' rows {counts} are not the {T} rows of h")
+    out = torch.empty(T, w.H, dtype=torch.float32)
+    (w1, s1, k1, g1), (w2, s2, k2, g2), (wo, so, ko, go) = w.groups
+    small = w.small
+    rc = lib.kda_block_f32(h.data_ptr(), T, w.H, w.norm, w.norm_bf16, float(eps),
+                           w1, s1, k1, g1, w2, s2, k2, g2, wo[0], so[0], ko, go, len(states), seqs.offsets, seqs.convs,
+                           small.conv_w, small.conv_bf16, w.dt_bias, small.dt_bf16, w.a_log, small.a_bf16,
                            int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound),
-                           o_norm.data_ptr(), step.norm_bf16, step.states, nh, d, step.K, out.data_ptr(),
+                           w.o_norm, small.norm_bf16, seqs.states, w.nh, w.d, w.K, out.data_ptr(),
                            _threads(threads), int(use_simd))
     if rc == -1:
         raise MemoryError(f"kda_block could not allocate scratch for {T} rows")

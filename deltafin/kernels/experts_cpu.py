@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import weakref
 from itertools import accumulate
 
 import torch
 
 from . import cpu_native
+from .kept import KeptByWeights
 from .linear import QWeight, dense_kind, native_dense
 
 
@@ -149,13 +149,14 @@ def held_table(experts: dict) -> cpu_native.MoeTable | None:
 
 def moe_expert_of(ws: tuple) -> cpu_native.MoeExpert | None:
     """cpu_native.moe_expert of an expert's weights (w1, w3, w2), None unless all three are int8 or bf16
-    weights the native products take; kept by its first weight while the other two are the same
-    objects (a decode token asks for each chosen expert in every layer; a caller may swap weights in
-    place, see io.ram ``held``)."""
-    w1, w3, w2 = ws
-    kept = _kept_experts.get(id(w1))
-    if kept is not None and all(ref() is w for ref, w in zip(kept[0], ws)):
-        return cpu_native.MoeExpert(kept[1], kept[2], ws)  # the weights hold the memory the pointers name
+    weights the native products take; kept while they are the same objects (a decode token asks for each
+    chosen expert in every layer; a caller may swap weights in place, see io.ram ``held``)."""
+    kept = _kept_experts.get(tuple(ws), lambda: _checked_expert(ws))
+    return None if kept is None else cpu_native.MoeExpert(*kept, ws)  # the weights hold what the pointers name
+
+
+def _checked_expert(ws: tuple) -> tuple | None:
+    """(pointers, signature) of cpu_native.moe_expert for the weights, or None."""
     dense = [native_dense(m) for m in ws]
     if any(d is None for d in dense) or len({dense_kind(d)[:2] for d in dense}) != 1:
         return None
@@ -163,21 +164,11 @@ def moe_expert_of(ws: tuple) -> cpu_native.MoeExpert | None:
         item = cpu_native.moe_expert(*dense)
     except ValueError:  # shapes that do not make an expert: the other paths decide (and say why)
         return None
-    try:
-        refs = tuple(weakref.ref(w) for w in ws)
-    except TypeError:  # a weight no weak reference can follow: checked again next time
-        return item
-    if kept is None or kept[0][0]() is not w1:  # one finalizer a weight, however often its entry changes
-        weakref.finalize(w1, _kept_experts.pop, id(w1), None)
-    _kept_experts[id(w1)] = (refs, item.pointers, item.signature)
-    return item
+    return item.pointers, item.signature
 
 
-# moe_expert_of's checked experts by the id of their first weight, for QWeights and bf16 tensors alike: weak
-# references to the three weights and what the native call reads of them, so an entry keeps no weight alive
-# and leaves with its first weight (an attribute on a tensor would travel with it through torch.save, raw
-# pointers included).
-_kept_experts: dict[int, tuple] = {}
+# moe_expert_of's checked experts, for QWeights and bf16 tensors alike.
+_kept_experts = KeptByWeights()
 
 
 def _is_mxfp4(w) -> bool:

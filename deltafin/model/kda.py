@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_native
+from ..kernels.kept import KeptByWeights
 from ..kernels.linear import dense_kind, native_dense
 from .binding import Bindable
 from .ops import HalfMatmul, l2_normalize, linear, linears, products, rms_norm, triton_kernels
@@ -22,6 +23,27 @@ from .state import KDAState, Rows, stacked
 # Sequences of at most this many new tokens (decode steps, drafts, short prompt pieces) take the
 # step-by-step recurrence; longer ones the chunked form.
 RECURRENT_MAX_ROWS = 16
+
+
+def _block_weights(q, k, v, b, f_a, g_a, f_b, g_b, o, norm, q_conv, k_conv, v_conv, dt_bias, a_log, o_norm
+                   ) -> cpu_native.KdaWeights | None:
+    """A KDA layer's weights checked for cpu_native.kda_block, or None where the native products do not
+    take its projections (another codec, or kinds the separate calls would not group in one call)."""
+    first = [native_dense(w) for w in (q, k, v, b, f_a, g_a)]
+    second = [native_dense(w) for w in (f_b, g_b)]
+    out = native_dense(o)
+    if out is None or any(d is None for d in first + second) \
+            or any(len({dense_kind(d) for d in ds}) != 1 for ds in (first, second)) \
+            or not all(isinstance(t, torch.Tensor) for t in (norm, q_conv, k_conv, v_conv, dt_bias, a_log, o_norm)) \
+            or not norm.is_contiguous():  # a copy would not outlive this call, and the pointers are kept
+        return None
+    return cpu_native.kda_weights(norm, first, second, out, (q_conv, k_conv, v_conv), dt_bias, a_log,
+                                  o_norm)
+
+
+# KDAttention.block's checked weights, kept while the layer's weights are the same objects (a resident
+# model's every token).
+_kept_blocks = KeptByWeights()
 
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -95,17 +117,14 @@ class KDAttention(Bindable):
                 or any(keep for _, _, keep in parts) or not isinstance(norm, torch.Tensor)
                 or not _native_steps(h, parts, c.kda_head_dim)):
             return None
-        first = [native_dense(w) for w in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj,
-                                           self.g_a_proj)]
-        second = [native_dense(w) for w in (self.f_b_proj, self.g_b_proj)]
-        out = native_dense(self.o_proj)
-        if out is None or any(d is None for d in first + second) \
-                or any(len({dense_kind(d) for d in ds}) != 1 for ds in (first, second)):
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj,
+                       self.f_b_proj, self.g_b_proj, self.o_proj)
+        weights = (*projections, norm, self.q_conv, self.k_conv, self.v_conv, self.dt_bias, self.A_log, self.o_norm)
+        checked = _kept_blocks.get(weights, lambda: _block_weights(*weights))
+        if checked is None:
             return None
-        return cpu_native.kda_block(h.contiguous(), norm.contiguous(), eps, first, second, out,
-                                    [n for _, n, _ in parts], [st.conv for st, _, _ in parts],
-                                    (self.q_conv, self.k_conv, self.v_conv), self.dt_bias, self.A_log,
-                                    c.kda_gate_lower_bound, self.o_norm, [st.S for st, _, _ in parts])
+        return cpu_native.kda_block(h.contiguous(), eps, checked, [n for _, n, _ in parts], [st.conv for st, _, _ in parts],
+                                    [st.S for st, _, _ in parts], c.kda_gate_lower_bound)
 
     def _torch_forward(self, x: torch.Tensor, parts: list[Rows], chunk: int) -> torch.Tensor:
         c = self.cfg
