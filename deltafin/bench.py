@@ -42,8 +42,8 @@ immediately after the decode, like the disk, and between its passes every ``RAM_
 probes' time left out of the decode's; ``ram_read`` has the probes and their spread).
 ``ram_limit_tok_s`` = ram_read_gbps / weight bytes per token is the tok/s that reading the
 weights alone allows, ``decode_vs_ram_limit`` the share of it the decode reached,
-``decode_vs_ram_limit_range`` the same against the faster and the slower probe, and ``ram_limit_note``
-explains a decode that read faster than either probe (see ``ram_limit``).
+``decode_vs_ram_limit_range`` the same against the fastest and the slowest probe, and ``ram_limit_note``
+explains a decode that read faster than any probe (see ``ram_limit``).
 
 A model split across ranks (``torchrun ... -m deltafin bench``, docs/distributed.md): the figures
 above are rank 0's (its layers and the head; the probes read its layers only), and ``dist`` has the
@@ -213,8 +213,8 @@ def disk_limit(tok_s: float, read_bytes_per_token: float, raw: dict | None) -> d
 
 def ram_limit(tok_s: float, bytes_per_token: float, ram: dict | None) -> dict:
     """``disk_limit`` for a model in RAM: the tok/s reading a token's weights at the memory probes' mean
-    rate allows (``limit_tok_s``), the share reached, its range against the faster and the slower probe,
-    and a note when the decode read faster than either probe: the machine's memory moved between the
+    rate allows (``limit_tok_s``), the share reached, its range against the fastest and the slowest probe,
+    and a note when the decode read faster than any probe: the machine's memory moved between the
     probes and the decode (other tenants of a shared host), so the share says as much of the host as of
     the decode."""
     return _limit(tok_s, bytes_per_token, ram, "its weights", "memory",
@@ -230,7 +230,7 @@ def _limit(tok_s: float, bytes_per_token: float, probes: dict | None, read: str,
     achieved = tok_s * bytes_per_token / GB
     note = None
     if achieved > probes["max_gbps"]:
-        note = (f"the decode read {achieved:.2f} GB/s {read}, faster than either probe "
+        note = (f"the decode read {achieved:.2f} GB/s {read}, faster than any probe "
                 f"({probes['min_gbps']:.2f}-{probes['max_gbps']:.2f} GB/s): the probes understate {tier} in this run "
                 + why)
     return {"limit_tok_s": limit, "decode_vs_limit": tok_s / limit,
