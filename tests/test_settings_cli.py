@@ -73,6 +73,15 @@ def test_python_dash_m_entry_point():
     assert out.returncode == 0 and "inspect" in out.stdout
 
 
+def test_the_commands_start_without_the_web_stack():
+    """Only serving loads fastapi and uvicorn: the engine's commands work where only the engine's
+    dependencies are installed (a GPU machine given the engine alone)."""
+    code = ("import sys, deltafin.cli; deltafin.cli.build_parser(); "
+            "print([m for m in ('uvicorn', 'fastapi', 'openai') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout
+
+
 def test_run_prints_text_and_a_summary(tiny_k3_path):
     out = subprocess.run([sys.executable, "-m", "deltafin", "run", "--model", str(tiny_k3_path),
                           "--max-new-tokens", "6", "--stream", "off", "--profile", "hello world"],

@@ -12,8 +12,6 @@ from __future__ import annotations
 import errno
 import socket
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from ..errors import DeltafinError
 
 _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -24,6 +22,8 @@ _TIMEOUT_BODY = (b'{"error": {"message": "the request headers did not arrive in 
 
 def header_timeout_protocol(seconds: float) -> type:
     """An h11 protocol class for uvicorn that gives each request's headers `seconds` to arrive."""
+    # Imported here: every command imports this module (serve's arguments), only serving needs uvicorn.
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderTimeoutH11(H11Protocol):
         def connection_made(self, transport) -> None:
