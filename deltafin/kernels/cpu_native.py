@@ -814,7 +814,8 @@ def kda_steps(xin: torch.Tensor, counts: list[int], convs: list[torch.Tensor],
     Returns the gated, normalized outputs float32 [T, nh, d]; a sequence's rows do not depend on the
     other sequences in the call."""
     lib = _lib_or_raise()
-    step, small = _kda_step(counts, convs, conv_w, dt_bias, a_log, o_norm, states)
+    step = _kda_states(counts, convs, states)  # what keeps a wrong pointer out of C: the states and ...
+    small = _kda_small(conv_w, dt_bias, a_log, o_norm, step.nh, step.d, step.K)  # ... the small weights
     T, nh, d, D = step.rows, step.nh, step.d, step.nh * step.d
     for t, shape, name in ((xin, (T, 3, D), "xin"), (r, (T, D), "r"), (b, (T, nh), "b"), (gate, (T, D), "gate")):
         if _f32_or_bf16(t, shape, name):
@@ -846,7 +847,7 @@ class _KdaStates:
 def _kda_states(counts: list[int], convs: list[torch.Tensor], states: list[torch.Tensor],
                 shape: tuple[int, int, int] | None = None) -> _KdaStates:
     """The checks of B sequences' conv tails and S, and their arrays; ``shape`` (heads, head dim, conv
-    taps) where the weights set it, else the first state's."""
+    taps) where the weights set it (``kda_weights`` checked it), else the first state's."""
     B = len(states)
     if B == 0 or len(convs) != B or len(counts) != B or any(n < 1 for n in counts):
         raise ValueError(f"KDA step: needs a conv tail and at least one row per state, got {len(convs)} "
@@ -858,9 +859,8 @@ def _kda_states(counts: list[int], convs: list[torch.Tensor], states: list[torch
         if convs[0].dim() != 3 or convs[0].shape[0] != 3 or convs[0].shape[2] != S0.shape[0] * S0.shape[1]:
             raise ValueError(f"KDA step: conv must be [3, K-1, {S0.shape[0] * S0.shape[1]}], got {list(convs[0].shape)}")
         shape = S0.shape[0], S0.shape[1], convs[0].shape[1] + 1
+        _check_head_dim(shape[1])
     nh, d, K = shape
-    if not 0 < d <= KDA_MAX_HEAD_DIM:
-        raise ValueError(f"KDA step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
     for S, conv in zip(states, convs):
         _f32_state(S, (nh, d, d), "S")
         _f32_state(conv, (3, K - 1, nh * d), "conv")
@@ -889,12 +889,9 @@ def _kda_small(conv_w: tuple, dt_bias: torch.Tensor, a_log: torch.Tensor, o_norm
                      _f32_or_bf16(a_log, (nh,), "A_log"), _f32_or_bf16(o_norm, (d,), "o_norm"))
 
 
-def _kda_step(counts: list[int], convs: list[torch.Tensor], conv_w: tuple, dt_bias: torch.Tensor,
-              a_log: torch.Tensor, o_norm: torch.Tensor, states: list[torch.Tensor]) -> tuple[_KdaStates, _KdaSmall]:
-    """The checks of ``kda_steps``' states and small weights (what keeps a wrong pointer out of C), and
-    their arrays."""
-    seqs = _kda_states(counts, convs, states)
-    return seqs, _kda_small(conv_w, dt_bias, a_log, o_norm, seqs.nh, seqs.d, seqs.K)
+def _check_head_dim(d: int) -> None:
+    if not 0 < d <= KDA_MAX_HEAD_DIM:
+        raise ValueError(f"KDA step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
 
 
 @dataclass(frozen=True)
@@ -925,8 +922,7 @@ def kda_weights(norm: torch.Tensor, first: list[tuple], second: list[tuple], o_p
         raise ValueError("kda_weights: A_log and o_norm must be vectors, the conv weights and o_proj matrices")
     H, nh, d, K = o_proj[0].shape[0], a_log.shape[0], o_norm.shape[0], conv_w[0].shape[1]
     D = nh * d
-    if not 0 < d <= KDA_MAX_HEAD_DIM:
-        raise ValueError(f"KDA step: head dim {d} is outside 1..{KDA_MAX_HEAD_DIM}")
+    _check_head_dim(d)
     norm_bf16 = _norm_weight("kda_block", "norm", norm, H)
     small = _kda_small(conv_w, dt_bias, a_log, o_norm, nh, d, K)
     groups = []

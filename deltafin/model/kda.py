@@ -114,8 +114,7 @@ class KDAttention(Bindable):
         check keeps its inputs for them: forward does); else None. The same bits as the separate calls."""
         c = self.cfg
         if (c.kda_full_rank_gate or h.dim() != 2 or h.shape[0] > cpu_native.GEMV_MAX_ROWS
-                or any(keep for _, _, keep in parts) or not isinstance(norm, torch.Tensor)
-                or not _native_steps(h, parts, c.kda_head_dim)):
+                or any(keep for _, _, keep in parts) or not _native_steps(h, parts, c.kda_head_dim)):
             return None
         projections = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj,
                        self.f_b_proj, self.g_b_proj, self.o_proj)
