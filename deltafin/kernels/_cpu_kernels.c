@@ -54,7 +54,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 19
+#define KERNELS_ABI 20
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -2853,6 +2853,86 @@ int mla_decode_attend_f32(int64_t B, const float *q_lat, const float *q_rot, con
     if (work * nh * (r + rope) < MIN_WEIGHTS_PER_THREAD) t = 1;  /* little work: waking a thread costs more */
     run_parallel(run_mla_attend, &a, 0, t < 1 ? 1 : (int)t);
     return 0;
+}
+
+/* An MLA layer's attention half for B decoding sequences, one row each, in one call (a resident Kimi
+   Linear layer on the CPU: a plain query projection, no output gate), caches in float32:
+     x = rms_norm(h) * norm_w                                    (rms_norm_f32)
+     q, kv = x @ wq^T, x @ wkv^T                                 (dense_gemv_outs_f32, one kind)
+     sequence b's cache row len[b] - 1 = rms_norm(kv[:r]) * latent_w, kv[r:]   (rms_norm_f32)
+     q_lat[h] = q_nope[h] @ W_k[h]                               (dense_gemv_t_items_f32, every head)
+     lat = the latent attention of each sequence over its cache (mla_decode_attend_f32)
+     o[:, h] = lat[h] @ W_v[h]^T                                 (dense_gemv_items_f32, every head)
+     out = h + o @ wo^T                                          (dense_gemv_outs_f32 with one weight)
+   Each step is the function named, called as mla.py's separate calls call it, so `out` and the caches
+   equal theirs bit for bit; what goes is the time between the calls and the copies around them. The
+   caches must hold len[b] rows already (the new one is written, then attended). Returns 0, -1 when out
+   of memory, -2 for a group that does not fit, -3 for sizes that make no sense. */
+int mla_block_f32(const float *h, int64_t B, int64_t H, const void *norm_w, int norm_bf16, float eps,
+                  const void *const *w1, const void *const *s1, int kind1, int64_t group1,
+                  const void *latent_w, int latent_bf16, float latent_eps,
+                  const void *const *wk, const void *const *sk, int kindk, int64_t groupk,
+                  const void *const *wv, const void *const *sv, int kindv, int64_t groupv,
+                  const void *wo, const void *so, int kindo, int64_t groupo,
+                  float *const *ckv, float *const *krot, const int64_t *len, float scale,
+                  int64_t nh, int64_t nope, int64_t rope, int64_t r, int64_t dv, float *out, int threads,
+                  int use_simd) {
+    if (B < 1 || H < 1 || nh < 1 || nope < 1 || rope < 1 || r < 1 || dv < 1) return -3;
+    for (int64_t b = 0; b < B; b++)
+        if (len[b] < 1) return -3;
+    const int64_t qw = nh * (nope + rope), kvw = r + rope, sizes[2] = {qw, kvw}, one_out[1] = {H};
+    float *x = malloc((size_t)(B * H) * sizeof *x), *q = malloc((size_t)(B * qw) * sizeof *q);
+    float *kv = malloc((size_t)(B * kvw) * sizeof *kv), *lnorm = malloc((size_t)(B * r) * sizeof *lnorm);
+    float *qn = malloc((size_t)(nh * B * nope) * sizeof *qn), *ql = malloc((size_t)(nh * B * r) * sizeof *ql);
+    float *qlb = malloc((size_t)(B * nh * r) * sizeof *qlb), *qr = malloc((size_t)(B * nh * rope) * sizeof *qr);
+    float *lat = malloc((size_t)(B * nh * r) * sizeof *lat), *lath = malloc((size_t)(nh * B * r) * sizeof *lath);
+    float *vals = malloc((size_t)(nh * B * dv) * sizeof *vals), *o = malloc((size_t)(B * nh * dv) * sizeof *o);
+    float *y = malloc((size_t)(B * H) * sizeof *y);
+    const float **xs = malloc((size_t)nh * sizeof *xs);
+    float **ys = malloc((size_t)nh * sizeof *ys);
+    int64_t *rows = malloc((size_t)nh * sizeof *rows);
+    int rc = -1;
+    if (!x || !q || !kv || !lnorm || !qn || !ql || !qlb || !qr || !lat || !lath || !vals || !o || !y || !xs || !ys || !rows)
+        goto done;
+    rms_norm_f32(h, B, H, norm_w, norm_bf16, eps, x, use_simd);
+    float *qkv[2] = {q, kv};
+    rc = dense_gemv_outs_f32(x, B, w1, s1, qkv, 2, sizes, H, kind1, group1, threads, use_simd);
+    if (rc) goto done;
+    for (int64_t b = 0; b < B; b++) memcpy(lnorm + b * r, kv + b * kvw, (size_t)r * sizeof *lnorm);
+    rms_norm_f32(lnorm, B, r, latent_w, latent_bf16, latent_eps, lnorm, use_simd);  /* row by row: in place is safe */
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(ckv[b] + (len[b] - 1) * r, lnorm + b * r, (size_t)r * sizeof *lnorm);
+        memcpy(krot[b] + (len[b] - 1) * rope, kv + b * kvw + r, (size_t)rope * sizeof *kv);
+    }
+    for (int64_t hd = 0; hd < nh; hd++)
+        for (int64_t b = 0; b < B; b++) {
+            const float *qbh = q + b * qw + hd * (nope + rope);
+            memcpy(qn + (hd * B + b) * nope, qbh, (size_t)nope * sizeof *qn);
+            memcpy(qr + (b * nh + hd) * rope, qbh + nope, (size_t)rope * sizeof *qr);
+        }
+    for (int64_t hd = 0; hd < nh; hd++) xs[hd] = qn + hd * B * nope, ys[hd] = ql + hd * B * r, rows[hd] = B;
+    rc = dense_gemv_t_items_f32(xs, rows, wk, sk, ys, nh, nope, r, kindk, groupk, threads, use_simd);
+    if (rc) goto done;
+    for (int64_t hd = 0; hd < nh; hd++)
+        for (int64_t b = 0; b < B; b++) memcpy(qlb + (b * nh + hd) * r, ql + (hd * B + b) * r, (size_t)r * sizeof *ql);
+    rc = mla_decode_attend_f32(B, qlb, qr, (const float *const *)ckv, (const float *const *)krot, len, scale, lat,
+                               nh, r, rope, threads);
+    if (rc) goto done;
+    for (int64_t hd = 0; hd < nh; hd++)
+        for (int64_t b = 0; b < B; b++) memcpy(lath + (hd * B + b) * r, lat + (b * nh + hd) * r, (size_t)r * sizeof *lat);
+    for (int64_t hd = 0; hd < nh; hd++) xs[hd] = lath + hd * B * r, ys[hd] = vals + hd * B * dv;
+    rc = dense_gemv_items_f32(xs, rows, wv, sv, ys, nh, dv, r, kindv, groupv, threads, use_simd);
+    if (rc) goto done;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hd = 0; hd < nh; hd++) memcpy(o + (b * nh + hd) * dv, vals + (hd * B + b) * dv, (size_t)dv * sizeof *o);
+    float *yo[1] = {y};
+    rc = dense_gemv_outs_f32(o, B, &wo, &so, yo, 1, one_out, nh * dv, kindo, groupo, threads, use_simd);
+    if (rc) goto done;
+    for (int64_t i = 0; i < B * H; i++) out[i] = h[i] + y[i];
+done:
+    free(x), free(q), free(kv), free(lnorm), free(qn), free(ql), free(qlb), free(qr), free(lat), free(lath);
+    free(vals), free(o), free(y), free(xs), free(ys), free(rows);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ memory read probe */

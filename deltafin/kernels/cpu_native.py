@@ -34,7 +34,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 19
+ABI = 20
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -109,6 +109,10 @@ def _library() -> ctypes.CDLL | None:
         lib.kda_steps_f32.restype = _int
         lib.mla_decode_attend_f32.argtypes = [_i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _i64, _i64, _i64, _int]
         lib.mla_decode_attend_f32.restype = _int
+        lib.mla_block_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _p, _int, _i64, _p, _int,
+                                      ctypes.c_float, _p, _p, _int, _i64, _p, _p, _int, _i64, _p, _p, _int, _i64,
+                                      _p, _p, _p, ctypes.c_float, _i64, _i64, _i64, _i64, _i64, _p, _int, _int]
+        lib.mla_block_f32.restype = _int
         lib.read_memory.argtypes = [_p, _p, _i64, _int, _p]
         lib.read_memory.restype = _int
         lib.int8_interleave_inplace.argtypes = [_p, _i64, _i64]
@@ -1013,6 +1017,96 @@ def mla_decode_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, ckvs: list[torch
                                    float(scale), out.data_ptr(), nh, r, rope, _threads(threads))
     if rc != 0:
         raise RuntimeError(f"MLA attention failed with code {rc}")
+    return out
+
+
+@dataclass(frozen=True)
+class MlaWeights:
+    """An MLA layer's weights checked for ``mla_block`` (made by ``mla_weights``), as the native call reads
+    them; like ``KdaWeights`` it holds pointers only (and the per-head pointer arrays it made)."""
+    H: int
+    nh: int
+    nope: int
+    rope: int
+    r: int
+    dv: int
+    norm: int
+    norm_bf16: int
+    latent: int
+    latent_bf16: int
+    first: tuple  # (weights, scales, kind, int8 group) of q_proj and kv_a_proj
+    heads_k: DenseHeads
+    heads_v: DenseHeads
+    o_proj: tuple  # (weight, scale, kind, int8 group)
+
+
+def mla_weights(norm: torch.Tensor, q_proj: tuple, kv_a: tuple, latent_norm: torch.Tensor, heads_k: DenseHeads,
+                heads_v: DenseHeads, o_proj: tuple, nope: int, rope: int) -> MlaWeights:
+    """Checks an MLA layer's weights for ``mla_block``: the input norm [H]; q_proj [nh * (nope + rope), H] and
+    kv_a_proj [r + rope, H] (``native_dense``'s pairs, one kind); the latent norm [r]; kv_b's per-head W_k
+    [nope, r] and W_v [dv, r] (``dense_heads``); o_proj [H, nh * dv]."""
+    (wq, sq), (wkv, skv), (wo, so) = q_proj, kv_a, o_proj
+    if wq.dim() != 2 or wkv.dim() != 2 or wo.dim() != 2 or latent_norm.dim() != 1:
+        raise ValueError("mla_weights: the projections must be matrices and the latent norm a vector")
+    H, r, nh = wq.shape[1], latent_norm.shape[0], len(heads_k.ws)
+    dv = heads_v.rows
+    if nope < 1 or rope < 1 or r < 1 or nh < 1 or dv < 1 or len(heads_v.ws) != nh:
+        raise ValueError(f"mla_weights: needs positive sizes and as many W_v heads as W_k heads, got nope {nope}, "
+                         f"rope {rope}, r {r}, {nh} and {len(heads_v.ws)} heads")
+    want = {"q_proj": ((nh * (nope + rope), H), wq), "kv_a_proj": ((r + rope, H), wkv), "o_proj": ((H, nh * dv), wo)}
+    for name, (shape, w) in want.items():
+        if tuple(w.shape) != shape:
+            raise ValueError(f"mla_block: {name} must be {list(shape)}, got {list(w.shape)}")
+    if (heads_k.rows, heads_k.cols, heads_v.cols) != (nope, r, r):
+        raise ValueError(f"mla_block: kv_b's heads must be W_k [{nope}, {r}] and W_v [{dv}, {r}], got "
+                         f"[{heads_k.rows}, {heads_k.cols}] and [{heads_v.rows}, {heads_v.cols}]")
+    first = {_dense_weights([w], [s]) for w, s in (q_proj, kv_a)}
+    if len(first) != 1:
+        raise ValueError("mla_block: q_proj and kv_a_proj must be of one kind (and one int8 group size)")
+    return MlaWeights(H, nh, nope, rope, r, dv, norm.data_ptr(), _norm_weight("mla_block", "norm", norm, H),
+                      latent_norm.data_ptr(), _norm_weight("mla_block", "latent norm", latent_norm, r),
+                      (_array(_p, [wq.data_ptr(), wkv.data_ptr()]),
+                       _array(_p, [0 if s is None else s.data_ptr() for s in (sq, skv)]), *first.pop()),
+                      heads_k, heads_v, (wo.data_ptr(), 0 if so is None else so.data_ptr(), *_dense_weights([wo], [so])))
+
+
+def mla_block(h: torch.Tensor, eps: float, latent_eps: float, weights: MlaWeights, ckvs: list[torch.Tensor],
+              krots: list[torch.Tensor], lengths: list[int], scale: float, threads: int | None = None,
+              use_simd: bool = True) -> torch.Tensor:
+    """An MLA layer's attention half over one decoding row per sequence, h [B, H], in one native call:
+    h + o_proj(W_v(attention of W_k-absorbed queries over each cache)) (mla_block_f32 in _cpu_kernels.c).
+    ckvs[b] float32 [capacity, r] and krots[b] [capacity, rope]: sequence b's cache, with room for
+    lengths[b] rows, the new one (row lengths[b] - 1) written by the call. Equal bit for bit to mla.py's
+    decode path of ``rms_norm``, ``dense_gemv``, ``dense_heads_gemv``, ``mla_decode_attend`` and
+    ``dense_gemv`` called in turn."""
+    lib = _lib_or_raise()
+    w = weights
+    if not (h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() and h.is_cpu and h.shape[1] == w.H):
+        raise ValueError(f"mla_block needs contiguous CPU float32 rows [B, {w.H}], got {h.dtype} {tuple(h.shape)}")
+    B = h.shape[0]
+    if not (len(ckvs) == len(krots) == len(lengths) == B):
+        raise ValueError(f"mla_block: needs one cache and length per row, got {len(ckvs)}, {len(krots)} and "
+                         f"{len(lengths)} for {B} rows")
+    for ckv, krot, n in zip(ckvs, krots, lengths):
+        for t, width, name in ((ckv, w.r, "latent"), (krot, w.rope, "rope-key")):
+            if not (t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == width and t.is_contiguous() and t.is_cpu):
+                raise ValueError(f"mla_block: a {name} cache must be a contiguous CPU float32 [rows, {width}], got "
+                                 f"{t.dtype} {list(t.shape)}")
+            if not 1 <= n <= t.shape[0]:
+                raise ValueError(f"mla_block: a {name} cache of {t.shape[0]} rows has no room for {n}")
+    out = torch.empty(B, w.H, dtype=torch.float32)
+    (w1, s1, k1, g1), (wo, so, ko, go), hk, hv = w.first, w.o_proj, w.heads_k, w.heads_v
+    rc = lib.mla_block_f32(h.data_ptr(), B, w.H, w.norm, w.norm_bf16, float(eps), w1, s1, k1, g1, w.latent,
+                           w.latent_bf16, float(latent_eps), hk.w_ptrs, hk.s_ptrs, hk.kind, hk.group, hv.w_ptrs,
+                           hv.s_ptrs, hv.kind, hv.group, wo, so, ko, go, _array(_p, [t.data_ptr() for t in ckvs]),
+                           _array(_p, [t.data_ptr() for t in krots]), _array(_i64, lengths), float(scale), w.nh,
+                           w.nope, w.rope, w.r, w.dv, out.data_ptr(), _threads(threads), int(use_simd))
+    if rc == -1:
+        raise MemoryError(f"mla_block could not allocate scratch for {B} rows")
+    if rc == -2:
+        raise ValueError("mla_block: an int8 group size does not fit its weight")
+    if rc != 0:
+        raise RuntimeError(f"mla_block failed with code {rc}")
     return out
 
 

@@ -60,9 +60,9 @@ class DecoderLayer(Bindable):
                 base = h
         else:
             a_in, base = h, h
-        # A KDA layer's norm, attention and sum in one native call where it runs (KDAttention.block)
-        p = self.self_attn.block(h, self.input_layernorm, eps, parts) \
-            if not B and isinstance(self.self_attn, KDAttention) else None
+        # An attention half's norm, attention and sum in one native call where it runs (KDAttention.block,
+        # MLAttention.block)
+        p = self.self_attn.block(h, self.input_layernorm, eps, parts) if not B else None
         if p is None:
             p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
         if not B and isinstance(self.mlp, MoE) and \

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_native
-from ..kernels.linear import QWeight, native_dense
+from ..kernels.kept import KeptByWeights
+from ..kernels.linear import QWeight, dense_kind, native_dense
 from .binding import Bindable
 from .ops import HalfMatmul, linear, linears, plain, rms_norm
 from .state import MLAState, Rows, joined, stacked
@@ -106,6 +107,31 @@ class MLAttention(Bindable):
             out = out * torch.sigmoid(linear(x, self.g_proj).float()).to(out.dtype)
         return linear(out, self.o_proj)
 
+    def block(self, h: torch.Tensor, norm: torch.Tensor, eps: float, parts: list[Rows]) -> torch.Tensor | None:
+        """h + forward(rms_norm(h) * norm) in one native call (cpu_native.mla_block: the norm, the
+        projections, the new cache rows, the absorbed products and the attention, the sum) where every
+        sequence decodes one row into a float32 CPU cache that the native attention takes
+        (_native_attend_applies), with a plain query projection, no output gate, and projections the
+        native products read (q and kv_a of one kind); else None. The same bits as the separate calls."""
+        c = self.cfg
+        if (c.q_lora_rank or c.mla_output_gate or h.dim() != 2 or h.shape[0] > cpu_native.GEMV_MAX_ROWS
+                or any(n != 1 for _, n, _ in parts)
+                or not _native_attend_applies(h, parts, c.mla_num_heads * (c.kv_lora_rank + c.qk_rope_head_dim),
+                                              new_rows=1)):
+            return None
+        weights = (self.q_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj, norm, self.kv_a_layernorm)
+        checked = _kept_blocks.get(weights, lambda: _block_weights(c, *weights))
+        if checked is None:
+            return None
+        states = [st for st, _, _ in parts]
+        for st in states:
+            st.reserve(1)
+        out = cpu_native.mla_block(h.contiguous(), eps, LATENT_NORM_EPS, checked, [st.ckv for st in states],
+                                   [st.krot for st in states], [st.length + 1 for st in states], self.scale)
+        for st in states:
+            st.length += 1
+        return out
+
     def _positions(self, st: MLAState, T: int, device) -> tuple:
         """The cache to attend over (ckv, krot) and the mask of positions each of the T new queries
         may not see (the cache already holds their own keys)."""
@@ -156,6 +182,23 @@ class MLAttention(Bindable):
         return torch.einsum("htn,nr->htr", probs, ckv)
 
 
+def _block_weights(cfg, q_proj, kv_a, kv_b, o_proj, norm, latent_norm) -> cpu_native.MlaWeights | None:
+    """An MLA layer's weights checked for cpu_native.mla_block, or None where the native products do not
+    take its projections (another codec, q_proj and kv_a of kinds the separate calls would not share)."""
+    dense = [native_dense(w) for w in (q_proj, kv_a, kv_b, o_proj)]
+    if any(d is None for d in dense) or dense_kind(dense[0]) != dense_kind(dense[1]) \
+            or not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in (norm, latent_norm)):
+        return None  # a copy of a norm would not outlive this call, and its pointer is kept
+    nope, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    kv = KvB(kv_b, cfg.mla_num_heads, nope, dv, torch.float32)
+    return cpu_native.mla_weights(norm, dense[0], dense[1], latent_norm, kv.heads(dense[2], 0, nope),
+                                  kv.heads(dense[2], nope, dv), dense[3], nope, cfg.qk_rope_head_dim)
+
+
+# MLAttention.block's checked weights, kept while the layer's weights are the same objects.
+_kept_blocks = KeptByWeights()
+
+
 def _slots_of(parts: list[Rows]) -> tuple | None:
     """(ckv [B, cap, r], krot [B, cap, rope], positions [B * n]) of a recorded pass (decode_graph.py):
     its B sequences each feed n rows from consecutive slots (their caches entries of one buffer, their
@@ -176,13 +219,14 @@ def _slots_of(parts: list[Rows]) -> tuple | None:
 NATIVE_ATTEND_MAX_WORK = 1 << 22
 
 
-def _native_attend_applies(x: torch.Tensor, parts: list[Rows], width: int) -> bool:
+def _native_attend_applies(x: torch.Tensor, parts: list[Rows], width: int, new_rows: int = 0) -> bool:
     """True when every sequence of the pass decodes one token into a float32 CPU cache outside a
     recorded decode graph, none larger than NATIVE_ATTEND_MAX_WORK for ``width`` = heads x (kv_lora_rank
-    + rope), with the native kernels built (cpu_native.mla_decode_attend)."""
+    + rope) once its ``new_rows`` not yet appended are, with the native kernels built
+    (cpu_native.mla_decode_attend)."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and cpu_native.available()
-            and all(n == 1 and st.at is None and st.ckv.dtype == torch.float32
-                    and st.length * width <= NATIVE_ATTEND_MAX_WORK for st, n, _ in parts))
+            and all(n == 1 and st.at is None and st.ckv.dtype == torch.float32 and st.krot.dtype == torch.float32
+                    and (st.length + new_rows) * width <= NATIVE_ATTEND_MAX_WORK for st, n, _ in parts))
 
 
 class KvB:
@@ -217,7 +261,7 @@ class KvB:
             return None
         return native_dense(self.w)
 
-    def _heads(self, dense, first: int, count: int) -> cpu_native.DenseHeads:
+    def heads(self, dense, first: int, count: int) -> cpu_native.DenseHeads:
         """Each head's rows first..first+count-1 of the stored weight (and of its scales), checked for the
         native call. A quantized weight keeps them (64 views a layer and token otherwise)."""
         cache = self.w.derived("_kv_b_heads", dict) if isinstance(self.w, QWeight) else {}
@@ -235,7 +279,7 @@ class KvB:
         dense = self._native(q_nope.shape[0])
         if dense is None:
             return torch.einsum("thd,hdr->htr", q_nope, self.full()[0])
-        y = cpu_native.dense_heads_gemv(q_nope.transpose(0, 1).contiguous(), self._heads(dense, 0, self.nope),
+        y = cpu_native.dense_heads_gemv(q_nope.transpose(0, 1).contiguous(), self.heads(dense, 0, self.nope),
                                         transposed=True)
         return y.view(self.nh, q_nope.shape[0], -1)
 
@@ -244,5 +288,5 @@ class KvB:
         dense = self._native(lat.shape[1])
         if dense is None:
             return torch.einsum("htr,hdr->thd", lat, self.full()[1])
-        y = cpu_native.dense_heads_gemv(lat.contiguous(), self._heads(dense, self.nope, self.dv))
+        y = cpu_native.dense_heads_gemv(lat.contiguous(), self.heads(dense, self.nope, self.dv))
         return y.view(self.nh, lat.shape[1], self.dv).transpose(0, 1)

@@ -58,13 +58,18 @@ class MLAState:
     # them, so the recorded kernels depend on no host-side length; the recorder advances `length`.
     at: torch.Tensor | None = None
 
-    def append(self, ckv: torch.Tensor, krot: torch.Tensor) -> None:
-        n = ckv.shape[0]
+    def reserve(self, n: int) -> None:
+        """Room for n more rows after ``length`` (the buffers grow by doubling)."""
         need = self.length + n
         if need > self.ckv.shape[0]:
             cap = max(need, 2 * self.ckv.shape[0], 16)
             self.ckv = _grow(self.ckv, cap)
             self.krot = _grow(self.krot, cap)
+
+    def append(self, ckv: torch.Tensor, krot: torch.Tensor) -> None:
+        n = ckv.shape[0]
+        need = self.length + n
+        self.reserve(n)
         self.ckv[self.length:need] = ckv
         self.krot[self.length:need] = krot
         self.length = need
