@@ -2,6 +2,7 @@
 them in qlinear and ops.linear."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import types
 
@@ -1081,12 +1082,15 @@ def test_a_decode_pass_gives_torch_one_thread_and_the_native_kernels_all(tiny_kl
     import deltafin
     m = deltafin.load(tiny_kl_path, device="cpu", stream="off", threads=2)
     seen = []
-    real = cpu_native.dense_gemv_items
-    monkeypatch.setattr(cpu_native, "dense_gemv_items",
-                        lambda *a, **k: seen.append((torch.get_num_threads(), cpu_native._threads(None))) or real(*a, **k))
+
+    def watched(real):
+        return lambda *a, **k: seen.append((torch.get_num_threads(), cpu_native._threads(None))) or real(*a, **k)
+    # the products a pass calls from Python: its layers' halves in one call each and the head's product
+    for name in ("dense_gemv_items", "dense_gemv", "kda_block", "mla_block", "moe_block_silu", "mlp_block_silu"):
+        monkeypatch.setattr(cpu_native, name, watched(getattr(cpu_native, name)))
     st = m.new_state()
     m.forward(list(range(5, 5 + cpu_native.GEMV_MAX_ROWS + 8)), st)  # a prompt pass
-    assert all(s == (2, 2) for s in seen)
+    assert seen and all(s == (2, 2) for s in seen)
     seen.clear()
     m.forward([7], st)
     assert seen and all(s == (1, 2) for s in seen)
@@ -1245,6 +1249,49 @@ def test_moe_block_equals_the_norm_router_and_experts_called_apart(kind, T, k, s
             out, got_ids = cpu_native.moe_block_silu(p, norm, 1e-5, gate, bias, k, True, 2.5, table, one,
                                                      threads=threads, use_simd=use_simd)
             assert torch.equal(got_ids, ids) and torch.equal(out, want)
+
+
+@native
+@pytest.mark.parametrize("codec", ["bf16", "int8-row", "int8"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_dense_mlps_half_in_one_call_equals_its_calls_apart(codec, T):
+    """DenseMLP.block (cpu_native.mlp_block_silu: the norm, gate and up, the SiLU-GLU, down and the residual
+    sum in one native call) against the layer's own calls, bit for bit: bf16, per-row int8 and grouped int8
+    in the RAM tier's interleaved layout; float32 weights take the calls apart (None)."""
+    from deltafin.io.ram import cpu_layout
+    from deltafin.kernels import quantize
+    from deltafin.model.binding import bind
+    from deltafin.model.moe import DenseMLP
+    from deltafin.model.ops import rms_norm
+    from test_model_pieces import k3_config
+    cfg = dataclasses.replace(k3_config(), hidden_act="silu")  # Kimi Linear's activation
+    H, I = cfg.hidden_size, 96
+    g = torch.Generator().manual_seed(T + 3)
+    mlp = DenseMLP(cfg, I)
+    plain = {"gate_proj": torch.randn(I, H, generator=g) / H ** 0.5, "up_proj": torch.randn(I, H, generator=g) / H ** 0.5,
+             "down_proj": torch.randn(H, I, generator=g) / I ** 0.5}
+    norm = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16)
+    p = torch.randn(T, H, generator=g) * 2
+    bind(mlp, plain)
+    assert mlp.block(p, norm, 1e-5) is None
+    if codec == "bf16":
+        bind(mlp, {k: w.bfloat16() for k, w in plain.items()})
+    else:
+        bind(mlp, {k: cpu_layout(k, quantize(w, "int8", 0 if codec == "int8-row" else 32)) for k, w in plain.items()})
+    whole = mlp.block(p, norm, 1e-5)
+    assert whole is not None and torch.equal(whole, p + mlp(rms_norm(p, norm, 1e-5)))
+
+
+@native
+def test_mlp_block_refuses_what_does_not_fit():
+    H, I = 32, 64
+    one = cpu_native.moe_expert(*(_dense_weights("int8", 2, I, H, seed=1) + _dense_weights("int8", 1, H, I, seed=2)))
+    p, norm = torch.zeros(2, H), torch.ones(H)
+    assert torch.equal(cpu_native.mlp_block_silu(p, norm, 1e-5, one), p)
+    for args, message in [((p.double(), norm, 1e-5, one), "float32 rows"), ((torch.zeros(2, 16), norm, 1e-5, one), "width 32"),
+                          ((p, torch.ones(H + 1), 1e-5, one), "norm"), ((p, norm, 1e-5, "mlp"), "moe_expert")]:
+        with pytest.raises(ValueError, match=message):
+            cpu_native.mlp_block_silu(*args)
 
 
 @native

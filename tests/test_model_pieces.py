@@ -377,8 +377,8 @@ def test_a_resident_layers_halves_in_one_native_call_compute_and_count_what_thei
         tiny_kl_path, wide_q8_path, monkeypatch):
     """A resident Kimi Linear on the CPU (bf16, and a grouped int8 store) runs each MoE layer's norm,
     router, experts and sums in one native call (MoE.block), each KDA layer's norm, attention and
-    sum in another (KDAttention.block), and each MLA layer's in another where every sequence decodes one
-    row (MLAttention.block): the logits of a prompt, of decode steps and of a batch equal the
+    sum in another (KDAttention.block), each MLA layer's in another where every sequence decodes one
+    row (MLAttention.block), and the leading dense layer's MLP half in another (DenseMLP.block): the logits of a prompt, of decode steps and of a batch equal the
     separate calls' bit for bit, and the pass counts the same experts and bytes. An expert swapped in the
     held experts is used from the next pass; an observer of the routing sees every MoE layer (the layer
     then calls its steps apart)."""
@@ -386,18 +386,21 @@ def test_a_resident_layers_halves_in_one_native_call_compute_and_count_what_thei
     from deltafin.kernels import cpu_native
     from deltafin.model.kda import KDAttention
     from deltafin.model.mla import MLAttention
-    from deltafin.model.moe import MoE
+    from deltafin.model.moe import DenseMLP, MoE
 
     def apart(p):
         p.setattr(MoE, "block", lambda *a: None)
+        p.setattr(DenseMLP, "block", lambda *a: None)
         p.setattr(KDAttention, "block", lambda *a: None)
         p.setattr(MLAttention, "block", lambda *a: None)
     from deltafin.runtime.engine import Seq
     from deltafin.runtime.pass_stats import PassObserver
     if not cpu_native.available():
         pytest.skip("native CPU kernels not built")
-    calls, kda_calls, mla_calls = [], [], []
+    calls, kda_calls, mla_calls, mlp_calls = [], [], [], []
     real, real_kda, real_mla = cpu_native.moe_block_silu, cpu_native.kda_block, cpu_native.mla_block
+    real_mlp = cpu_native.mlp_block_silu
+    monkeypatch.setattr(cpu_native, "mlp_block_silu", lambda *a, **k: mlp_calls.append(1) or real_mlp(*a, **k))
     monkeypatch.setattr(cpu_native, "mla_block", lambda *a, **k: mla_calls.append(1) or real_mla(*a, **k))
     monkeypatch.setattr(cpu_native, "moe_block_silu", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(cpu_native, "kda_block", lambda *a, **k: kda_calls.append(1) or real_kda(*a, **k))
@@ -417,8 +420,9 @@ def test_a_resident_layers_halves_in_one_native_call_compute_and_count_what_thei
             out += m.engine.forward_batch([Seq(ids[8:9], a), Seq(ids[3:5], b)])
             counts.append((m.engine.last_pass.experts_loaded, m.engine.last_pass.bytes_from_ram))
             return out, counts
-        calls.clear(), kda_calls.clear(), mla_calls.clear()
+        calls.clear(), kda_calls.clear(), mla_calls.clear(), mlp_calls.clear()
         whole, whole_counts = run()
+        assert moe_layers < m.config.num_layers and len(mlp_calls) == 5 * (m.config.num_layers - moe_layers)
         assert len(calls) == 5 * moe_layers and len(kda_calls) == 5 * kda_layers  # every pass, every such layer
         mla_layers = m.config.num_layers - kda_layers
         assert mla_layers and len(mla_calls) == 2 * mla_layers  # the passes of one row a sequence

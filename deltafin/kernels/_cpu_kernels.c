@@ -54,7 +54,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 20
+#define KERNELS_ABI 21
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -2217,6 +2217,33 @@ int moe_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w,
     for (int64_t i = 0; i < T * H; i++) out[i] = p[i] + (y[i] + (shared ? y[T * H + i] : 0.0f));
 done:
     free(x), free(wts), free(pair_w), free(y), free(at), free(counts), free(which), free(pair_row), free(ws);
+    return rc;
+}
+
+/* A dense SiLU-GLU MLP's feed-forward half for rows p [T, H] of the residual stream, in one call (Kimi
+   Linear's leading dense layers):
+     x = rms_norm(p) * norm_w                     (rms_norm_f32)
+     y = down(silu(gate(x)) * up(x))              (moe_silu_f32 with the MLP as its one shared expert)
+     out = p + y
+   Each step is the function named, the products those the layer's separate calls make (gate and up in
+   one dense items call, down as one item of the same kernel), so `out` equals theirs bit for bit.
+   w / scale: the gate, up and down weights and their scales (NULL for bf16). Returns 0, -1 when out of
+   memory, -2 for a group that does not fit, -3 for a bad argument. */
+int mlp_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w, int norm_bf16, float eps, int64_t I,
+                       const void *const *w, const void *const *scale, int is_int8, int64_t group_in,
+                       int64_t group_out, float *out, int threads, int use_simd) {
+    if (T < 0 || H <= 0 || I <= 0) return -3;
+    if (T == 0) return 0;
+    float *x = malloc((size_t)(T * H) * sizeof *x), *y = malloc((size_t)(2 * T * H) * sizeof *y);
+    int rc = -1;
+    if (!x || !y) goto done;
+    rms_norm_f32(p, T, H, norm_w, norm_bf16, eps, x, use_simd);
+    rc = moe_silu_f32(x, T, H, I, 0, NULL, NULL, NULL, w, scale, 1, is_int8, group_in, group_out, y, y + T * H,
+                      threads, use_simd);
+    if (rc) goto done;
+    for (int64_t i = 0; i < T * H; i++) out[i] = p[i] + y[T * H + i];
+done:
+    free(x), free(y);
     return rc;
 }
 

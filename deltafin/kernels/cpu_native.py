@@ -34,7 +34,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 20
+ABI = 21
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -94,6 +94,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moe_block_silu_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int, _p, _i64, _i64, _int,
                                            ctypes.c_float, _i64, _p, _p, _p, _p, _int, _i64, _i64, _p, _p, _int, _int]
         lib.moe_block_silu_f32.restype = _int
+        lib.mlp_block_silu_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _i64, _p, _p, _int, _i64, _i64,
+                                           _p, _int, _int]
+        lib.mlp_block_silu_f32.restype = _int
         lib.kda_block_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _p, _int, _i64, _p, _p, _int, _i64,
                                       _p, _p, _int, _i64, _i64, _p, _p, _p, _int, _p, _int, _p, _int, _int,
                                       ctypes.c_float, _p, _int, _p, _i64, _i64, _i64, _p, _int, _int]
@@ -789,6 +792,33 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
     if rc != 0:
         raise RuntimeError(f"moe_block_silu failed with code {rc}")
     return out, ids
+
+
+def mlp_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, mlp: MoeExpert, threads: int | None = None,
+                   use_simd: bool = True) -> torch.Tensor:
+    """A dense SiLU-GLU MLP's feed-forward half over the residual rows p [T, H] in one native call:
+    p + down(silu(gate(x)) * up(x)) for x = rms_norm(p) * norm, the MLP's weights checked as one expert
+    (``moe_expert``). Equal bit for bit to ``rms_norm``, ``dense_gemv_items`` (gate and up), ``silu_glu`` and
+    ``dense_gemv`` (down) called in turn and added (mlp_block_silu_f32 in _cpu_kernels.c)."""
+    lib = _lib_or_raise()
+    if not (p.dim() == 2 and p.dtype == torch.float32 and p.is_contiguous() and p.is_cpu):
+        raise ValueError(f"mlp_block_silu needs contiguous CPU float32 rows [T, H], got {p.dtype} {tuple(p.shape)}")
+    if not isinstance(mlp, MoeExpert):
+        raise ValueError("mlp_block_silu needs the MLP's weights checked by moe_expert")
+    T, H = p.shape
+    kind, group_in, group_out, I, width = mlp.signature
+    if width != H:
+        raise ValueError(f"mlp_block_silu: an MLP reading rows of width {width} for rows of width {H}")
+    norm_bf16 = _norm_weight("mlp_block_silu", "norm", norm, H)
+    out = torch.empty(T, H, dtype=torch.float32)
+    rc = lib.mlp_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps, I, _array(_p, list(mlp.pointers[:3])),
+                                _array(_p, list(mlp.pointers[3:])), kind, group_in, group_out, out.data_ptr(),
+                                _threads(threads), int(use_simd))
+    if rc == -1:
+        raise MemoryError(f"mlp_block_silu could not allocate scratch for {T} rows")
+    if rc != 0:
+        raise RuntimeError(f"mlp_block_silu failed with code {rc}")
+    return out
 
 
 # The widest KDA head the native decode step takes (KDA_MAX_D in _cpu_kernels.c).

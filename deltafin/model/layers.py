@@ -65,9 +65,11 @@ class DecoderLayer(Bindable):
         p = self.self_attn.block(h, self.input_layernorm, eps, parts) if not B else None
         if p is None:
             p = base + self.self_attn(rms_norm(a_in, self.input_layernorm, eps), parts, chunk)
-        if not B and isinstance(self.mlp, MoE) and \
-                (out := self.mlp.block(p, self.post_attention_layernorm, eps, fetch)) is not None:
-            return out
+        if not B:  # the feed-forward half likewise (MoE.block, DenseMLP.block)
+            norm = self.post_attention_layernorm
+            out = self.mlp.block(p, norm, eps, fetch) if isinstance(self.mlp, MoE) else self.mlp.block(p, norm, eps)
+            if out is not None:
+                return out
         m_in = attn_res(p, blocks, self.mlp_res_proj, self.mlp_res_norm, eps) if B else p
         x = rms_norm(m_in, self.post_attention_layernorm, eps)
         return p + (self.mlp(x, fetch, m_in) if isinstance(self.mlp, MoE) else self.mlp(x))

@@ -32,6 +32,20 @@ class DenseMLP(Bindable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mlp(self.cfg, x, self.gate_proj, self.up_proj, self.down_proj)
 
+    def block(self, p: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """p + forward(rms_norm(p) * norm) in one native call (cpu_native.mlp_block_silu: the norm, the
+        gate and up products, the SiLU-GLU, the down product, the sum) for decode-sized float32 rows on the
+        CPU with a SiLU-GLU whose weights the native products read (int8 or bf16, one kind); else None.
+        The same bits as the separate calls."""
+        if not (p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 2
+                and p.shape[0] <= cpu_native.GEMV_MAX_ROWS and self.cfg.hidden_act != "situ"
+                and isinstance(norm, torch.Tensor) and cpu_native.available()):
+            return None
+        checked = experts_cpu.moe_expert_of((self.gate_proj, self.up_proj, self.down_proj))
+        if checked is None:
+            return None
+        return cpu_native.mlp_block_silu(p.contiguous(), norm.contiguous(), eps, checked)
+
 
 def route(cfg, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids [T, k] and their weights [T, k] (fp32) for rows x [T, H]. Decode-sized float32
