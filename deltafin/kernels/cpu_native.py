@@ -741,6 +741,16 @@ def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weig
     return y, y_shared
 
 
+def _check_block(rc: int, who: str, rows: int) -> None:
+    """A layer-half native call's return code raised as the error it means (0: none)."""
+    if rc == -1:
+        raise MemoryError(f"{who} could not allocate scratch for {rows} rows")
+    if rc == -2:
+        raise ValueError(f"{who}: an int8 group size does not fit its weight")
+    if rc != 0:
+        raise RuntimeError(f"{who} failed with code {rc}")
+
+
 @dataclass(frozen=True)
 class MoeTable:
     """Every expert of a MoE layer (``moe_table``), checked once, with the pointer arrays
@@ -787,10 +797,7 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
                                 gate.data_ptr(), int(gate.dtype == torch.bfloat16), bias.data_ptr(), E, k,
                                 int(renormalize), scale, I, table.w_ptrs, table.s_ptrs, shared_w, shared_s, kind,
                                 group_in, group_out, ids.data_ptr(), out.data_ptr(), _threads(threads), int(use_simd))
-    if rc == -1:
-        raise MemoryError(f"moe_block_silu could not allocate scratch for {T} rows")
-    if rc != 0:
-        raise RuntimeError(f"moe_block_silu failed with code {rc}")
+    _check_block(rc, "moe_block_silu", T)
     return out, ids
 
 
@@ -814,10 +821,7 @@ def mlp_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, mlp: MoeExpe
     rc = lib.mlp_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps, I, _array(_p, list(mlp.pointers[:3])),
                                 _array(_p, list(mlp.pointers[3:])), kind, group_in, group_out, out.data_ptr(),
                                 _threads(threads), int(use_simd))
-    if rc == -1:
-        raise MemoryError(f"mlp_block_silu could not allocate scratch for {T} rows")
-    if rc != 0:
-        raise RuntimeError(f"mlp_block_silu failed with code {rc}")
+    _check_block(rc, "mlp_block_silu", T)
     return out
 
 
@@ -1000,12 +1004,7 @@ def kda_block(h: torch.Tensor, eps: float, weights: KdaWeights, counts: list[int
                            int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound),
                            w.o_norm, small.norm_bf16, seqs.states, w.nh, w.d, w.K, out.data_ptr(),
                            _threads(threads), int(use_simd))
-    if rc == -1:
-        raise MemoryError(f"kda_block could not allocate scratch for {T} rows")
-    if rc == -2:
-        raise ValueError("kda_block: an int8 group size does not fit its weight")
-    if rc != 0:
-        raise RuntimeError(f"kda_block failed with code {rc}")
+    _check_block(rc, "kda_block", T)
     return out
 
 
@@ -1131,12 +1130,7 @@ def mla_block(h: torch.Tensor, eps: float, latent_eps: float, weights: MlaWeight
                            hv.s_ptrs, hv.kind, hv.group, wo, so, ko, go, _array(_p, [t.data_ptr() for t in ckvs]),
                            _array(_p, [t.data_ptr() for t in krots]), _array(_i64, lengths), float(scale), w.nh,
                            w.nope, w.rope, w.r, w.dv, out.data_ptr(), _threads(threads), int(use_simd))
-    if rc == -1:
-        raise MemoryError(f"mla_block could not allocate scratch for {B} rows")
-    if rc == -2:
-        raise ValueError("mla_block: an int8 group size does not fit its weight")
-    if rc != 0:
-        raise RuntimeError(f"mla_block failed with code {rc}")
+    _check_block(rc, "mla_block", B)
     return out
 
 
