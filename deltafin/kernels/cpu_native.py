@@ -1052,7 +1052,8 @@ def mla_decode_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, ckvs: list[torch
 @dataclass(frozen=True)
 class MlaWeights:
     """An MLA layer's weights checked for ``mla_block`` (made by ``mla_weights``), as the native call reads
-    them; like ``KdaWeights`` it holds pointers only (and the per-head pointer arrays it made)."""
+    them: pointers, and kv_b's per-head views with their pointer arrays (``DenseHeads``, which keep that
+    weight's storage alive while the entry lives; the caller holds the other weights)."""
     H: int
     nh: int
     nope: int

@@ -115,7 +115,6 @@ class MLAttention(Bindable):
         native products read (q and kv_a of one kind); else None. The same bits as the separate calls."""
         c = self.cfg
         if (c.q_lora_rank or c.mla_output_gate or h.dim() != 2 or h.shape[0] > cpu_native.GEMV_MAX_ROWS
-                or any(n != 1 for _, n, _ in parts)
                 or not _native_attend_applies(h, parts, c.mla_num_heads * (c.kv_lora_rank + c.qk_rope_head_dim),
                                               new_rows=1)):
             return None
