@@ -61,7 +61,7 @@ def experts_message(source) -> str:
     name = expert_codec.describe(cfg, codec)
     if codec == expert_codec.published(cfg):
         return f"{name} experts (as published)"
-    return (f"{name} experts: LOSSY (converted with {expert_codec.asked_flags(codec)}; the source's are "
+    return (f"{name} experts: LOSSY (converted with {expert_codec.asked_flags(cfg, codec)}; the source's are "
             f"{expert_codec.describe(cfg, expert_codec.PLAIN)})")
 
 

@@ -313,18 +313,24 @@ def test_damaged_expert_codec_is_one_error_line(kl_stores, tmp_path, capsys, dam
 @pytest.mark.parametrize("group", [64, 128])
 def test_int8_group_sets_the_spine_and_the_experts_scales(tmp_path, group):
     """`convert --spine int8 --experts int8 --int8-group N`: every int8 weight has one float16 scale per
-    N inputs, the experts exactly the quantizer's output at that group, fewer bytes than group 32."""
+    N inputs, the experts exactly the quantizer's output at that group, fewer bytes than group 32. Without
+    the flag the spine takes 32 and the experts 128, which the messages call plain int8."""
     from deltafin.checkpoint import expert_codec
     from deltafin.checkpoint.synthetic import make_checkpoint
     src = make_checkpoint("tiny-kimi-linear", tmp_path / "src", seed=1, progress=False,
                           overrides={"hidden_size": 128, "moe_intermediate_size": 128})
     out = convert(src, tmp_path / "store", spine="int8", experts="int8", progress=False, int8_group=group)
-    base = convert(src, tmp_path / "g32", spine="int8", experts="int8", progress=False)
+    base = convert(src, tmp_path / "g32", spine="int8", experts="int8", progress=False, int8_group=32)
     hf, st = HFSource(src), StoreSource(out, spine="int8")
     assert st.expert_codec == f"int8g{group}" and verify(out) == []
-    assert expert_codec.describe(st.config, st.expert_codec) == f"int8 (group {group})"
     from deltafin.startup import experts_message
-    assert f"converted with --experts int8 --int8-group {group};" in experts_message(st)
+    said = "" if group == 128 else f" --int8-group {group}"
+    assert expert_codec.describe(st.config, st.expert_codec) == "int8" + (f" (group {group})" if said else "")
+    assert f"converted with --experts int8{said};" in experts_message(st)
+    assert "--int8-group 32;" in experts_message(StoreSource(base, spine="int8"))
+    default = StoreSource(convert(src, tmp_path / "default", spine="int8", experts="int8", progress=False), spine="int8")
+    assert default.expert_codec == "int8g128"
+    assert _load(default.path).layer_weights(0)["self_attn.q_proj"].group_size == 32
     cfg = st.config
     layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
     published = read_infos(hf.expert_infos(layer, 1), hf.fd)

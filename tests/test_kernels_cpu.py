@@ -430,16 +430,19 @@ def test_grouped_int8_items_and_transposed_items_match_the_dequantized_products(
 
 @native
 @pytest.mark.parametrize("path", ["simd", "avx2", "portable"])
-@pytest.mark.parametrize("out,n", [(5, 96), (9, 512), (13, 2304), (67, 1024), (3, 6144)])
-def test_interleaved_grouped_int8_gemv_matches_the_plain_layouts_reference(path, out, n):
-    """Codes in the interleaved layout (int8_interleaved; rows of 96 have no whole block, 2304 end in half
-    of one) give the dequantized product of the plain codes times the rounded x, at every SIMD level and
-    1-5 rows of x; int8_dequantize reads both layouts alike, the layout change is its own inverse, and
-    only groups of 32 interleave."""
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("out,n", [(5, 96), (5, 384), (9, 512), (13, 2304), (67, 1024), (3, 6144)])
+def test_interleaved_grouped_int8_gemv_matches_the_plain_layouts_reference(path, group, out, n):
+    """Codes in the interleaved layout (int8_interleaved, groups of 32, 64 and 128; rows of 96 and 384 have
+    no whole block, 2304 end in half of one) give the dequantized product of the plain codes times the
+    rounded x, at every SIMD level and 1-5 rows of x; int8_dequantize reads both layouts alike, the layout
+    change is its own inverse and the same for every group, and other scalings do not interleave."""
     if path == "avx2" and cpu_native.simd() == "portable":
         pytest.skip("no AVX2 here")
+    if n % group:
+        pytest.skip(f"groups of {group} do not divide {n}")
     g = torch.Generator().manual_seed(out * n)
-    codes, scale = int8_quantize(torch.randn(out, n, generator=g) * torch.logspace(-2, 1, n), 32)
+    codes, scale = int8_quantize(torch.randn(out, n, generator=g) * torch.logspace(-2, 1, n), group)
     inter, iscale = int8_interleaved(codes, scale)
     assert torch.equal(int8_interleave(inter), codes) and (n < 512 or not torch.equal(inter, codes))
     assert torch.equal(int8_dequantize(inter, iscale), int8_dequantize(codes, scale))
@@ -451,10 +454,15 @@ def test_interleaved_grouped_int8_gemv_matches_the_plain_layouts_reference(path,
         with cpu_native.limit_simd("avx2" if path == "avx2" else "avx512"):
             y = cpu_native.int8_gemv(x, inter, iscale, use_simd=path != "portable")
         assert ((y.double() - ref).abs() <= 2e-6 * ref.abs().max()).all()
-    with pytest.raises(ValueError, match="whole groups"):
+    assert torch.equal(inter, int8_interleave(codes))  # one permutation for every group size
+    with pytest.raises(ValueError, match="whole spans of 32"):
         int8_interleave(torch.zeros(2, 48, dtype=torch.int8))
-    with pytest.raises(ValueError, match="groups of 32"):
-        int8_interleaved(*int8_quantize(torch.randn(2, 128), 64))
+    with pytest.raises(ValueError, match="got group 256"):
+        int8_interleaved(*int8_quantize(torch.randn(2, 512), 256))
+    with pytest.raises(ValueError, match="got per-row scales"):
+        int8_interleaved(*int8_quantize(torch.randn(2, 512), 0))
+    with pytest.raises(ValueError, match="already interleaved"):
+        int8_interleaved(inter, iscale)
 
 
 def test_grouped_int8_quantize_rounds_within_half_a_scale_and_refuses_bad_groups():
@@ -915,6 +923,17 @@ def _dense_weights(kind: str, count: int, out: int, n: int, seed: int) -> list[t
     return [(torch.randn(out, n, generator=g).to(torch.bfloat16), None) for _ in range(count)]
 
 
+def _expert_weights(kind: str, H: int, I: int, seed: int, shared: bool = False) -> list[tuple]:
+    """An expert's (gate, up, down) as _dense_weights makes them; kind "interleaved": grouped int8 in the
+    RAM tier's layout, routed experts at groups of 128 and the shared expert at 32 (as a store whose
+    experts and spine were written at those groups holds them)."""
+    if kind != "interleaved":
+        return _dense_weights(kind, 2, I, H, seed=seed) + _dense_weights(kind, 1, H, I, seed=seed + 5)
+    g = torch.Generator().manual_seed(seed)
+    group = 32 if shared else 128
+    return [int8_interleaved(*int8_quantize(torch.randn(o, n, generator=g), group)) for o, n in ((I, H), (I, H), (H, I))]
+
+
 def _one_product(kind: str, x, w, s, use_simd: bool, threads: int | None = None):
     if kind == "int8":
         return cpu_native.int8_gemv(x, w, s, threads=threads, use_simd=use_simd)
@@ -1161,15 +1180,15 @@ def test_silu_glu_matches_torch_within_its_exp_rounding_and_keeps_special_values
 
 @native
 @SIMD
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "interleaved"])
 @pytest.mark.parametrize("T,k,shared", [(1, 4, True), (5, 2, True), (3, 3, False)])
 def test_moe_silu_equals_its_products_activation_and_weighted_sum_apart(kind, T, k, shared, use_simd):
     """One native call for a MoE layer's experts against the same steps apart (dense_gemv_items, the
-    native activation, index_add_): bit for bit, whatever the thread count."""
-    H, I, E = 64, 96, 6
+    native activation, index_add_): bit for bit, whatever the thread count; also with a shared expert
+    interleaved at another group size than the routed experts."""
+    H, I, E = (512, 256, 6) if kind == "interleaved" else (64, 96, 6)
     g = torch.Generator().manual_seed(T * k)
-    mats = [_dense_weights(kind, 2, I, H, seed=10 * e) + _dense_weights(kind, 1, H, I, seed=10 * e + 5)
-            for e in range(E + 1)]
+    mats = [_expert_weights(kind, H, I, 10 * e, shared=e == E) for e in range(E + 1)]
     z = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
@@ -1182,14 +1201,22 @@ def test_moe_silu_equals_its_products_activation_and_weighted_sum_apart(kind, T,
         y, ys = cpu_native.moe_silu(z, counts, rows.tolist(), pair_w, [cpu_native.moe_expert(*d) for d in experts],
                                     cpu_native.moe_expert(*mats[E]) if shared else None, threads=threads,
                                     use_simd=use_simd)
-        xs = list(z[rows].split(counts)) + ([z] if shared else [])
-        items = experts + ([mats[E]] if shared else [])
-        gu = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in items] + [d[1][0] for d in items],
-                                         [d[0][1] for d in items] + [d[1][1] for d in items], use_simd=use_simd)
+        xs = list(z[rows].split(counts))
+        gu = cpu_native.dense_gemv_items(xs + xs, [d[0][0] for d in experts] + [d[1][0] for d in experts],
+                                         [d[0][1] for d in experts] + [d[1][1] for d in experts], use_simd=use_simd)
+        if shared:  # the shared expert's products apart (its group may differ from the routed experts')
+            gs, us = cpu_native.dense_gemv_items([z, z], [mats[E][0][0], mats[E][1][0]], [mats[E][0][1], mats[E][1][1]],
+                                                 use_simd=use_simd).split(T)
+            R = gu.shape[0] // 2
+            gu, xs = torch.cat([gu[:R], gs, gu[R:], us]), xs + [z]
         R = gu.shape[0] // 2
         act = cpu_native.silu_glu(gu[:R].contiguous(), gu[R:].contiguous(), use_simd=use_simd)
-        out = cpu_native.dense_gemv_items(list(act.split([x.shape[0] for x in xs])), [d[2][0] for d in items],
-                                          [d[2][1] for d in items], use_simd=use_simd)
+        parts = list(act.split([x.shape[0] for x in xs]))
+        out = cpu_native.dense_gemv_items(parts[:len(experts)], [d[2][0] for d in experts], [d[2][1] for d in experts],
+                                          use_simd=use_simd)
+        if shared:
+            out = torch.cat([out, cpu_native.dense_gemv_items([parts[-1]], [mats[E][2][0]], [mats[E][2][1]],
+                                                              use_simd=use_simd)])
         want = torch.zeros(T, H).index_add_(0, rows, out[:len(rows)] * pair_w.unsqueeze(-1))
         assert torch.equal(y, want)
         assert (ys is None) == (not shared) and (ys is None or torch.equal(ys, out[len(rows):]))
@@ -1219,16 +1246,16 @@ def test_moe_silu_refuses_what_does_not_fit():
 
 @native
 @SIMD
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "interleaved"])
 @pytest.mark.parametrize("T,k,shared", [(1, 4, True), (5, 2, True), (3, 3, False)])
 def test_moe_block_equals_the_norm_router_and_experts_called_apart(kind, T, k, shared, use_simd):
     """A MoE layer's feed-forward half in one native call against its steps apart (rms_norm,
     route_sigmoid, moe_silu on the pairs ordered by a stable sort, the sums as the layer adds them):
-    bit for bit, the chosen ids too, whatever the thread count; a bf16 norm and router as well."""
-    H, I, E = 64, 96, 6
+    bit for bit, the chosen ids too, whatever the thread count; a bf16 norm and router as well, and a
+    shared expert at another group size than the routed experts."""
+    H, I, E = (512, 256, 6) if kind == "interleaved" else (64, 96, 6)
     g = torch.Generator().manual_seed(T * k + 7)
-    mats = [_dense_weights(kind, 2, I, H, seed=10 * e) + _dense_weights(kind, 1, H, I, seed=10 * e + 5)
-            for e in range(E + 1)]
+    mats = [_expert_weights(kind, H, I, 10 * e, shared=e == E) for e in range(E + 1)]
     table = cpu_native.moe_table([cpu_native.moe_expert(*d) for d in mats[:E]])
     one = cpu_native.moe_expert(*mats[E]) if shared else None
     p = torch.randn(T, H, generator=g) * 3

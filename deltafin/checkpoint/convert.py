@@ -552,7 +552,8 @@ def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: boo
     spine: bf16 | int8 | mixed; policy (mixed only): a policy name, JSON policy file or SpinePolicy.
     experts: None or "keep" (as published; adding a spine: as the store has them), or bf16 | int8 |
     int4 | mxfp4 (expert_codec.py says which make sense). int8_group: the inputs per float16 scale
-    of an int8 spine and int8 experts (expert_codec.INT8_GROUPS; None: 32).
+    of an int8 spine and int8 experts (expert_codec.INT8_GROUPS; None: 32 for the spine,
+    expert_codec.default_int8_group for the experts).
     Resumes a killed conversion into the same `dst`; refuses a `dst` holding anything else.
     """
     if int8_group is not None and spine != "int8" and experts != "int8":
@@ -567,7 +568,7 @@ def convert(src: str | Path, dst: str | Path, spine: str = "bf16", progress: boo
         raise StoreError(f"{src}: is already a deltafin store; convert from the Hugging Face checkpoint folder")
     source = HFSource(src)  # validates every tensor before anything is written
     try:
-        codec = expert_codec.resolve(source.config, experts, group)
+        codec = expert_codec.resolve(source.config, experts, int8_group)
         keep = experts in (None, "keep")
         with writer_lock(dst, "a conversion into this folder"):
             return _convert_locked(dst, spine, progress, pol, recorded, source, codec, keep)
@@ -663,13 +664,14 @@ def add_cli(subparsers) -> None:
                         '{"name": ..., "group_size": 32, "roles": {role: codec}}')
     p.add_argument("--experts", choices=expert_codec.CHOICES, default="keep",
                    help="routed experts: keep (as published, the default; adding a spine: as the store has "
-                        "them), bf16, int8 (fp16 scale per 32 inputs), int8-row (one scale per output row: ~6%% "
+                        "them), bf16, int8 (fp16 scale per 128 inputs), int8-row (one scale per output row: ~1.5%% "
                         "fewer bytes, less exact), int4 (fp16 scale per 32 inputs) or mxfp4. int8/int4/mxfp4 are "
                         "lossy and read ~1.9x/3.6x/3.8x fewer expert bytes than bf16; experts published in MXFP4 "
                         "(K3) are kept as they are")
     p.add_argument("--int8-group", type=int, default=None, choices=expert_codec.INT8_GROUPS, metavar="N",
-                   help="inputs per float16 scale of --spine int8 and --experts int8: 32 (the default, the most "
-                        "exact), 64 or 128 (~3%% / ~4.5%% fewer bytes than 32, a little less exact)")
+                   help="inputs per float16 scale of --spine int8 and --experts int8, both: 32 (the most exact; "
+                        "the spine's default), 64 or 128 (~3%% / ~4.5%% fewer bytes than 32, a little less exact; "
+                        "128 is the experts' default, where it costs no measurable error)")
     p.set_defaults(func=cmd_convert)
     v = subparsers.add_parser("verify", help="recompute every checksum of a deltafin store",
                               description="Check a store: files, sizes, and every tensor's checksum; prints the "

@@ -132,7 +132,8 @@ def layer_spine_tensors(cfg: ModelConfig, i: int) -> dict[str, TensorSpec]:
 # "plain" is as published: bf16 for Kimi Linear, MXFP4 for K3.
 EXPERT_INT4_GROUP = 32  # int4 experts: one fp16 scale per 32 inputs, as the spine's int4 default
 EXPERT_INT8_GROUP = 32  # int8g experts: one fp16 scale per 32 inputs ("int8": one fp32 per row, older stores)
-# Grouped int8 experts by group size (convert --int8-group): "int8g" is the default's name.
+# Grouped int8 experts by group size (convert --int8-group; expert_codec.DEFAULT_INT8_GROUP is what
+# --experts int8 writes without it): "int8g" was the first, at 32.
 EXPERT_INT8_CODECS = {EXPERT_INT8_GROUP: "int8g", 64: "int8g64", 128: "int8g128"}
 EXPERT_CODECS = ("plain", "int8", *EXPERT_INT8_CODECS.values(), "int4", "mxfp4")
 # Each re-encoded expert codec as a weight codec (kernels.linear) and its group size.

@@ -54,7 +54,7 @@
 #endif
 
 /* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 21
+#define KERNELS_ABI 22
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -106,7 +106,8 @@ struct job {
     const int32_t *lane_group;   /* int4/int6 AVX-512, groups not aligned to steps: [steps, 16] */
     int64_t group, steps, x_stride;  /* int4/int6, grouped int8: group size; AVX-512 steps per row; x row stride */
     int bits;                    /* int4/int6: 4 or 6 */
-    int il16;                    /* grouped int8 of 32 interleaved by blocks of IL_BLOCK inputs (int8.py int8_interleave) */
+    int il16;                    /* grouped int8 (group of 32, 64 or 128) interleaved by blocks of IL_BLOCK inputs
+                                    (int8.py int8_interleave) */
     void *y;                 /* gemv: float [m, out]; dequant: [out, n] float or bf16 bits */
     int64_t m, out, n;
     int64_t depth;           /* transposed dense products: the rows of W summed over (W is [depth, n]) */
@@ -1006,14 +1007,20 @@ static void int8q_inputs(const float *x, int64_t m, int64_t n, int16_t *q, float
     }
 }
 
-/* Interleaved grouped int8 (groups of 32): in each whole block of IL_BLOCK = 16 groups of a row, byte
-   32 s + 2 j + t holds input 32 j + 2 s + t of the block (j: the group, s: its step, t: the pair's half),
-   so that one step widened to int16 puts group j's pair into lane j of a vpdpwssd, and 16 steps sum all 16
-   groups in int32; inputs past the last whole block keep their order. x's rounded rows are permuted the
-   same way, so codes and inputs still meet in pairs. */
+/* Interleaved grouped int8: in each whole block of IL_BLOCK = 16 spans of 32 inputs of a row, byte
+   32 s + 2 j + t holds input 32 j + 2 s + t of the block (j: the span, s: its step, t: the pair's half),
+   so that one step widened to int16 puts span j's pair into lane j of a vpdpwssd, and 16 steps sum all 16
+   spans in int32; inputs past the last whole block keep their order. x's rounded rows are permuted the
+   same way, so codes and inputs still meet in pairs. A span lies in one group (of 32, 64 or 128 inputs:
+   1, 2 or 4 spans), so lane j is scaled by its group's scale; the permutation is the same for every group
+   size. The group argument of interleaved codes is minus the group size. */
 #define IL_BLOCK 512
-#define INT8_INTERLEAVED (-32)  /* the group argument of interleaved groups of 32 */
-#define IL_GROUPS 16
+#define IL_GROUPS 16  /* spans of 32 in a block */
+#define IL_MAX_GROUP 128
+
+static inline int il_group_fits(int64_t group, int64_t n) {
+    return group >= INT8Q_STEP && group <= IL_MAX_GROUP && !(group & (group - 1)) && n % group == 0;
+}
 
 /* The permutation over m rows of n elements of `elem` bytes (a constant at each call site): the pair of
    inputs 2 s, 2 s + 1 of group j and the pair 2 j, 2 j + 1 of group s trade places, so it is its own
@@ -1087,9 +1094,10 @@ static inline float int8q_finish(const struct job *jb, int64_t r, int64_t i, int
     return sum * jb->x_scale[i] * (jb->row_scale ? jb->row_scale[r] : 1.0f);
 }
 
-/* Interleaved groups of 32 (il16): each group's products summed exactly in int32, then times its scale. */
+/* Interleaved groups (il16): each span's products summed exactly in int32, then times its group's scale. */
 static void int8il_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
     const int64_t n = jb->n, groups = n / INT8Q_STEP, whole = n / IL_BLOCK * IL_GROUPS;
+    const int64_t spans = jb->group / INT8Q_STEP, row_groups = n / jb->group;
     float *y = (float *)jb->y;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t i = 0; i < jb->m; i++) {
@@ -1099,12 +1107,12 @@ static void int8il_rows_portable(const struct job *jb, int64_t r0, int64_t r1) {
             for (int64_t g = 0; g < groups; g++) {
                 int64_t acc = 0;
                 for (int e = 0; e < INT8Q_STEP; e++) {
-                    /* input e of group g: in a whole block at step e / 2, lane g % 16; else in order */
+                    /* input e of span g: in a whole block at step e / 2, lane g % 16; else in order */
                     const int64_t k = g < whole ? g / IL_GROUPS * IL_BLOCK + 32 * (e / 2) + 2 * (g % IL_GROUPS) + e % 2
                                                 : g * INT8Q_STEP + e;
                     acc += (int32_t)c[k] * q[k];
                 }
-                sum += (float)acc * half_to_float(jb->half_scale[r * groups + g]);
+                sum += (float)acc * half_to_float(jb->half_scale[r * row_groups + g / spans]);
             }
             y[i * jb->out + r] = int8q_finish(jb, r, i, n, sum);
         }
@@ -1248,13 +1256,27 @@ int8g32_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, con
             y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, n, _mm512_reduce_add_ps(acc[k][i]));
 }
 
-/* Interleaved groups of 32 (il16) for output rows r..r+R-1 and rows m0..m0+MB-1 of x (MB <= 2: an
-   int32 and a float accumulator per pair): per whole block 16 steps of one widening per row and one
-   vpdpwssd per row and row of x, then one conversion and one FMA with the block's 16 scales; the groups
-   past the last whole block one int8g32_step_vnni each, as int8g32_block_vnni takes them. */
+/* The 16 lanes' scales of a whole interleaved block whose first group's float16 scale is at h: for groups
+   of G = 32 the block's 16 scales, of 64 its 8 and of 128 its 4, each repeated for its G / 32 spans (only
+   the block's own scales are read). */
+static inline __attribute__((always_inline)) VNNI __m512 il_scales_vnni(const uint16_t *h, const int G) {
+    if (G == 32) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+    if (G == 64)
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                     _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)h))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)h))));
+}
+
+/* Interleaved groups of G (il16; G = jb->group, a constant at each call site) for output rows r..r+R-1
+   and rows m0..m0+MB-1 of x (MB <= 2: an int32 and a float accumulator per pair): per whole block 16
+   steps of one widening per row and one vpdpwssd per row and row of x, then one conversion and one FMA
+   with the block's 16 lane scales; the spans past the last whole block one int8g32_step_vnni each, as
+   int8g32_block_vnni takes them, with their group's scale. */
 static inline __attribute__((always_inline)) VNNI void
-int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next) {
-    const int64_t n = jb->n, groups = n / INT8Q_STEP, blocks_end = n / IL_BLOCK * IL_BLOCK;
+int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, const int MB, const int64_t next,
+                  const int G) {
+    const int64_t n = jb->n, groups = n / G, blocks_end = n / IL_BLOCK * IL_BLOCK;
     const uint16_t *hs = jb->half_scale + r * groups;
     const int8_t *c = jb->codes + r * n;
     const int16_t *q = jb->xq + m0 * n;
@@ -1266,13 +1288,13 @@ int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, cons
         __m512i sum[ROW_BLOCK][INT8Q_X_BLOCK];
         int8q_sum_steps_vnni(c, q, n, b, b + IL_BLOCK, R, MB, next_codes, sum);
         for (int k = 0; k < R; k++) {
-            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hs + k * groups + b / INT8Q_STEP)));
+            const __m512 sv = il_scales_vnni(hs + k * groups + b / G, G);
             for (int i = 0; i < MB; i++) acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[k][i]), sv, acc[k][i]);
         }
     }
     for (int64_t k0 = blocks_end; k0 < n; k0 += INT8Q_STEP) {
         float sc[ROW_BLOCK];
-        for (int k = 0; k < R; k++) sc[k] = _cvtsh_ss(hs[k * groups + k0 / INT8Q_STEP]);
+        for (int k = 0; k < R; k++) sc[k] = _cvtsh_ss(hs[k * groups + k0 / G]);
         int8g32_step_vnni(c, q, n, k0, R, MB, next_codes, sc, 1, acc);
     }
     float *y = (float *)jb->y;
@@ -1282,17 +1304,25 @@ int8il_block_vnni(const struct job *jb, int64_t r, int64_t m0, const int R, cons
 }
 
 static inline __attribute__((always_inline)) VNNI void
-int8il_x_rows_vnni(const struct job *jb, int64_t r, const int R, int64_t next) {
+int8il_x_rows_vnni(const struct job *jb, int64_t r, const int R, int64_t next, const int G) {
     int64_t m0 = 0;
-    for (; m0 + 2 <= jb->m; m0 += 2, next = -1) int8il_block_vnni(jb, r, m0, R, 2, next);
-    if (m0 < jb->m) int8il_block_vnni(jb, r, m0, R, 1, next);
+    for (; m0 + 2 <= jb->m; m0 += 2, next = -1) int8il_block_vnni(jb, r, m0, R, 2, next, G);
+    if (m0 < jb->m) int8il_block_vnni(jb, r, m0, R, 1, next, G);
+}
+
+static inline __attribute__((always_inline)) VNNI void
+int8il_rows_vnni_g(const struct job *jb, int64_t r0, int64_t r1, const int G) {
+    int64_t r = r0;
+    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
+        int8il_x_rows_vnni(jb, r, ROW_BLOCK, r + (INT8Q_AHEAD + 1) * ROW_BLOCK <= r1 ? r + INT8Q_AHEAD * ROW_BLOCK : -1,
+                           G);
+    for (; r < r1; r++) int8il_x_rows_vnni(jb, r, 1, -1, G);
 }
 
 static VNNI void int8il_rows_vnni(const struct job *jb, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; r + ROW_BLOCK <= r1; r += ROW_BLOCK)
-        int8il_x_rows_vnni(jb, r, ROW_BLOCK, r + (INT8Q_AHEAD + 1) * ROW_BLOCK <= r1 ? r + INT8Q_AHEAD * ROW_BLOCK : -1);
-    for (; r < r1; r++) int8il_x_rows_vnni(jb, r, 1, -1);
+    if (jb->group == 32) int8il_rows_vnni_g(jb, r0, r1, 32);
+    else if (jb->group == 64) int8il_rows_vnni_g(jb, r0, r1, 64);
+    else int8il_rows_vnni_g(jb, r0, r1, 128);
 }
 
 /* Every row of x for output rows r..r+R-1, INT8Q_X_BLOCK rows of x at a time; the first block
@@ -1374,11 +1404,22 @@ int8q_block_avx2(const struct job *jb, int64_t r, int64_t m0, const int R, const
             y[(m0 + i) * jb->out + r + k] = int8q_finish(jb, r + k, m0 + i, body, hsum_avx2(acc[k][i]));
 }
 
-/* Interleaved groups of 32 (il16) on AVX2, one output row and one row of x: a step's first 16 codes are
-   groups 0-7's pair (8 lanes of a vpmaddwd), the next 16 groups 8-15's; each block's two int32 sums are
-   converted and scaled once. The groups past the last whole block take one product a group. */
+/* The scales of lanes 8 half .. 8 half + 7 (spans of 32) of a whole interleaved block whose first group's
+   float16 scale is at h, for groups of g = 32, 64 or 128 (il_scales_vnni's 16 lanes, in two halves). */
+static inline AVX2_FMA __m256 il_scales_avx2(const uint16_t *h, int64_t g, int half) {
+    if (g == 32) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * half)));
+    int32_t bits[2];
+    memcpy(bits, h + (g == 64 ? 4 : 2) * half, g == 64 ? 8 : 4);
+    const __m128 v = _mm_cvtph_ps(g == 64 ? _mm_loadl_epi64((const __m128i *)bits) : _mm_cvtsi32_si128(bits[0]));
+    const __m256i idx = g == 64 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), idx);
+}
+
+/* Interleaved groups (il16) on AVX2, one output row and one row of x: a step's first 16 codes are
+   spans 0-7's pair (8 lanes of a vpmaddwd), the next 16 spans 8-15's; each block's two int32 sums are
+   converted and scaled once. The spans past the last whole block take one product a span. */
 static AVX2_FMA void int8il_rows_avx2(const struct job *jb, int64_t r0, int64_t r1) {
-    const int64_t n = jb->n, groups = n / INT8Q_STEP, blocks_end = n / IL_BLOCK * IL_BLOCK;
+    const int64_t n = jb->n, g = jb->group, groups = n / g, blocks_end = n / IL_BLOCK * IL_BLOCK;
     float *y = (float *)jb->y;
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *c = jb->codes + r * n;
@@ -1394,17 +1435,15 @@ static AVX2_FMA void int8il_rows_avx2(const struct job *jb, int64_t r0, int64_t 
                     s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(q + k0))));
                     s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + k0 + 16))));
                 }
-                const __m128i h = _mm_loadu_si128((const __m128i *)(hs + b / INT8Q_STEP));
-                const __m128i h1 = _mm_loadu_si128((const __m128i *)(hs + b / INT8Q_STEP + 8));
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_cvtph_ps(h), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_cvtph_ps(h1), acc1);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), il_scales_avx2(hs + b / g, g, 0), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), il_scales_avx2(hs + b / g, g, 1), acc1);
             }
             for (int64_t k0 = blocks_end; k0 < n; k0 += INT8Q_STEP) {
                 const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k0)));
                 const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + k0 + 16)));
                 const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(q + k0))),
                                                    _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + k0 + 16))));
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(_cvtsh_ss(hs[k0 / INT8Q_STEP])), acc0);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(_cvtsh_ss(hs[k0 / g])), acc0);
             }
             y[i * jb->out + r] = int8q_finish(jb, r, i, n, hsum_avx2(_mm256_add_ps(acc0, acc1)));
         }
@@ -1667,9 +1706,9 @@ static const float *e8m0_factors(void) {
 
 /* ------------------------------------------------------------------ exported */
 
-/* Grouped-32 int8 codes [out, n] turned between the plain and the interleaved layout in place (the
-   permutation of each whole IL_BLOCK of a row is its own inverse). Returns 0, -2 when n is not whole
-   groups of 32. */
+/* Grouped int8 codes [out, n] (whole spans of 32) turned between the plain and the interleaved layout in
+   place (the permutation of each whole IL_BLOCK of a row is its own inverse, and the same for every group
+   size). Returns 0, -2 when n is not whole spans of 32. */
 int int8_interleave_inplace(int8_t *codes, int64_t out, int64_t n) {
     if (n % INT8Q_STEP || out < 0) return -2;
     il_permute(codes, out, n, sizeof *codes);
@@ -1784,16 +1823,17 @@ int mxfp4_dequant(const uint8_t *packed, const uint8_t *scale, int64_t out, int6
 }
 
 /* A group argument the int8 products take for rows of n inputs: 0 (row scales), a multiple of 32 dividing
-   n, or INT8_INTERLEAVED (groups of 32 interleaved; not for the transposed products, which read columns). */
+   n, or minus a group of 32, 64 or 128 dividing n with the codes interleaved (not for the transposed
+   products, which read columns). */
 static int int8_group_fits(int64_t group, int64_t n) {
-    if (group == INT8_INTERLEAVED) return n % INT8Q_STEP == 0;
-    return group >= 0 && (!group || (group % 32 == 0 && n % group == 0));
+    if (group < 0) return il_group_fits(-group, n);
+    return !group || (group % 32 == 0 && n % group == 0);
 }
 
 /* Point a job at int8 scales: float32 row scales (group 0), float16 bits per group of `group`, or per group
-   of 32 with the codes interleaved (INT8_INTERLEAVED). */
+   of -group with the codes interleaved (group < 0). */
 static void int8_scales(struct job *jb, const void *scale, int64_t group) {
-    if (group == INT8_INTERLEAVED) jb->half_scale = (const uint16_t *)scale, jb->group = INT8Q_STEP, jb->il16 = 1;
+    if (group < 0) jb->half_scale = (const uint16_t *)scale, jb->group = -group, jb->il16 = 1;
     else if (group) jb->half_scale = (const uint16_t *)scale, jb->group = group;
     else jb->row_scale = (const float *)scale;
 }
@@ -1918,13 +1958,35 @@ int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int
 /* Fill jobs[i] for the dense items; NULL when out of memory. */
 static struct job *dense_jobs(const float *const *x, const int64_t *m, const void *const *w,
                               const void *const *scale, float *const *y, int64_t count, int64_t out,
-                              int64_t n, int is_int8, int64_t group, int64_t *weights) {
+                              int64_t n, int is_int8, const int64_t *groups, int64_t *weights) {
     struct job *jobs = malloc((size_t)count * sizeof *jobs);
     if (!jobs) return NULL;
     *weights = 0;
     for (int64_t i = 0; i < count; i++)
-        jobs[i] = dense_job(x[i], m[i], w[i], scale[i], y[i], out, n, is_int8, group, weights);
+        jobs[i] = dense_job(x[i], m[i], w[i], scale[i], y[i], out, n, is_int8, groups[i], weights);
     return jobs;
+}
+
+/* dense_gemv_items_f32 with a group argument per item (groups[i]: item i's). */
+static int dense_items(const float *const *x, const int64_t *m, const void *const *w, const void *const *scale,
+                       float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, const int64_t *groups,
+                       int threads, int use_simd) {
+    for (int64_t i = 0; i < count; i++)
+        if (!int8_group_fits(groups[i], n)) return -2;
+    int64_t weights;
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, groups, &weights);
+    if (!jobs) return -1;
+    const int rc = run_dense(jobs, count, is_int8, out, weights, threads, use_simd);
+    free(jobs);
+    return rc;
+}
+
+/* `count` copies of group (a call's one group argument as dense_items takes it), NULL when out of memory. */
+static int64_t *same_groups(int64_t group, int64_t count) {
+    int64_t *groups = calloc((size_t)(count > 0 ? count : 1), sizeof *groups);
+    if (groups)
+        for (int64_t i = 0; i < count; i++) groups[i] = group;
+    return groups;
 }
 
 /* Many dense products of one weight shape in one call (a MoE layer's chosen experts, a layer's
@@ -1936,11 +1998,9 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
                          float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int64_t group,
                          int threads, int use_simd) {
     if (!int8_group_fits(group, n)) return -2;
-    int64_t weights;
-    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, &weights);
-    if (!jobs) return -1;
-    const int rc = run_dense(jobs, count, is_int8, out, weights, threads, use_simd);
-    free(jobs);
+    int64_t *groups = same_groups(group, count);
+    const int rc = groups ? dense_items(x, m, w, scale, y, count, out, n, is_int8, groups, threads, use_simd) : -1;
+    free(groups);
     return rc;
 }
 
@@ -2102,14 +2162,16 @@ int silu_glu_f32(const float *g, const float *u, float *act, int64_t count, int 
      y [T, H] = the sum over pairs, in pair order, of pair_weight[p] * down output (y starts at zero);
      the shared expert (item E) runs the same over every row of x into y_shared [T, H].
    Each product is the one dense_gemv_items_f32 computes for those rows (gate and up: [I, H], group
-   group_in; down: [H, I], group group_out); the activation differs from torch's by its exp's rounding.
+   group_in; down: [H, I], group group_out; the shared expert's groups shared_in and shared_out: it may be
+   stored apart from the routed experts, at another group size); the activation differs from torch's by
+   its exp's rounding.
    In place of two item calls with the activation, the gathers and the weighted sum between them in torch
    (~250 us of small ops a layer of a decode token). Returns 0, -1 when out of memory, -2 for a group that
    does not fit, -3 for a pair row or count out of range. */
 int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *counts,
                  const int64_t *pair_row, const float *pair_weight, const void *const *w, const void *const *scale,
-                 int shared, int is_int8, int64_t group_in, int64_t group_out, float *y, float *y_shared,
-                 int threads, int use_simd) {
+                 int shared, int is_int8, int64_t group_in, int64_t group_out, int64_t shared_in,
+                 int64_t shared_out, float *y, float *y_shared, int threads, int use_simd) {
     if (T < 0 || H <= 0 || I <= 0 || E < 0) return -3;
     int64_t P = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -2123,9 +2185,9 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
     float *dn = malloc((size_t)(R * H + 1) * sizeof *dn);
     const float **xs = malloc((size_t)(2 * items + 1) * sizeof *xs);
     float **ys = malloc((size_t)(2 * items + 1) * sizeof *ys);
-    int64_t *m = malloc((size_t)(2 * items + 1) * sizeof *m);
+    int64_t *m = malloc((size_t)(2 * items + 1) * sizeof *m), *groups = malloc((size_t)(2 * items + 1) * sizeof *groups);
     int rc = -1;
-    if (!xg || !gu || !dn || !xs || !ys || !m) goto done;
+    if (!xg || !gu || !dn || !xs || !ys || !m || !groups) goto done;
     for (int64_t i = 0, at = 0; i < items; at += m[i], i++) {
         m[i] = m[items + i] = i < E ? counts[i] : T;
         /* An item whose rows are consecutive rows of x (every expert of a one-row pass, the shared expert)
@@ -2142,12 +2204,13 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
         xs[items + i] = xs[i];
         ys[i] = gu + at * I, ys[items + i] = gu + (R + at) * I;
     }
-    rc = dense_gemv_items_f32(xs, m, w, scale, ys, 2 * items, I, H, is_int8, group_in, threads, use_simd);
+    for (int64_t i = 0; i < 2 * items; i++) groups[i] = i % items == E ? shared_in : group_in;
+    rc = dense_items(xs, m, w, scale, ys, 2 * items, I, H, is_int8, groups, threads, use_simd);
     if (rc) goto done;
     silu_glu_fn(use_simd)(gu, gu + R * I, gu, R * I);  /* act over the gate outputs */
     for (int64_t i = 0, at = 0; i < items; at += m[i], i++) xs[i] = gu + at * I, ys[i] = dn + at * H;
-    rc = dense_gemv_items_f32(xs, m, w + 2 * items, scale + 2 * items, ys, items, H, I, is_int8, group_out, threads,
-                              use_simd);
+    for (int64_t i = 0; i < items; i++) groups[i] = i == E ? shared_out : group_out;
+    rc = dense_items(xs, m, w + 2 * items, scale + 2 * items, ys, items, H, I, is_int8, groups, threads, use_simd);
     if (rc) goto done;
     memset(y, 0, (size_t)(T * H) * sizeof *y);
     for (int64_t p = 0; p < P; p++) {
@@ -2157,7 +2220,7 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
     }
     if (shared) memcpy(y_shared, dn + P * H, (size_t)(T * H) * sizeof *y_shared);
 done:
-    free(xg), free(gu), free(dn), free(xs), free(ys), free(m);
+    free(xg), free(gu), free(dn), free(xs), free(ys), free(m), free(groups);
     return rc;
 }
 
@@ -2171,13 +2234,15 @@ done:
    Each step is the function named, called as the layer's separate calls call it, so `out` equals theirs
    bit for bit; what goes is the ~150 us a layer of a decode token that the calls, the ordering of the
    pairs and the additions cost between them. experts_w / experts_scale hold every expert's gate, up and
-   down ([E][3]; scales NULL for bf16), shared_w / shared_scale the shared expert's (NULL for none).
+   down ([E][3]; scales NULL for bf16), shared_w / shared_scale the shared expert's (NULL for none; its
+   groups shared_in / shared_out).
    Returns 0, -1 when out of memory, -2 for a group that does not fit, -3 for a bad argument. */
 int moe_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w, int norm_bf16, float eps,
                        const void *gate, int gate_bf16, const float *bias, int64_t E, int64_t k, int renormalize,
                        float scale, int64_t I, const void *const *experts_w, const void *const *experts_scale,
                        const void *const *shared_w, const void *const *shared_scale, int is_int8, int64_t group_in,
-                       int64_t group_out, int64_t *ids, float *out, int threads, int use_simd) {
+                       int64_t group_out, int64_t shared_in, int64_t shared_out, int64_t *ids, float *out, int threads,
+                       int use_simd) {
     if (T < 0 || H <= 0 || I <= 0 || E < 1 || k < 1 || k > E) return -3;
     if (T == 0) return 0;
     const int64_t P = T * k;
@@ -2212,7 +2277,7 @@ int moe_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w,
         if (shared) ws[j * n + chosen] = shared_w[j], ws[3 * n + j * n + chosen] = shared_scale[j];
     }
     rc = moe_silu_f32(x, T, H, I, chosen, counts, pair_row, pair_w, ws, ws + 3 * n, shared, is_int8, group_in,
-                      group_out, y, y + T * H, threads, use_simd);
+                      group_out, shared_in, shared_out, y, y + T * H, threads, use_simd);
     if (rc) goto done;
     for (int64_t i = 0; i < T * H; i++) out[i] = p[i] + (y[i] + (shared ? y[T * H + i] : 0.0f));
 done:
@@ -2238,8 +2303,8 @@ int mlp_block_silu_f32(const float *p, int64_t T, int64_t H, const void *norm_w,
     int rc = -1;
     if (!x || !y) goto done;
     rms_norm_f32(p, T, H, norm_w, norm_bf16, eps, x, use_simd);
-    rc = moe_silu_f32(x, T, H, I, 0, NULL, NULL, NULL, w, scale, 1, is_int8, group_in, group_out, y, y + T * H,
-                      threads, use_simd);
+    rc = moe_silu_f32(x, T, H, I, 0, NULL, NULL, NULL, w, scale, 1, is_int8, group_in, group_out, group_in, group_out,
+                      y, y + T * H, threads, use_simd);
     if (rc) goto done;
     for (int64_t i = 0; i < T * H; i++) out[i] = p[i] + y[T * H + i];
 done:
@@ -2409,8 +2474,9 @@ int dense_gemv_t_items_f32(const float *const *x, const int64_t *m, const void *
                            float *const *y, int64_t count, int64_t depth, int64_t n, int is_int8, int64_t group,
                            int threads, int use_simd) {
     if (group < 0 || (group && (group % 32 || n % group))) return -2;
-    int64_t weights;
-    struct job *jobs = dense_jobs(x, m, w, scale, y, count, n, n, is_int8, group, &weights);
+    int64_t weights = 0, *groups = same_groups(group, count);
+    struct job *jobs = groups ? dense_jobs(x, m, w, scale, y, count, n, n, is_int8, groups, &weights) : NULL;
+    free(groups);
     if (!jobs) return -1;
     for (int64_t i = 0; i < count; i++) jobs[i].depth = depth;
     rows_fn fn = dense_gemv_t_cols_portable;

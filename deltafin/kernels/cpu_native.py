@@ -28,13 +28,13 @@ from collections.abc import Iterator
 
 import torch
 
-from .int8 import GROUP_MULTIPLE as INT8_GROUP_MULTIPLE, INTERLEAVED as INT8_INTERLEAVED, int8_check_shapes
+from .int8 import GROUP_MULTIPLE as INT8_GROUP_MULTIPLE, INTERLEAVE_GROUPS, int8_check_shapes
 from .intq import BITS, intq_check_shapes
 from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 21
+ABI = 22
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -88,11 +88,12 @@ def _library() -> ctypes.CDLL | None:
         for items in (lib.dense_gemv_items_f32, lib.dense_gemv_t_items_f32):
             items.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int, _i64, _int, _int]
             items.restype = _int
-        lib.moe_silu_f32.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _int, _int, _i64, _i64, _p, _p,
-                                     _int, _int]
+        lib.moe_silu_f32.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _int, _int, _i64, _i64, _i64,
+                                     _i64, _p, _p, _int, _int]
         lib.moe_silu_f32.restype = _int
         lib.moe_block_silu_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _p, _int, _p, _i64, _i64, _int,
-                                           ctypes.c_float, _i64, _p, _p, _p, _p, _int, _i64, _i64, _p, _p, _int, _int]
+                                           ctypes.c_float, _i64, _p, _p, _p, _p, _int, _i64, _i64, _i64, _i64, _p, _p,
+                                           _int, _int]
         lib.moe_block_silu_f32.restype = _int
         lib.mlp_block_silu_f32.argtypes = [_p, _i64, _i64, _p, _int, ctypes.c_float, _i64, _p, _p, _int, _i64, _i64,
                                            _p, _int, _int]
@@ -405,15 +406,15 @@ def _check_dense(rc: int, count: int) -> None:
 
 
 def _int8_group(out: int, n: int, scale: torch.Tensor) -> int | None:
-    """The group size int8 scales imply (0: per row; INTERLEAVED: int8.int8_interleaved's pair), or None if
-    the kernels cannot take them (the cheap checks of the per-token path: contiguous CPU float32 [out, 1],
-    float16 [out, n / group] or float16 [out, n / 32, 1])."""
+    """The group size int8 scales imply (0: per row; minus the group: int8.int8_interleaved's pair), or None
+    if the kernels cannot take them (the cheap checks of the per-token path: contiguous CPU float32 [out, 1],
+    float16 [out, n / group] or float16 [out, n / group, 1] for an interleaving group)."""
     if not (scale.dim() >= 2 and scale.is_contiguous() and scale.is_cpu and scale.shape[0] == out):
         return None
     if scale.dim() == 3:
-        fits = scale.dtype == torch.float16 and n % INT8_GROUP_MULTIPLE == 0 \
-            and tuple(scale.shape[1:]) == (n // INT8_GROUP_MULTIPLE, 1)
-        return INT8_INTERLEAVED if fits else None
+        fits = scale.dtype == torch.float16 and scale.shape[2] == 1 and scale.shape[1] and n % scale.shape[1] == 0 \
+            and n // scale.shape[1] in INTERLEAVE_GROUPS
+        return -(n // scale.shape[1]) if fits else None
     if scale.dim() != 2:
         return None
     if scale.dtype == torch.float32 and scale.shape[1] == 1:
@@ -722,9 +723,10 @@ def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weig
         raise ValueError("moe_silu needs at least one expert, each made by moe_expert")
     signature = items[0].signature
     kind, group_in, group_out, I, width = signature
-    if width != H or any(e.signature != signature for e in items):
+    if width != H or any(e.signature != signature for e in experts) or not shared_fits(shared, signature):
         raise ValueError(f"moe_silu needs experts of one shape and kind reading rows of width {H}, got "
                          f"{sorted({e.signature for e in items})}")
+    shared_in, shared_out = (group_in, group_out) if shared is None else shared.signature[1:3]
     y = torch.zeros(T, H, dtype=torch.float32)
     y_shared = torch.zeros(T, H, dtype=torch.float32) if shared is not None else None
     # gate, up, down weights of every item, then their scales, as the C call reads them
@@ -732,13 +734,20 @@ def moe_silu(z: torch.Tensor, counts: list[int], pair_rows: list[int], pair_weig
     scales = [e.pointers[3 + j] for j in range(3) for e in items]
     rc = lib.moe_silu_f32(z.data_ptr(), T, H, I, len(experts), _array(_i64, counts), _array(_i64, pair_rows),
                           pair_weights.data_ptr(), _array(_p, order), _array(_p, scales), int(shared is not None),
-                          kind, group_in, group_out, y.data_ptr(), 0 if y_shared is None else y_shared.data_ptr(),
+                          kind, group_in, group_out, shared_in, shared_out, y.data_ptr(),
+                          0 if y_shared is None else y_shared.data_ptr(),
                           _threads(threads), int(use_simd)) if T else 0
     if rc == -1:
         raise MemoryError(f"moe_silu could not allocate scratch for {P} pairs")
     if rc != 0:
         raise RuntimeError(f"moe_silu failed with code {rc}")
     return y, y_shared
+
+
+def shared_fits(shared: MoeExpert | None, signature: tuple) -> bool:
+    """Whether a shared expert fits one native call with routed experts of `signature`: the same kind
+    and shape; its int8 groups may differ (it is stored with the spine, the experts apart)."""
+    return shared is None or (shared.signature[0], *shared.signature[3:]) == (signature[0], *signature[3:])
 
 
 def _check_block(rc: int, who: str, rows: int) -> None:
@@ -783,7 +792,7 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
     T, H = p.shape
     kind, group_in, group_out, I, width = table.signature
     E = len(table.experts)
-    if width != H or (shared is not None and shared.signature != table.signature):
+    if width != H or not shared_fits(shared, table.signature):
         raise ValueError(f"moe_block_silu: experts reading rows of width {width} (shared: "
                          f"{None if shared is None else shared.signature}) for rows of width {H}")
     norm_bf16 = _norm_weight("moe_block_silu", "norm", norm, H)
@@ -791,12 +800,15 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
     out = torch.empty(T, H, dtype=torch.float32)
     ids = torch.empty(T, k, dtype=torch.int64)
     shared_w = shared_s = None
+    shared_in, shared_out = group_in, group_out
     if shared is not None:
         shared_w, shared_s = _array(_p, list(shared.pointers[:3])), _array(_p, list(shared.pointers[3:]))
+        shared_in, shared_out = shared.signature[1:3]
     rc = lib.moe_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps,
                                 gate.data_ptr(), int(gate.dtype == torch.bfloat16), bias.data_ptr(), E, k,
                                 int(renormalize), scale, I, table.w_ptrs, table.s_ptrs, shared_w, shared_s, kind,
-                                group_in, group_out, ids.data_ptr(), out.data_ptr(), _threads(threads), int(use_simd))
+                                group_in, group_out, shared_in, shared_out, ids.data_ptr(), out.data_ptr(),
+                                _threads(threads), int(use_simd))
     _check_block(rc, "moe_block_silu", T)
     return out, ids
 

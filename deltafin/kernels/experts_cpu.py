@@ -120,7 +120,8 @@ def _moe_silu(z, ids, weights, experts, shared) -> tuple[torch.Tensor, torch.Ten
             chosen.append(flat[i])
             counts.append(1)
     items = [moe_expert_of(experts[e]) for e in chosen] + ([moe_expert_of(shared)] if shared is not None else [])
-    if any(it is None for it in items) or len({it.signature for it in items}) != 1:
+    if any(it is None for it in items) or len({it.signature for it in items[:len(chosen)]}) != 1 \
+            or not cpu_native.shared_fits(items[-1] if shared is not None else None, items[0].signature):
         return None
     pair_w = weights.reshape(-1).float().tolist()
     return cpu_native.moe_silu(z.contiguous(), counts, [i // k for i in order],

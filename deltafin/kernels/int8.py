@@ -14,8 +14,8 @@ Layout, for a weight W of shape [out, in]:
   and a float16 scale (11) is exact in float32. At g = 32 this is 1.0625 bytes a weight, as
   llama.cpp's Q8_0; a group follows the weights' local range, so it rounds finer than a row.
 
-  interleaved (in RAM on the CPU only, see int8_interleave): grouped codes of 32 permuted within each
-  block of 512 inputs, the same float16 scales viewed as [out, in/32, 1].
+  interleaved (in RAM on the CPU only, see int8_interleave): grouped codes (groups of 32, 64 or 128)
+  permuted within each block of 512 inputs, the same float16 scales viewed as [out, in/g, 1].
 
 The scale's dtype and shape say which: a store written before grouped scales existed stays
 readable. Rounding is to nearest, so |error| <= scale / 2.
@@ -64,31 +64,31 @@ def _check_group(n: int, group_size: int) -> None:
 
 
 def int8_check_shapes(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
-    """Validate a codes/scale pair; returns (out, in, group size: 0 for row scales, INTERLEAVED for
-    interleaved groups of 32)."""
+    """Validate a codes/scale pair; returns (out, in, group size: 0 for row scales, minus the group size
+    for interleaved codes)."""
     if codes.dim() != 2 or codes.dtype != torch.int8:
         raise ValueError(f"int8 weight must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
     out, n = codes.shape
     if scale.dtype == torch.float32 and tuple(scale.shape) == (out, 1):
         return out, n, 0
-    if scale.dtype == torch.float16 and scale.dim() == 3 and tuple(scale.shape) == (out, n // INTERLEAVE_GROUP, 1) \
-            and n % INTERLEAVE_GROUP == 0:
-        return out, n, INTERLEAVED
+    if scale.dtype == torch.float16 and scale.dim() == 3 and scale.shape[0] == out and scale.shape[2] == 1 \
+            and scale.shape[1] > 0 and n % scale.shape[1] == 0 and n // scale.shape[1] in INTERLEAVE_GROUPS:
+        return out, n, -(n // scale.shape[1])
     if scale.dtype == torch.float16 and scale.dim() == 2 and scale.shape[0] == out and scale.shape[1] > 0 \
             and n % scale.shape[1] == 0:
         group = n // scale.shape[1]
         _check_group(n, group)
         return out, n, group
     raise ValueError(f"int8 weight_scale must be float32 {(out, 1)} (per row), float16 [{out}, groups] with "
-                     f"groups dividing {n}, or float16 [{out}, {n // INTERLEAVE_GROUP}, 1] (interleaved), got "
-                     f"{scale.dtype} {tuple(scale.shape)}")
+                     f"groups dividing {n}, or float16 [{out}, {n} / g, 1] for g in {INTERLEAVE_GROUPS} "
+                     f"(interleaved), got {scale.dtype} {tuple(scale.shape)}")
 
 
 def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out, n, group = int8_check_shapes(codes, scale)
-    if group == INTERLEAVED:
-        codes, scale, group = int8_interleave(codes), scale[..., 0], INTERLEAVE_GROUP
+    if group < 0:
+        codes, scale, group = int8_interleave(codes), scale[..., 0], -group
     if not group:
         return (codes.float() * scale).to(dtype)
     w = codes.float().view(out, n // group, group) * scale.float().unsqueeze(-1)
@@ -107,45 +107,51 @@ def int8_round_inputs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a), q * step, float("nan"))
 
 
-# Interleaved grouped int8 (groups of 32): the layout the CPU's integer products sum fastest. In each whole
-# block of INTERLEAVE_BLOCK inputs of a row (16 groups), byte 32 s + 2 j + t holds input 32 j + 2 s + t of
-# the block: a step of 32 codes widened to int16 then puts group j's pair of inputs into lane j, and 16
-# steps sum every group of the block exactly in int32 before one conversion and one multiplication by the
-# 16 scales (in the plain layout each group of 32 is a conversion and a multiplication of its own).
-# Inputs past the last whole block keep their order. The scales keep theirs.
-INTERLEAVE_GROUP = 32
+# Interleaved grouped int8: the layout the CPU's integer products sum fastest. In each whole block of
+# INTERLEAVE_BLOCK inputs of a row (16 spans of INTERLEAVE_SPAN), byte 32 s + 2 j + t holds input
+# 32 j + 2 s + t of the block: a step of 32 codes widened to int16 then puts span j's pair of inputs into
+# lane j, and 16 steps sum every span of the block exactly in int32 before one conversion and one
+# multiplication by the 16 lanes' scales (in the plain layout each group is a conversion and a
+# multiplication of its own). A span lies in one group, so the permutation is the same for every group
+# size that interleaves (INTERLEAVE_GROUPS: lane j takes the scale of the group holding span j). Inputs
+# past the last whole block keep their order. The scales keep theirs. int8_check_shapes gives interleaved
+# codes minus their group size, as the native products take them.
+INTERLEAVE_SPAN = 32
 INTERLEAVE_BLOCK = 512
-INTERLEAVED = -32  # int8_check_shapes' group for interleaved codes (and the native products' argument)
+INTERLEAVE_GROUPS = (32, 64, 128)
 
 
 def _blocks(codes: torch.Tensor) -> tuple[int, int]:
-    if codes.dim() != 2 or codes.shape[1] % INTERLEAVE_GROUP:
-        raise ValueError(f"interleaved int8 needs 2-D codes of whole groups of {INTERLEAVE_GROUP} inputs, got "
+    if codes.dim() != 2 or codes.shape[1] % INTERLEAVE_SPAN:
+        raise ValueError(f"interleaved int8 needs 2-D codes of whole spans of {INTERLEAVE_SPAN} inputs, got "
                          f"{tuple(codes.shape)}")
     return codes.shape[0], codes.shape[1] // INTERLEAVE_BLOCK * INTERLEAVE_BLOCK
 
 
 def int8_interleave(codes: torch.Tensor) -> torch.Tensor:
-    """Grouped-32 int8 codes [out, in] in the plain layout -> the interleaved layout, as a new tensor; the
+    """Grouped int8 codes [out, in] in the plain layout -> the interleaved layout, as a new tensor; the
     same call turns interleaved codes back (the permutation is its own inverse)."""
     out, whole = _blocks(codes)
     y = codes.clone()
-    g = INTERLEAVE_BLOCK // INTERLEAVE_GROUP
-    # [out, blocks, group j, step s, half t] <-> [out, blocks, s, j, t]
+    g = INTERLEAVE_BLOCK // INTERLEAVE_SPAN
+    # [out, blocks, span j, step s, half t] <-> [out, blocks, s, j, t]
     y[:, :whole] = codes[:, :whole].reshape(out, -1, g, g, 2).transpose(2, 3).reshape(out, whole)
     return y
 
 
 def int8_interleaved(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-32 (codes, scale) -> the interleaved pair (new codes, the scales viewed [out, in/32, 1])."""
+    """Grouped (codes, scale) of a group in INTERLEAVE_GROUPS -> the interleaved pair (new codes, the
+    scales viewed [out, in/group, 1])."""
     out, n, group = int8_check_shapes(codes, scale)
-    if group != INTERLEAVE_GROUP:
-        raise ValueError(f"only int8 of groups of {INTERLEAVE_GROUP} interleaves, got group {group}")
+    if group not in INTERLEAVE_GROUPS:
+        raise ValueError(f"only int8 of groups of {', '.join(map(str, INTERLEAVE_GROUPS))} interleaves, got "
+                         f"{'per-row scales' if group == 0 else f'group {abs(group)}'}"
+                         f"{' (already interleaved)' if group < 0 else ''}")
     return int8_interleave(codes), scale.unsqueeze(-1)
 
 
 def int8_plain(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain layout of an int8 pair (interleaved ones turned back; any other pair as it is)."""
-    if int8_check_shapes(codes, scale)[2] != INTERLEAVED:
+    if int8_check_shapes(codes, scale)[2] >= 0:
         return codes, scale
     return int8_interleave(codes), scale[..., 0]

@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 
 from . import cpu_native, intq
-from .int8 import (INTERLEAVE_BLOCK, INTERLEAVE_GROUP, INTERLEAVED, int8_check_shapes, int8_dequantize, int8_interleaved,
+from .int8 import (INTERLEAVE_BLOCK, INTERLEAVE_GROUPS, int8_check_shapes, int8_dequantize, int8_interleaved,
                    int8_plain, int8_quantize)
 from .mxfp4 import GROUP as MXFP4_GROUP
 from .mxfp4 import check_shapes as mxfp4_check_shapes
@@ -134,7 +134,7 @@ def _shape_of(codec: str, t: dict[str, torch.Tensor]) -> tuple[tuple[int, int], 
         return (w.shape[0], w.shape[1]), 0
     if codec == "int8":
         out, n, g = int8_check_shapes(t["weight"], t["weight_scale"])
-        return (out, n), INTERLEAVE_GROUP if g == INTERLEAVED else g
+        return (out, n), abs(g)  # interleaved codes: minus their group
     if codec == "mxfp4":
         return mxfp4_check_shapes(t["weight_packed"], t["weight_scale"]), MXFP4_GROUP
     out, n, g = intq.intq_check_shapes(t["weight_packed"], t["weight_scale"], codec)
@@ -191,12 +191,13 @@ def native_dense(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 def interleaved(w):
     """w with its codes in the interleaved layout the CPU's int8 products sum fastest (int8.int8_interleave),
-    where that layout applies: an int8 QWeight on the CPU with a float16 scale per 32 inputs and at least
-    one whole block of them, where the native kernels are built (without them every product dequantizes);
+    where that layout applies: an int8 QWeight on the CPU with a float16 scale per 32, 64 or 128 inputs and
+    at least one whole block of inputs, where the native kernels are built (without them every product
+    dequantizes);
     w itself otherwise. Contiguous codes are permuted in place (w must not be used after: the caller hands
     its weight over, as the RAM provider does at load). For weights only the plain products read (not the
     transposed ones of attention's latent projection)."""
-    if not (isinstance(w, QWeight) and w.codec == "int8" and w.group_size == INTERLEAVE_GROUP
+    if not (isinstance(w, QWeight) and w.codec == "int8" and w.group_size in INTERLEAVE_GROUPS
             and w.device.type == "cpu" and w.tensors["weight_scale"].dim() == 2 and w.shape[1] >= INTERLEAVE_BLOCK
             and cpu_native.available()):
         return w
@@ -214,8 +215,8 @@ def dense_kind(dense: tuple) -> tuple:
     w, s = dense
     if s is None:
         return w.dtype, None
-    if s.dim() == 3:
-        return w.dtype, s.dtype, INTERLEAVED
+    if s.dim() == 3:  # interleaved: minus the group, as int8_check_shapes gives it
+        return w.dtype, s.dtype, -(w.shape[1] // s.shape[1])
     return w.dtype, s.dtype, 0 if s.dtype == torch.float32 else w.shape[1] // s.shape[1]
 
 

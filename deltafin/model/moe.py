@@ -161,7 +161,7 @@ class MoE(Bindable):
         table = experts_cpu.held_table(experts) if experts else None
         shared = (experts_cpu.moe_expert_of((self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj))
                   if c.num_shared_experts else None)
-        if table is None or (c.num_shared_experts and (shared is None or shared.signature != table.signature)) \
+        if table is None or (c.num_shared_experts and not (shared and cpu_native.shared_fits(shared, table.signature))) \
                 or not all(isinstance(t, torch.Tensor) for t in (self.gate, norm)):
             return None  # the layer's other paths decide (and say why)
         out, ids = cpu_native.moe_block_silu(p.contiguous(), norm.contiguous(), eps, self.gate.contiguous(),
