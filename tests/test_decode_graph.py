@@ -346,6 +346,41 @@ def test_cuda_logits_stay_on_the_device_when_asked(tiny_k3_path):
         assert torch.equal(got.cpu(), copy)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_recording_survives_garbage_collected_meanwhile(tiny_k3_path):
+    """A dropped model is cyclic garbage (engine <-> recorder) holding recorded graphs, and a graph
+    freed while another records breaks that recording. Here a recorded graph becomes such garbage
+    inside the recording, with collection due at every allocation: the recording still succeeds."""
+    import gc
+    from deltafin.runtime.engine import Seq
+    m = deltafin.load(tiny_k3_path, device="cuda", stream="off", dtype="float32")
+    old = [torch.cuda.CUDAGraph()]
+    x = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(old[0]):
+        x.add_(1)
+    device_pass = m.engine.device_pass
+
+    def dropping(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and old:
+            cycle = [old.pop()]
+            cycle.append(cycle)
+            del cycle  # garbage now, freed by the next collection
+            _ = [[] for _ in range(100)]  # allocations that make a collection due
+        return device_pass(*args, **kwargs)
+
+    m.engine.device_pass = dropping
+    st = m.new_state()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for ids in (PROMPT, [5], [6], [7]):
+            m.forward_batch([Seq(ids, st)])
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not old  # the recording ran with the garbage made
+    assert m.engine.graphs.failed is None and m.engine.graphs.replayed >= 2
+
+
 def _greedy_together(model, prompts, n):
     """Each prompt's n greedy tokens (no speculation, no EOS), all decoded in shared passes."""
     from deltafin.runtime.generate import Decoding

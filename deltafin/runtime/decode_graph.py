@@ -43,6 +43,7 @@ and passes of that shape run the plain pass from then on (other shapes still rec
 """
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import weakref
@@ -163,8 +164,17 @@ class DecodeGraphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self.engine.device_pass(self.x[:rows], seqs, stats)
+            # No cyclic collection inside a recording: a dropped model is a cycle (engine <->
+            # recorder) holding graphs, and a graph freed while another records invalidates that
+            # recording. The garbage waits for the next collection after it.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    out = self.engine.device_pass(self.x[:rows], seqs, stats)
+            finally:
+                if collecting:
+                    gc.enable()
             return graph, out
         finally:
             for s in seqs:
