@@ -152,28 +152,6 @@ def _batched(model, plan, prompts, tokens):
     return [torch.cat(g) for g in got], states
 
 
-def test_recorded_passes_hand_back_their_rows_argmax(tiny_k3_path):
-    """A recorded-mode pass writes each logit row's argmax to host memory itself: the picks a pending
-    pass gives are its logits' argmax, per sequence, for decode passes of several sequences and for a
-    check pass's rows; and greedy generation, which takes them, makes the plain passes' tokens."""
-    from deltafin.runtime.engine import Seq
-    from deltafin.runtime.generate import generate
-    from deltafin.runtime.sampling import SamplingParams
-    m = _recorded(tiny_k3_path)
-    states = [m.new_state() for _ in range(3)]
-    for i, st in enumerate(states):
-        m.forward(PROMPT[i:], st)
-    for step, ids in enumerate(([5], [6], [7, 8, 9])):
-        keep = len(ids) > 1
-        pending = m.start_batch([Seq(ids, st, keep, "all") for st in states])
-        logits = pending.result()
-        assert isinstance(pending.picks, list)  # from the pass, not found from the logits afterwards
-        assert pending.argmax() == [lg.argmax(dim=-1).tolist() for lg in logits]
-    params = SamplingParams(max_new_tokens=12)
-    plain = deltafin.load(tiny_k3_path, device="cpu", stream="off")
-    assert generate(m, PROMPT, params).generated == generate(plain, PROMPT, params).generated
-
-
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
 def test_batched_recorded_mode_matches_each_sequence_alone(request, fixture, monkeypatch):
     """Passes of several sequences in slots: newcomers, leavers, another order (sequences move

@@ -90,9 +90,6 @@ class DecodeGraphs:
         pin = dev.type == "cuda"
         self.x_host = torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
         self.pos_host = torch.zeros(self.max_rows, dtype=torch.long, pin_memory=pin)
-        # Each logit row's argmax, written by the pass itself (recorded with it) into page-locked memory:
-        # a greedy pick needs no kernel launched and no copy waited for after the pass ends.
-        self.picks_host = torch.zeros(self.max_rows, dtype=torch.long, pin_memory=pin)
 
     @staticmethod
     def possible(engine) -> bool:
@@ -115,9 +112,8 @@ class DecodeGraphs:
         """Every slot's state buffers, (a, b) per layer and slot."""
         return [pair for slot in self.slots for pair in slot]
 
-    def run(self, seqs, ids_t: torch.Tensor, stats: PassStats) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass of B sequences' n new rows each, queued: float32 logits [B * n, vocab] on the device,
-        and each row's argmax in host memory, there once the pass has ended (until the next pass)."""
+    def run(self, seqs, ids_t: torch.Tensor, stats: PassStats) -> torch.Tensor:
+        """The pass of B sequences' n new rows each, queued; float32 logits [B * n, vocab] on the device."""
         t0 = time.perf_counter()
         B, n, keep = len(seqs), len(seqs[0].ids), seqs[0].keep_states
         rows = B * n
@@ -150,7 +146,7 @@ class DecodeGraphs:
                 if isinstance(st, MLAState):
                     st.length += n
         stats.compute_seconds = time.perf_counter() - t0  # the whole pass (device_pass counted a part)
-        return logits, self.picks_host[:rows]
+        return logits
 
     # -- recording -----------------------------------------------------------------------------
     def _recorded_mode(self, seqs, stats: PassStats, capture: bool):
@@ -164,7 +160,7 @@ class DecodeGraphs:
                     st.at = self.pos[b * n:(b + 1) * n]
         try:
             if not capture:
-                return self._pass_and_picks(rows, seqs, stats)
+                return self.engine.device_pass(self.x[:rows], seqs, stats)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -175,7 +171,7 @@ class DecodeGraphs:
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    out = self._pass_and_picks(rows, seqs, stats)
+                    out = self.engine.device_pass(self.x[:rows], seqs, stats)
             finally:
                 if collecting:
                     gc.enable()
@@ -187,13 +183,6 @@ class DecodeGraphs:
                         st.in_place = False
                     else:
                         st.at = None
-
-    def _pass_and_picks(self, rows: int, seqs, stats: PassStats) -> torch.Tensor:
-        """The pass over the input buffer's first `rows` rows, then its logit rows' argmax queued into
-        ``picks_host`` (every row of a pass that qualifies has logits, see ``applies``)."""
-        out = self.engine.device_pass(self.x[:rows], seqs, stats)
-        self.picks_host[:rows].copy_(out.argmax(dim=-1), non_blocking=True)
-        return out
 
     def _capture(self, seqs) -> None:
         stats = PassStats()

@@ -116,14 +116,13 @@ class Engine:
         for s in seqs:
             s.state.begin_pass(s.keep_states)
         routes = [o.on_route for o in self.observers if o.on_route is not None]
-        picks = None
         if self.graphs is not None and not routes and self.graphs.applies(seqs):
-            logits, picks = self.graphs.run(seqs, ids_t, stats)
+            logits = self.graphs.run(seqs, ids_t, stats)
             finish = lambda: logits  # noqa: E731
         else:
             with self.pass_threads(len(ids_t)):
                 finish = self.start_device_pass(self.embed(ids_t), seqs, stats, routes)
-        return PendingPass(self, seqs, stats, t0, finish, picks)
+        return PendingPass(self, seqs, stats, t0, finish)
 
     def finish_batch(self, pending: "PendingPass") -> list[torch.Tensor | None]:
         """The rest of a pass ``start_batch`` began (called by ``PendingPass.result``)."""
@@ -138,8 +137,6 @@ class Engine:
             _wait_for(self.device)  # the pass's time includes the device's work
         else:
             logits = logits.cpu()
-        if pending.picks is not None:  # the pass wrote its rows' argmax to host memory: read it now,
-            pending.picks = pending.picks.tolist()  # before the next pass writes there again
         stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - pending.started
         for s in seqs:
@@ -274,12 +271,9 @@ class PendingPass:
     logits as ``forward_batch`` does (once; passes of one engine end in the order they began)."""
 
     def __init__(self, engine: Engine, seqs: list[Seq], stats: PassStats, started: float,
-                 finish: Callable[[], torch.Tensor], picks: torch.Tensor | None = None):
+                 finish: Callable[[], torch.Tensor]):
         self.engine, self.seqs, self.stats, self.started, self.finish = engine, seqs, stats, started, finish
         self.logits: torch.Tensor | None = None  # every wanted row's logits, once the pass ended
-        # every logit row's argmax as the pass itself wrote it to host memory (a replayed decode graph), a
-        # list once the pass ended; None: argmax() finds them from the logits
-        self.picks: torch.Tensor | list[int] | None = picks
         self._argmax: list[list[int]] | None = None
 
     @torch.inference_mode()
@@ -295,10 +289,7 @@ class PendingPass:
         if self.finish is not None:
             raise RuntimeError("argmax() before result()")
         if self._argmax is None:
-            if self.picks is not None:
-                flat = self.picks
-            else:
-                flat = self.logits.argmax(dim=-1).tolist() if self.logits is not None and len(self.logits) else []
+            flat = self.logits.argmax(dim=-1).tolist() if self.logits is not None and len(self.logits) else []
             self._argmax, start = [], 0
             for s in self.seqs:
                 n = _logit_count(s)

@@ -63,15 +63,8 @@ def generate(model, prompt_ids: Sequence[int], params: SamplingParams | None = N
     """Generate after ``prompt_ids`` as ``params`` says (default: greedy, the model's max_new_tokens):
     one ``Decoding`` driven alone, one forward pass at a time. The options are ``Decoding``'s."""
     d = Decoding(model, prompt_ids, params, **options)
-    start = getattr(model, "start_batch", None)
     while not d.done:
-        if start is None:
-            d.take(model.forward_batch([d.next_pass()])[0])
-            continue
-        # the pass's greedy picks as it read them back (PendingPass.argmax), where they decide the tokens
-        pending = start([d.next_pass()])
-        logits = pending.result()[0]
-        d.take(logits, pending.argmax()[0] if d.picks_argmax and logits is not None else None)
+        d.take(model.forward_batch([d.next_pass()])[0])
     return d.result()
 
 
