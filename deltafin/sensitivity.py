@@ -143,7 +143,7 @@ class Sensitivity:
     def expert_bytes(self, codec: str = PLAIN) -> int:
         """Routed-expert bytes one decode token reads (top-k per MoE layer) with experts in `codec`."""
         cfg = self.cfg
-        codec = expert_codec.stored(codec, expert_codec.default_int8_group(cfg))
+        codec = expert_codec.stored(cfg, codec)
         return sum(cfg.experts_per_token * sum(nbytes(t) for t in expert_tensors(cfg, i, 0, codec).values())
                    for i in range(cfg.num_layers) if cfg.is_moe(i))
 
@@ -154,7 +154,7 @@ class Sensitivity:
         try:
             if spine is not None:
                 self._swap_roles({r: spine.role_codec(r) for r in self.slots}, spine.group_size, swapped)
-            weight_codec, group = EXPERT_WEIGHTS[expert_codec.stored(codec, expert_codec.default_int8_group(self.cfg))]
+            weight_codec, group = EXPERT_WEIGHTS[expert_codec.stored(self.cfg, codec)]
             for layer in self._experts:
                 for e, ws in layer.items():
                     swapped.append((layer, e, ws))

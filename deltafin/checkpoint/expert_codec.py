@@ -76,10 +76,11 @@ def default_int8_group(cfg: ModelConfig) -> int:
                  and not any(w % g for w in widths)), DEFAULT_INT8_GROUP)
 
 
-def stored(asked: str, int8_group: int = DEFAULT_INT8_GROUP) -> str:
-    """The store codec ``--experts asked`` writes (``int8_group``: the inputs per scale of int8)."""
+def stored(cfg: ModelConfig, asked: str, int8_group: int | None = None) -> str:
+    """The store codec ``--experts asked`` writes for `cfg` (``int8_group``: the inputs per scale of int8;
+    None: ``default_int8_group``)."""
     if asked == "int8":
-        return int8_codec(int8_group)
+        return int8_codec(default_int8_group(cfg) if int8_group is None else int8_group)
     return _STORED.get(asked, asked)
 
 
@@ -116,7 +117,7 @@ def resolve(cfg: ModelConfig, asked: str | None, int8_group: int | None = None) 
         return have
     if asked not in CHOICES:
         raise PolicyError(f"unknown expert codec {asked!r}; --experts takes one of {', '.join(CHOICES)}")
-    want = stored(asked, default_int8_group(cfg) if int8_group is None else int8_group)
+    want = stored(cfg, asked, int8_group)
     if have == "mxfp4":
         if want == "mxfp4":
             return have

@@ -1955,38 +1955,31 @@ int bf16_gemv_f32(const float *x, int64_t m, const uint16_t *w, int64_t out, int
 
 /* ------------------------------------------------------------------ many dense products */
 
-/* Fill jobs[i] for the dense items; NULL when out of memory. */
+/* Fill jobs[i] for the dense items, item i's group argument groups[i] (groups NULL: `group` for all);
+   NULL when out of memory. */
 static struct job *dense_jobs(const float *const *x, const int64_t *m, const void *const *w,
                               const void *const *scale, float *const *y, int64_t count, int64_t out,
-                              int64_t n, int is_int8, const int64_t *groups, int64_t *weights) {
+                              int64_t n, int is_int8, int64_t group, const int64_t *groups, int64_t *weights) {
     struct job *jobs = malloc((size_t)count * sizeof *jobs);
     if (!jobs) return NULL;
     *weights = 0;
     for (int64_t i = 0; i < count; i++)
-        jobs[i] = dense_job(x[i], m[i], w[i], scale[i], y[i], out, n, is_int8, groups[i], weights);
+        jobs[i] = dense_job(x[i], m[i], w[i], scale[i], y[i], out, n, is_int8, groups ? groups[i] : group, weights);
     return jobs;
 }
 
-/* dense_gemv_items_f32 with a group argument per item (groups[i]: item i's). */
+/* dense_gemv_items_f32 with, where groups is not NULL, a group argument per item (groups[i]: item i's). */
 static int dense_items(const float *const *x, const int64_t *m, const void *const *w, const void *const *scale,
-                       float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, const int64_t *groups,
-                       int threads, int use_simd) {
+                       float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int64_t group,
+                       const int64_t *groups, int threads, int use_simd) {
     for (int64_t i = 0; i < count; i++)
-        if (!int8_group_fits(groups[i], n)) return -2;
+        if (!int8_group_fits(groups ? groups[i] : group, n)) return -2;
     int64_t weights;
-    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, groups, &weights);
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, out, n, is_int8, group, groups, &weights);
     if (!jobs) return -1;
     const int rc = run_dense(jobs, count, is_int8, out, weights, threads, use_simd);
     free(jobs);
     return rc;
-}
-
-/* `count` copies of group (a call's one group argument as dense_items takes it), NULL when out of memory. */
-static int64_t *same_groups(int64_t group, int64_t count) {
-    int64_t *groups = calloc((size_t)(count > 0 ? count : 1), sizeof *groups);
-    if (groups)
-        for (int64_t i = 0; i < count; i++) groups[i] = group;
-    return groups;
 }
 
 /* Many dense products of one weight shape in one call (a MoE layer's chosen experts, a layer's
@@ -1998,10 +1991,7 @@ int dense_gemv_items_f32(const float *const *x, const int64_t *m, const void *co
                          float *const *y, int64_t count, int64_t out, int64_t n, int is_int8, int64_t group,
                          int threads, int use_simd) {
     if (!int8_group_fits(group, n)) return -2;
-    int64_t *groups = same_groups(group, count);
-    const int rc = groups ? dense_items(x, m, w, scale, y, count, out, n, is_int8, groups, threads, use_simd) : -1;
-    free(groups);
-    return rc;
+    return dense_items(x, m, w, scale, y, count, out, n, is_int8, group, NULL, threads, use_simd);
 }
 
 #ifdef KERNELS_X86
@@ -2205,12 +2195,13 @@ int moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, con
         ys[i] = gu + at * I, ys[items + i] = gu + (R + at) * I;
     }
     for (int64_t i = 0; i < 2 * items; i++) groups[i] = i % items == E ? shared_in : group_in;
-    rc = dense_items(xs, m, w, scale, ys, 2 * items, I, H, is_int8, groups, threads, use_simd);
+    rc = dense_items(xs, m, w, scale, ys, 2 * items, I, H, is_int8, 0, groups, threads, use_simd);
     if (rc) goto done;
     silu_glu_fn(use_simd)(gu, gu + R * I, gu, R * I);  /* act over the gate outputs */
     for (int64_t i = 0, at = 0; i < items; at += m[i], i++) xs[i] = gu + at * I, ys[i] = dn + at * H;
     for (int64_t i = 0; i < items; i++) groups[i] = i == E ? shared_out : group_out;
-    rc = dense_items(xs, m, w + 2 * items, scale + 2 * items, ys, items, H, I, is_int8, groups, threads, use_simd);
+    rc = dense_items(xs, m, w + 2 * items, scale + 2 * items, ys, items, H, I, is_int8, 0, groups, threads,
+                     use_simd);
     if (rc) goto done;
     memset(y, 0, (size_t)(T * H) * sizeof *y);
     for (int64_t p = 0; p < P; p++) {
@@ -2474,9 +2465,8 @@ int dense_gemv_t_items_f32(const float *const *x, const int64_t *m, const void *
                            float *const *y, int64_t count, int64_t depth, int64_t n, int is_int8, int64_t group,
                            int threads, int use_simd) {
     if (group < 0 || (group && (group % 32 || n % group))) return -2;
-    int64_t weights = 0, *groups = same_groups(group, count);
-    struct job *jobs = groups ? dense_jobs(x, m, w, scale, y, count, n, n, is_int8, groups, &weights) : NULL;
-    free(groups);
+    int64_t weights;
+    struct job *jobs = dense_jobs(x, m, w, scale, y, count, n, n, is_int8, group, NULL, &weights);
     if (!jobs) return -1;
     for (int64_t i = 0; i < count; i++) jobs[i].depth = depth;
     rows_fn fn = dense_gemv_t_cols_portable;
