@@ -54,6 +54,9 @@ class Settings:
                               "of each sequence, or one and its drafts) as recorded CUDA graphs (one launch per "
                               "pass instead of about a hundred kernel launches per layer and sequence); off = "
                               "launch every kernel of every pass")
+    cpu_replay: bool = _knob(True, "with the whole model resident in RAM on the CPU, run a one-token pass as the native "
+                             "calls the first pass of its shape made (one per layer half, two for the head), made "
+                             "again without the model's Python between them; off = every pass through the Python")
     pin_layers: int = _knob(0, "number of leading layers whose spine stays in RAM when streaming, whatever the "
                             "RAM budget")
     ram_budget: str = _knob("auto", "host memory in GB (10^9 bytes) a streamed model may hold: its streaming "

@@ -405,7 +405,7 @@ def test_a_resident_layers_halves_in_one_native_call_compute_and_count_what_thei
     monkeypatch.setattr(cpu_native, "moe_block_silu", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(cpu_native, "kda_block", lambda *a, **k: kda_calls.append(1) or real_kda(*a, **k))
     for path in (tiny_kl_path, wide_q8_path):
-        m = deltafin.load(path, device="cpu", stream="off")
+        m = deltafin.load(path, device="cpu", stream="off", cpu_replay=False)  # the calls counted here, not replayed
         moe_layers = sum(m.config.is_moe(i) for i in range(m.config.num_layers))
         kda_layers = len(m.config.kda_layers)
         ids = torch.randint(3, 400, (9,), generator=torch.Generator().manual_seed(2)).tolist()

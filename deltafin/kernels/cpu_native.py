@@ -195,6 +195,66 @@ def _threads(threads: int | None) -> int:
     return max(1, threads)
 
 
+def pass_threads() -> int:
+    """The threads a call made now would compute on (given no ``threads``)."""
+    return _threads(None)
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """One call a ``recording`` saw, as it was made: the function, its ctypes arguments (which hold the
+    pointer arrays they name), and the tensors it read rows from (``src``) and wrote (``out``), kept alive
+    so that the addresses in ``args`` stay theirs. ``lengths``: an MLA call's array of cache lengths,
+    which differ from pass to pass; ``ids``: a MoE call's chosen experts; ``keep``: what else the call read
+    by address (weights, and what the caller made of them for this call, such as a widened bias), held for
+    the same reason."""
+    fn: object
+    args: tuple
+    who: str
+    rows: int
+    src: torch.Tensor
+    out: torch.Tensor
+    lengths: ctypes.Array | None = None
+    ids: torch.Tensor | None = None
+    keep: tuple = ()
+
+
+# The calls of the pass now being recorded (runtime/cpu_replay.py), or None.
+_recording: list[NativeCall] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[NativeCall]]:
+    """Inside, the layer-half calls (``kda_block``, ``mla_block``, ``moe_block_silu``, ``mlp_block_silu``)
+    and the head's (``rms_norm``, ``dense_gemv``) run as always and are also appended to the list this
+    yields, in order; ``replay`` makes them again."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("a native recording is already running")
+    calls: list[NativeCall] = []
+    _recording = calls
+    try:
+        yield calls
+    finally:
+        _recording = None
+
+
+def _made(fn, args: tuple, who: str, rows: int, src: torch.Tensor, out: torch.Tensor, **more) -> int:
+    """fn(*args), and the call appended to the recording running (if one is)."""
+    rc = fn(*args)
+    if _recording is not None:
+        _recording.append(NativeCall(fn, args, who, rows, src, out, **more))
+    return rc
+
+
+def replay(calls: list[NativeCall]) -> None:
+    """Make the recorded calls again, in order, each as it was made (the same addresses, so the same
+    tensors are read and written); a call's failure raised as its first making would have raised it."""
+    for c in calls:
+        rc = c.fn(*c.args)
+        _check_block(rc, c.who, c.rows)
+
+
 def _input(x: torch.Tensor, n: int) -> torch.Tensor:
     """x as the contiguous float32 [M, n] the kernels read (bf16 rows are widened exactly)."""
     if x.dim() != 2 or x.shape[1] != n:
@@ -384,11 +444,12 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, thr
         if group is None:
             raise ValueError(f"dense_gemv: int8 codes [{out}, {n}] need float32 row scales [{out}, 1] or float16 "
                              f"group scales [{out}, groups], got {scale.dtype} {tuple(scale.shape)}")
-        rc = lib.int8_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), scale.data_ptr(), out, n, group,
-                               y.data_ptr(), _threads(threads), int(use_simd)) if y.numel() else 0
+        rc = _made(lib.int8_gemv_f32, (x.data_ptr(), x.shape[0], w.data_ptr(), scale.data_ptr(), out, n, group,
+                                       y.data_ptr(), _threads(threads), int(use_simd)),
+                   "int8 gemv", x.shape[0], x, y, keep=(w, scale)) if y.numel() else 0
     elif w.dtype == torch.bfloat16 and scale is None:
-        rc = lib.bf16_gemv_f32(x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(), _threads(threads),
-                               int(use_simd)) if y.numel() else 0
+        rc = _made(lib.bf16_gemv_f32, (x.data_ptr(), x.shape[0], w.data_ptr(), out, n, y.data_ptr(), _threads(threads),
+                                       int(use_simd)), "bf16 gemv", x.shape[0], x, y, keep=(w,)) if y.numel() else 0
     else:
         raise ValueError(f"dense_gemv needs int8 codes with a scale or a bf16 weight, got {w.dtype} "
                          f"with{'out' if scale is None else ''} a scale")
@@ -607,8 +668,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, use_simd:
         raise ValueError(f"rms_norm needs contiguous CPU float32 rows, got {x.dtype} {tuple(x.shape)}")
     w_bf16 = 0 if weight is None else _norm_weight("rms_norm", "weight", weight, n)
     y = torch.empty_like(x)
-    lib.rms_norm_f32(x.data_ptr(), x.numel() // n, n, 0 if weight is None else weight.data_ptr(), w_bf16, eps,
-                     y.data_ptr(), int(use_simd))
+    _made(lib.rms_norm_f32, (x.data_ptr(), x.numel() // n, n, 0 if weight is None else weight.data_ptr(), w_bf16,
+                             eps, y.data_ptr(), int(use_simd)), "rms_norm", x.numel() // n, x, y, keep=(weight,))
     return y
 
 
@@ -804,11 +865,12 @@ def moe_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.
     if shared is not None:
         shared_w, shared_s = _array(_p, list(shared.pointers[:3])), _array(_p, list(shared.pointers[3:]))
         shared_in, shared_out = shared.signature[1:3]
-    rc = lib.moe_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps,
-                                gate.data_ptr(), int(gate.dtype == torch.bfloat16), bias.data_ptr(), E, k,
-                                int(renormalize), scale, I, table.w_ptrs, table.s_ptrs, shared_w, shared_s, kind,
-                                group_in, group_out, shared_in, shared_out, ids.data_ptr(), out.data_ptr(),
-                                _threads(threads), int(use_simd))
+    args = (p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps, gate.data_ptr(), int(gate.dtype == torch.bfloat16),
+            bias.data_ptr(), E, k, int(renormalize), scale, I, table.w_ptrs, table.s_ptrs, shared_w, shared_s, kind,
+            group_in, group_out, shared_in, shared_out, ids.data_ptr(), out.data_ptr(), _threads(threads),
+            int(use_simd))
+    rc = _made(lib.moe_block_silu_f32, args, "moe_block_silu", T, p, out, ids=ids,
+               keep=(norm, gate, bias, table, shared))
     _check_block(rc, "moe_block_silu", T)
     return out, ids
 
@@ -830,9 +892,10 @@ def mlp_block_silu(p: torch.Tensor, norm: torch.Tensor, eps: float, mlp: MoeExpe
         raise ValueError(f"mlp_block_silu: an MLP reading rows of width {width} for rows of width {H}")
     norm_bf16 = _norm_weight("mlp_block_silu", "norm", norm, H)
     out = torch.empty(T, H, dtype=torch.float32)
-    rc = lib.mlp_block_silu_f32(p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps, I, _array(_p, list(mlp.pointers[:3])),
-                                _array(_p, list(mlp.pointers[3:])), kind, group_in, group_out, out.data_ptr(),
-                                _threads(threads), int(use_simd))
+    args = (p.data_ptr(), T, H, norm.data_ptr(), norm_bf16, eps, I, _array(_p, list(mlp.pointers[:3])),
+            _array(_p, list(mlp.pointers[3:])), kind, group_in, group_out, out.data_ptr(), _threads(threads),
+            int(use_simd))
+    rc = _made(lib.mlp_block_silu_f32, args, "mlp_block_silu", T, p, out, keep=(norm, mlp))
     _check_block(rc, "mlp_block_silu", T)
     return out
 
@@ -1010,12 +1073,11 @@ def kda_block(h: torch.Tensor, eps: float, weights: KdaWeights, counts: list[int
     out = torch.empty(T, w.H, dtype=torch.float32)
     (w1, s1, k1, g1), (w2, s2, k2, g2), (wo, so, ko, go) = w.groups
     small = w.small
-    rc = lib.kda_block_f32(h.data_ptr(), T, w.H, w.norm, w.norm_bf16, float(eps),
-                           w1, s1, k1, g1, w2, s2, k2, g2, wo[0], so[0], ko, go, len(states), seqs.offsets, seqs.convs,
-                           small.conv_w, small.conv_bf16, w.dt_bias, small.dt_bf16, w.a_log, small.a_bf16,
-                           int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound),
-                           w.o_norm, small.norm_bf16, seqs.states, w.nh, w.d, w.K, out.data_ptr(),
-                           _threads(threads), int(use_simd))
+    args = (h.data_ptr(), T, w.H, w.norm, w.norm_bf16, float(eps), w1, s1, k1, g1, w2, s2, k2, g2, wo[0], so[0], ko,
+            go, len(states), seqs.offsets, seqs.convs, small.conv_w, small.conv_bf16, w.dt_bias, small.dt_bf16, w.a_log,
+            small.a_bf16, int(lower_bound is not None), 0.0 if lower_bound is None else float(lower_bound), w.o_norm,
+            small.norm_bf16, seqs.states, w.nh, w.d, w.K, out.data_ptr(), _threads(threads), int(use_simd))
+    rc = _made(lib.kda_block_f32, args, "kda_block", T, h, out, keep=(weights, seqs))
     _check_block(rc, "kda_block", T)
     return out
 
@@ -1138,11 +1200,12 @@ def mla_block(h: torch.Tensor, eps: float, latent_eps: float, weights: MlaWeight
                 raise ValueError(f"mla_block: a {name} cache of {t.shape[0]} rows has no room for {n}")
     out = torch.empty(B, w.H, dtype=torch.float32)
     (w1, s1, k1, g1), (wo, so, ko, go), hk, hv = w.first, w.o_proj, w.heads_k, w.heads_v
-    rc = lib.mla_block_f32(h.data_ptr(), B, w.H, w.norm, w.norm_bf16, float(eps), w1, s1, k1, g1, w.latent,
-                           w.latent_bf16, float(latent_eps), hk.w_ptrs, hk.s_ptrs, hk.kind, hk.group, hv.w_ptrs,
-                           hv.s_ptrs, hv.kind, hv.group, wo, so, ko, go, _array(_p, [t.data_ptr() for t in ckvs]),
-                           _array(_p, [t.data_ptr() for t in krots]), _array(_i64, lengths), float(scale), w.nh,
-                           w.nope, w.rope, w.r, w.dv, out.data_ptr(), _threads(threads), int(use_simd))
+    lens = _array(_i64, lengths)
+    args = (h.data_ptr(), B, w.H, w.norm, w.norm_bf16, float(eps), w1, s1, k1, g1, w.latent, w.latent_bf16,
+            float(latent_eps), hk.w_ptrs, hk.s_ptrs, hk.kind, hk.group, hv.w_ptrs, hv.s_ptrs, hv.kind, hv.group, wo, so,
+            ko, go, _array(_p, [t.data_ptr() for t in ckvs]), _array(_p, [t.data_ptr() for t in krots]), lens,
+            float(scale), w.nh, w.nope, w.rope, w.r, w.dv, out.data_ptr(), _threads(threads), int(use_simd))
+    rc = _made(lib.mla_block_f32, args, "mla_block", B, h, out, lengths=lens, keep=(weights,))
     _check_block(rc, "mla_block", B)
     return out
 

@@ -31,6 +31,7 @@ from ..model.layers import NOT_PRODUCTS, attn_res, build_templates, layer_kind
 from ..model.ops import HalfMatmul, linear, rms_norm
 from ..model.state import DecodeState, Rows
 from ..settings import Settings
+from .cpu_replay import CpuReplay
 from .decode_graph import DecodeGraphs
 from .pass_stats import PassObserver, PassStats
 from .thread_policy import ThreadPolicy
@@ -64,6 +65,8 @@ class Engine:
         # whole model: a rank of a split one hands its rows on between passes).
         whole = self.layers == range(cfg.num_layers)
         self.graphs = DecodeGraphs(self) if whole and DecodeGraphs.possible(self) else None
+        # On the CPU, one-token passes of a resident model replayed as the native calls they make.
+        self.cpu_replay = CpuReplay(self) if whole and CpuReplay.possible(self) else None
 
     @contextlib.contextmanager
     def observe(self, observer: PassObserver):
@@ -121,7 +124,11 @@ class Engine:
             finish = lambda: logits  # noqa: E731
         else:
             with self.pass_threads(len(ids_t)):
-                finish = self.start_device_pass(self.embed(ids_t), seqs, stats, routes)
+                if self.cpu_replay is not None and not routes and self.cpu_replay.applies(seqs):
+                    logits = self.cpu_replay.run(seqs, ids_t, stats)
+                    finish = lambda: logits  # noqa: E731
+                else:
+                    finish = self.start_device_pass(self.embed(ids_t), seqs, stats, routes)
         return PendingPass(self, seqs, stats, t0, finish)
 
     def finish_batch(self, pending: "PendingPass") -> list[torch.Tensor | None]:

@@ -1,0 +1,163 @@
+"""One-token CPU passes replayed as their recorded native calls (runtime/cpu_replay.py) against the plain
+pass of the same model: the same logits, bit for bit, whatever happened to the states and weights between."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deltafin
+from deltafin.kernels import cpu_native
+from deltafin.model import moe
+from deltafin.runtime.engine import Seq
+from deltafin.runtime.pass_stats import PassObserver
+from deltafin.settings import Settings
+
+from conftest import KL_CODE_TINY
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
+
+
+@pytest.fixture(scope="module", params=["bf16", "q8", "trained"])
+def model(request, tiny_kl_path, wide_q8_path):
+    """Random bf16 and grouped int8 weights, and the trained model (whose bf16 router bias the MoE call
+    reads widened: a tensor made for the call, which the recording must keep)."""
+    if request.param == "trained":
+        if not (KL_CODE_TINY / "config.json").exists():
+            pytest.skip(f"the trained model is not at {KL_CODE_TINY}")
+        return deltafin.load(KL_CODE_TINY, device="cpu", stream="off")
+    return deltafin.load(tiny_kl_path if request.param == "bf16" else wide_q8_path, device="cpu", stream="off")
+
+
+def _plain(model, fn):
+    """fn() with the model's passes run through its Python."""
+    engine = model.engine
+    kept, engine.cpu_replay = engine.cpu_replay, None
+    try:
+        return fn()
+    finally:
+        engine.cpu_replay = kept
+
+
+def _step(model, states, ids):
+    """One pass of one new token per state; each state's logits row."""
+    return [lg[-1] for lg in model.engine.forward_batch([Seq([t], st, logits="last") for t, st in zip(ids, states)])]
+
+
+def test_a_replayed_decode_equals_the_plain_pass(model):
+    """40 greedy tokens (the MLA caches grow twice on the way: each growth records again): every logit
+    equal to the plain pass's, and each pass's logits still its own after the passes that followed it."""
+    replay = model.engine.cpu_replay
+    assert replay is not None
+    mine, plain = model.new_state(), model.new_state()
+    got = [model.forward([5, 6, 7], mine)[-1]]
+    want = [_plain(model, lambda: model.forward([5, 6, 7], plain)[-1])]
+    recorded, replayed = replay.recorded, replay.replayed
+    for _ in range(40):
+        assert torch.equal(got[-1], want[-1])
+        got.append(model.forward([int(got[-1].argmax())], mine)[-1])
+        want.append(_plain(model, lambda: model.forward([int(want[-1].argmax())], plain)[-1]))
+    assert torch.equal(torch.stack(got), torch.stack(want))
+    assert replay.replayed - replayed >= 35 and replay.recorded - recorded >= 2 and not replay.failed
+
+
+def test_a_batch_replays_as_its_sequences_come_and_go(model):
+    """Three sequences decoding together, then in another order, then two of them: the same logits as the
+    plain pass at each step (a new order or set of states records again)."""
+    def states():
+        out = []
+        for prompt in ([1, 2], [3, 4, 5, 6], [7]):
+            st = model.new_state()
+            model.forward(prompt, st)
+            out.append(st)
+        return out
+    mine = states()
+    plain = _plain(model, states)
+    orders = [[0, 1, 2]] * 4 + [[2, 0, 1]] * 3 + [[1, 2]] * 3
+    for step, order in enumerate(orders):
+        ids = [(step * 7 + k) % 50 + 1 for k in order]
+        got = _step(model, [mine[k] for k in order], ids)
+        want = _plain(model, lambda: _step(model, [plain[k] for k in order], ids))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_a_restored_state_is_not_replayed_over_its_old_tensors(model):
+    """A state restored from a snapshot holds new tensors: the pass after it records again, and decoding
+    from the snapshot gives what the plain pass gives."""
+    replay = model.engine.cpu_replay
+    mine, plain = model.new_state(), model.new_state()
+    model.forward([9, 8, 7], mine)
+    _plain(model, lambda: model.forward([9, 8, 7], plain))
+    snap = mine.snapshot()
+    for t in (3, 4, 5):
+        model.forward([t], mine)
+    recorded = replay.recorded
+    mine.restore(snap)
+    for t in (11, 12, 13):
+        got = model.forward([t], mine)[-1]
+        want = _plain(model, lambda: model.forward([t], plain)[-1])
+        assert torch.equal(got, want)
+    assert replay.recorded > recorded
+
+
+def test_a_swapped_weight_is_computed_with(model):
+    """A weight swapped in the provider's dicts (as the sensitivity tool does) takes effect on the next
+    pass: the recording made with the old one is not replayed."""
+    _, spines, _ = model.engine.provider.held()
+    layer = next(i for i, s in enumerate(spines) if s)
+    name = next(k for k, w in spines[layer].items() if isinstance(w, torch.Tensor) and w.dim() == 1)
+    mine, plain = model.new_state(), model.new_state()
+    model.forward([2, 3], mine)
+    _plain(model, lambda: model.forward([2, 3], plain))
+    for t in (4, 5):
+        model.forward([t], mine)
+        _plain(model, lambda: model.forward([t], plain))
+    old = spines[layer][name]
+    spines[layer][name] = old * 1.5
+    try:
+        got = model.forward([6], mine)[-1]
+        want = _plain(model, lambda: model.forward([6], plain)[-1])
+    finally:
+        spines[layer][name] = old
+    assert torch.equal(got, want)
+
+
+def test_a_pass_with_torch_between_its_calls_is_never_replayed(tiny_kl_path, monkeypatch):
+    """A layer that leaves its one native call (here every MoE layer) makes the shape's passes run plain,
+    with the reason kept; their logits are the plain pass's."""
+    model = deltafin.load(tiny_kl_path, device="cpu", stream="off")
+    monkeypatch.setattr(moe.MoE, "block", lambda *a: None)
+    replay = model.engine.cpu_replay
+    mine, plain = model.new_state(), model.new_state()
+    model.forward([1, 2], mine)
+    _plain(model, lambda: model.forward([1, 2], plain))
+    for t in (3, 4, 5, 6):
+        assert torch.equal(model.forward([t], mine), _plain(model, lambda: model.forward([t], plain)))
+    assert replay.replayed == 0 and replay.recorded == 0
+    assert replay.failed and all("in torch" in why for why in replay.failed.values())
+
+
+def test_a_watched_routing_runs_the_plain_pass(model):
+    replay = model.engine.cpu_replay
+    seen = []
+
+    class Watch(PassObserver):
+        def on_route(self, layer, ids, x):
+            seen.append(layer)
+    st = model.new_state()
+    model.forward([1, 2], st)
+    model.forward([3], st)
+    replayed = replay.replayed
+    with model.engine.observe(Watch()):
+        model.forward([4], st)
+    assert replay.replayed == replayed and seen
+
+
+def test_the_replay_setting():
+    assert Settings.resolve({}).cpu_replay is True
+    assert Settings.resolve({}, env={"DELTAFIN_CPU_REPLAY": "off"}).cpu_replay is False
+
+
+def test_off_or_with_attention_residuals_there_is_no_replay(tiny_kl_path, tiny_k3_model):
+    assert deltafin.load(tiny_kl_path, device="cpu", stream="off", cpu_replay=False).engine.cpu_replay is None
+    assert tiny_k3_model.engine.cpu_replay is None  # its depth mix runs in torch between the calls
