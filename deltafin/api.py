@@ -265,6 +265,14 @@ class Model:
         shapes few)."""
         return self.engine.graphs is not None
 
+    def record_passes(self, reach: int, drafts: int = 0, sequences: int = 1) -> int:
+        """Records ahead the decode graphs a greedy generation of `sequences` sequences will replay: a
+        decode step, and a check of a token and d drafts for every d up to `drafts` (the speculation's
+        draft_len; 0 when it does not speculate), with state buffers for `reach` tokens a sequence.
+        Returns how many were recorded (0 where passes replay no graphs, or all were recorded)."""
+        shapes = [(sequences, 1 + d) for d in range(drafts + 1)]
+        return self.engine.record_passes(shapes, reach)
+
     @property
     def layers(self) -> range:
         """The layers this process holds: all of them, or its range of a model split across ranks."""

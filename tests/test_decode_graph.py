@@ -249,6 +249,39 @@ def test_a_released_state_keeps_its_values(tiny_kl_path):
     assert a.max_abs_diff(kept) == 0.0
 
 
+def test_a_generation_sizes_the_buffers_for_its_reach_once(tiny_kl_path, monkeypatch):
+    """A generation says how long its state will grow (prompt + max new tokens): the buffers are sized
+    for that at its first pass, up to REACH_MAX_CAPACITY rows, so its graphs are not recorded again midway;
+    past that bound they double as the tokens come. The tokens are the plain pass's either way."""
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.sampling import SamplingParams
+    monkeypatch.setattr(decode_graph, "MIN_CAPACITY", 4)
+    monkeypatch.setattr(decode_graph, "REACH_MAX_CAPACITY", 64)
+    plain, m = deltafin.load(tiny_kl_path, device="cpu", stream="off"), _recorded(tiny_kl_path)
+    graphs = m.engine.graphs
+    for max_new, capacities in ((40, {64}), (100, {64, 128})):
+        seen = set()
+        params = SamplingParams(max_new_tokens=max_new, speculate=False)
+        got = generate(m, PROMPT, params, on_token=lambda *_: seen.add(graphs.capacity), eos_token_ids=()).tokens
+        assert len(got) == max_new and got == generate(plain, PROMPT, params, eos_token_ids=()).tokens
+        assert seen == capacities
+
+
+def test_passes_recorded_ahead_size_the_buffers_and_leave_the_tokens_alone(tiny_kl_path):
+    """record_passes runs each shape's pass on throwaway states (here eagerly: nothing is recorded on
+    the CPU), sizing the buffers for the reach; a speculating generation after it makes the plain
+    model's tokens, and no throwaway state keeps a slot."""
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.sampling import SamplingParams
+    plain, m = deltafin.load(tiny_kl_path, device="cpu", stream="off"), _recorded(tiny_kl_path)
+    graphs = m.engine.graphs
+    assert m.record_passes(300, drafts=2) == 0 and graphs.capacity == 512
+    assert all(graphs._owner(slot) is None for slot in range(len(graphs.slots)))
+    params = SamplingParams(max_new_tokens=30, speculate=True)
+    assert generate(m, PROMPT, params).tokens == generate(plain, PROMPT, params).tokens
+    assert deltafin.load(tiny_kl_path, device="cpu", stream="off").record_passes(300, drafts=2) == 0  # no graphs
+
+
 def test_cuda_graphs_setting():
     assert Settings.resolve({}).cuda_graphs is True
     assert Settings.resolve({}, env={"DELTAFIN_CUDA_GRAPHS": "off"}).cuda_graphs is False
@@ -325,6 +358,26 @@ def test_cuda_speculation_replays_check_passes_with_the_same_tokens(request, fix
     assert graphs.failed is None and any(keep for (_, n, keep) in graphs.graphs)
     assert m.graph_stats()["replayed_by_kind"]["check"] > 0
     assert g.stats["accepted_draft_tokens"] > 0 and g.stats["passes"] < len(want) - 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_passes_recorded_ahead_are_the_ones_a_generation_replays(tiny_kl_path):
+    """record_passes before a speculating greedy generation: the decode step and every check shape up
+    to draft_len are recorded, at buffers for the generation's reach; the generation then records
+    nothing and makes the tokens of a model that recorded as it went."""
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.sampling import SamplingParams
+    params = SamplingParams(max_new_tokens=300, speculate=True)
+    want = generate(deltafin.load(tiny_kl_path, device="cuda", stream="off", dtype="float32"), PROMPT, params,
+                    eos_token_ids=()).tokens
+    m = deltafin.load(tiny_kl_path, device="cuda", stream="off", dtype="float32", draft_len=3)
+    assert m.record_passes(len(PROMPT) + 300, drafts=3) == 4
+    graphs = m.engine.graphs
+    assert set(graphs.graphs) == {(1, 1, False), (1, 2, True), (1, 3, True), (1, 4, True)}
+    assert graphs.capacity == 512 and m.record_passes(len(PROMPT) + 300, drafts=3) == 0
+    g = generate(m, PROMPT, params, eos_token_ids=())
+    assert g.tokens == want and graphs.recorded == 4 and graphs.failed is None
+    assert m.graph_stats()["replayed_by_kind"]["check"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

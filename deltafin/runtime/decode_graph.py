@@ -31,6 +31,9 @@ What recording needs, and how it gets it:
   one memory pool.
 - Capacity. A sequence longer than the buffers doubles every slot's MLA caches (outside any graph),
   which drops the recorded graphs; they are recorded again at the new capacity as passes need them.
+  Where sequences say how long they will grow (``Seq.reach``: a generation's prompt and new tokens),
+  the buffers are sized for that at once, up to REACH_MAX_CAPACITY rows, so that a generation is not
+  recorded again midway.
   Each layer's slots are entries of one stacked buffer, so the layers step the pass's B states as one
   tensor in place (``state.stacked``: no stacking copies in, no copies back out, one batched MLA
   attention); more sequences than slots double the slots, which drops the graphs too.
@@ -55,6 +58,9 @@ from ..model.state import KDAState, MLAState
 from .pass_stats import PassStats
 
 MIN_CAPACITY = 256  # MLA cache rows of the first buffers (then doubled as needed)
+# The most MLA cache rows sized ahead for what sequences say they will reach (``Seq.reach``): a recorded
+# pass attends over its buffers' every row, so room far beyond the tokens held costs every pass.
+REACH_MAX_CAPACITY = 2048
 MAX_GRAPH_ROWS = 64  # rows of the largest pass recorded, where the experts' kernels allow any
 # PassStats fields a replay adds as the recorded pass counted them (what it reads does not change).
 REPLAYED_COUNTS = ("bytes_on_device", "bytes_to_device", "experts_loaded")
@@ -117,7 +123,8 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         B, n, keep = len(seqs), len(seqs[0].ids), seqs[0].keep_states
         rows = B * n
-        self._fit(max(s.state.num_tokens for s in seqs) + n, B)
+        reach = min(max(s.reach for s in seqs), REACH_MAX_CAPACITY)  # room sized once for what they will hold
+        self._fit(max(max(s.state.num_tokens for s in seqs) + n, reach), B)
         for b, s in enumerate(seqs):
             self._adopt(s.state, b)
         self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(n)])

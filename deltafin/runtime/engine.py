@@ -107,6 +107,24 @@ class Engine:
         """
         return self.start_batch(seqs).result()
 
+    def record_passes(self, shapes: list[tuple[int, int]], reach: int) -> int:
+        """Records now the decode graphs of these pass shapes ((sequences, rows each): one row is a
+        decode step, more are a token and its drafts, checked), with state buffers for sequences of up
+        to `reach` tokens, so that the passes which need them replay at once: the first pass of a shape
+        otherwise runs eagerly (compiling and tuning its kernels) and then records, ~50-150 ms inside a
+        generation. Throwaway states fed one token id; returns how many graphs were recorded (0 where
+        passes replay no graphs)."""
+        g = self.graphs
+        if g is None:
+            return 0
+        before = g.recorded
+        token = self.cfg.bos_token_id or 0
+        for B, n in shapes:
+            seqs = [Seq([token] * n, self.new_state(), n > 1, "all", reach=reach) for _ in range(B)]
+            if (B, n, n > 1) not in g.graphs and g.applies(seqs):
+                self.forward_batch(seqs)
+        return g.recorded - before
+
     @torch.inference_mode()
     def start_batch(self, seqs: list[Seq]) -> "PendingPass":
         """``forward_batch`` in two steps: the pass starts here, ``result()`` ends it. In one process
@@ -271,6 +289,10 @@ class Seq:
     # Leave the logits on the compute device: a caller that only picks tokens from them (greedy
     # argmax) then reads back a few ids instead of a vocabulary-wide row per position.
     on_device: bool = False
+    # The tokens its state may hold by the end of its generation (cached, prompt and new tokens; 0:
+    # unknown). A decode-graph recorder sizes the state buffers for it at once, so that the graphs are
+    # not recorded again as the sequence grows.
+    reach: int = 0
 
 
 class PendingPass:

@@ -167,6 +167,7 @@ class Decoding:
         self.eos = frozenset(config.eos_token_ids if eos_token_ids is None else (int(t) for t in eos_token_ids))
         self.vocab = config.vocab_size
         self.prompt, self.max_new, self.state = prompt, max_new, state
+        self.reach = held + len(prompt) + max_new  # the most tokens its state will hold
         # No piece size given (one generation alone): the most the free memory holds the pass for.
         piece = getattr(model, "prompt_piece", None)
         self.prefill_chunk = prefill_chunk or (piece(len(prompt), held + len(prompt)) if piece else len(prompt))
@@ -229,7 +230,7 @@ class Decoding:
             piece = self.prompt[self.fed:self.fed + n]
             last = self.fed + len(piece) == len(self.prompt)
             self._pass = (self.state.num_tokens, [])
-            return Seq(piece, self.state, False, "last" if last else "none", on_device=True)
+            return Seq(piece, self.state, False, "last" if last else "none", on_device=True, reach=self.reach)
         draft: list[int] = []
         if self.spec:
             # No point verifying more tokens than may still be produced (the bonus token is one).
@@ -245,7 +246,7 @@ class Decoding:
                 if self.matcher is not None:
                     draft = draft[:self.matcher.legal_prefix(draft)]
         self._pass = (self.state.num_tokens, draft)
-        return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all", on_device=True)
+        return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all", on_device=True, reach=self.reach)
 
     @property
     def picks_argmax(self) -> bool:
