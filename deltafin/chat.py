@@ -388,7 +388,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from .startup import load_announced, read_text_arg
+    from .startup import load_announced, read_text_arg, record_passes_announced
     from .runtime.saved_state import restore_or_build
     from .settings import from_args
 
@@ -398,6 +398,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{path}: this checkpoint has no chat template; use deltafin run instead")
     args.max_new_tokens = settings.max_new_tokens
+    # A conversation grows turn by turn: its graphs are recorded for the longest buffers sized ahead.
+    record_passes_announced(model, sampling.from_args(args, args.max_new_tokens), model.config.max_position_embeddings)
     system = read_text_arg(args.system) if args.system is not None else None
     conv = Conversation(model, system)
     if settings.prompt_cache:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import sys
-import time
 
 from . import bench, chat
 from .checkpoint import convert
@@ -18,7 +17,7 @@ from .runtime import sampling
 from .runtime.generate import generate
 from .serve import cli as serve_cli
 from .settings import Settings, SettingsError, add_arguments, from_args
-from .startup import default_model_path, load_announced, read_text_arg
+from .startup import default_model_path, load_announced, read_text_arg, record_passes_announced
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -51,7 +50,7 @@ def cmd_run(args) -> int:
         held = ids[:-1]
         state = restore_or_build(model, settings.prompt_cache, held, lambda m: print(f"deltafin: {m}", file=sys.stderr))
     params = sampling.from_args(args, settings.max_new_tokens)
-    _record_passes(model, params, len(ids) + params.max_new_tokens)
+    record_passes_announced(model, params, len(ids) + params.max_new_tokens)
     # With --profile every pass prints a line as it ends.
     recorder = PassRecorder(report=lambda i, s: print(format_pass(i, s), file=sys.stderr))
 
@@ -73,19 +72,6 @@ def cmd_run(args) -> int:
         if residency is not None:
             print(f"  residency now: {residency}", file=sys.stderr)
     return 0
-
-
-def _record_passes(model, params, reach: int) -> None:
-    """Where passes replay recorded graphs, records the ones this generation will replay before it
-    starts (their kernels compiled and tuned), so that its tokens come at the replayed pace."""
-    if not model.replays_passes:
-        return
-    spec = params.greedy and (model.settings.speculate if params.speculate is None else params.speculate)
-    t0 = time.perf_counter()
-    n = model.record_passes(min(reach, model.config.max_position_embeddings),
-                            model.settings.draft_len if spec else 0)
-    if n:
-        print(f"deltafin: recorded {n} decode graph(s) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 
 
 # -- inspect / make-checkpoint ------------------------------------------------------------------

@@ -4,6 +4,7 @@ which numerics (``load_announced``), and read a prompt argument."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from .api import Model, load
@@ -116,6 +117,20 @@ def load_announced(model: str | None, settings: Settings) -> tuple[Model, str | 
 
 
 MAX_PROMPT_FILE = 64 * MiB
+
+
+def record_passes_announced(model, params, reach: int) -> None:
+    """Where passes replay recorded graphs, records the ones a generation with these sampling parameters
+    will replay (sequences of up to `reach` tokens) before it starts, their kernels compiled and tuned,
+    so that its tokens come at the replayed pace; says how long that took."""
+    if not model.replays_passes:
+        return
+    spec = params.greedy and (model.settings.speculate if params.speculate is None else params.speculate)
+    t0 = time.perf_counter()
+    n = model.record_passes(min(reach, model.config.max_position_embeddings),
+                            model.settings.draft_len if spec else 0)
+    if n:
+        print(f"deltafin: recorded {n} decode graph(s) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 
 
 def read_text_arg(value: str) -> str:
