@@ -269,7 +269,11 @@ class Model:
         """Records ahead the decode graphs a greedy generation of `sequences` sequences will replay: a
         decode step, and a check of a token and d drafts for every d up to `drafts` (the speculation's
         draft_len; 0 when it does not speculate), with state buffers for `reach` tokens a sequence.
-        Returns how many were recorded (0 where passes replay no graphs, or all were recorded)."""
+        Returns how many were recorded (0 where passes replay no graphs, or all were recorded; shapes past
+        the largest pass a graph takes are left to run plainly)."""
+        if sequences < 1 or drafts < 0 or reach < 0:
+            raise ValueError(f"record_passes needs sequences >= 1, drafts >= 0 and reach >= 0, got {sequences}, "
+                             f"{drafts} and {reach}")
         shapes = [(sequences, 1 + d) for d in range(drafts + 1)]
         return self.engine.record_passes(shapes, reach)
 

@@ -280,6 +280,10 @@ def test_passes_recorded_ahead_size_the_buffers_and_leave_the_tokens_alone(tiny_
     params = SamplingParams(max_new_tokens=30, speculate=True)
     assert generate(m, PROMPT, params).tokens == generate(plain, PROMPT, params).tokens
     assert deltafin.load(tiny_kl_path, device="cpu", stream="off").record_passes(300, drafts=2) == 0  # no graphs
+    assert m.record_passes(300, drafts=500) == 0  # shapes past the largest graph are skipped, not an error
+    for bad in ({"sequences": 0}, {"drafts": -1}):
+        with pytest.raises(ValueError, match="record_passes needs"):
+            m.record_passes(300, **bad)
 
 
 def test_cuda_graphs_setting():
