@@ -125,10 +125,9 @@ def record_passes_announced(model, params, reach: int) -> None:
     so that its tokens come at the replayed pace; says how long that took."""
     if not model.replays_passes:
         return
-    spec = params.greedy and (model.settings.speculate if params.speculate is None else params.speculate)
     t0 = time.perf_counter()
     n = model.record_passes(min(reach, model.config.max_position_embeddings),
-                            model.settings.draft_len if spec else 0)
+                            model.settings.draft_len if params.speculates(model.settings.speculate) else 0)
     if n:
         print(f"deltafin: recorded {n} decode graph(s) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 

@@ -120,8 +120,10 @@ class Engine:
         before = g.recorded
         token = self.cfg.bos_token_id or 0
         for B, n in shapes:
+            if (B, n, n > 1) in g.graphs:
+                continue
             seqs = [Seq([token] * n, self.new_state(), n > 1, "all", reach=reach) for _ in range(B)]
-            if (B, n, n > 1) not in g.graphs and g.applies(seqs):
+            if g.applies(seqs):
                 self.forward_batch(seqs)
         return g.recorded - before
 

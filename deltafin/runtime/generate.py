@@ -181,7 +181,7 @@ class Decoding:
                 self.rng.seed()  # fresh entropy for this call only; the global generator is untouched
             else:
                 self.rng.manual_seed(int(p.seed))
-        self.spec = (settings.speculate if p.speculate is None else bool(p.speculate)) and self.rng is None
+        self.spec = p.speculates(settings.speculate)
         self.drafter = drafter
         if self.spec and drafter is None:
             self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))

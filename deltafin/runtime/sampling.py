@@ -54,6 +54,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def speculates(self, setting: bool) -> bool:
+        """Whether a generation with these parameters drafts and checks tokens: greedy only, as asked here
+        or else as the model's `speculate` setting says."""
+        return self.greedy and (setting if self.speculate is None else bool(self.speculate))
+
     @property
     def deterministic(self) -> bool:
         """Greedy, or sampling from a fixed seed: the same prompt gives the same output."""
