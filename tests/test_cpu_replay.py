@@ -10,7 +10,7 @@ from deltafin.kernels import cpu_native
 from deltafin.model import moe
 from deltafin.runtime.engine import Seq
 from deltafin.runtime.pass_stats import PassObserver
-from deltafin.settings import Settings
+from deltafin.settings import Settings, SettingsError
 
 from conftest import KL_CODE_TINY
 
@@ -156,6 +156,8 @@ def test_a_watched_routing_runs_the_plain_pass(model):
 def test_the_replay_setting():
     assert Settings.resolve({}).cpu_replay is True
     assert Settings.resolve({}, env={"DELTAFIN_CPU_REPLAY": "off"}).cpu_replay is False
+    with pytest.raises(SettingsError, match="DELTAFIN_CPU_REPLAY"):
+        Settings.resolve({}, env={"DELTAFIN_CPU_REPLAY": "sometimes"})
 
 
 def test_off_or_with_attention_residuals_there_is_no_replay(tiny_kl_path, tiny_k3_model):
