@@ -1,6 +1,8 @@
 """The native MLA decode attention (cpu_native.mla_decode_attend) against mla.py's torch code."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -24,12 +26,22 @@ def caches(lengths: list[int], r: int, rope: int, seed: int) -> list[MLAState]:
     return out
 
 
-@pytest.mark.parametrize("nh,r,rope", [(2, 8, 4), (11, 64, 16)])  # 11 heads: two claims of a sequence
-def test_native_attention_matches_the_torch_code_and_each_sequence_alone(nh, r, rope):
-    """Caches of 1 to 70 rows (several blocks of rows, a grown running max): each sequence's latents
-    follow _attend_latent within float32 rounding, and are the same bits alone, among others and on any
-    number of threads."""
-    lengths = [1, 5, 17, 70]
+# 11 heads: two claims of a sequence (8 and 3 heads); widths of multiples of 16 take the AVX-512 kernel
+# where the CPU has it (8 and 4 heads a claim: its fixed forms), the plain loops under limit_simd("avx2")
+@pytest.mark.parametrize("simd", ["widest", "avx2"])
+@pytest.mark.parametrize("nh,r,rope", [(2, 8, 4), (11, 64, 16), (4, 32, 16)])
+def test_native_attention_matches_the_torch_code_and_each_sequence_alone(nh, r, rope, simd):
+    """Caches of 1 to 300 rows (several blocks of rows, a grown running max, a last block of one row):
+    each sequence's latents follow _attend_latent within float32 rounding, and are the same bits alone,
+    among others and on any number of threads."""
+    if simd == "avx2" and cpu_native.simd() != "avx512":
+        pytest.skip("the plain loops are what this CPU runs anyway")
+    with cpu_native.limit_simd(simd) if simd == "avx2" else contextlib.nullcontext():
+        _native_attention_matches(nh, r, rope)
+
+
+def _native_attention_matches(nh, r, rope):
+    lengths = [1, 5, 17, 70, 289]
     states = caches(lengths, r, rope, 1)
     g = torch.Generator().manual_seed(2)
     q_lat, q_rot = torch.randn(len(lengths), nh, r, generator=g), torch.randn(len(lengths), nh, rope, generator=g)
@@ -104,7 +116,22 @@ def test_decode_pass_takes_one_native_call_and_matches_the_torch_path(monkeypatc
     assert calls == [2]  # 9 rows: past the limit
 
 
-def kimi_linear_mla():
+@pytest.mark.skipif(cpu_native.simd() != "avx512", reason="the blocked attention kernel needs AVX-512")
+def test_the_blocked_kernel_takes_caches_of_any_length(monkeypatch):
+    """Latent and rope widths of multiples of 16 on an AVX-512 CPU: the native attention (faster than
+    torch's products at every length) takes a cache past NATIVE_ATTEND_MAX_WORK; the plain loops
+    (limit_simd("avx2")) leave it to torch."""
+    cfg = kimi_linear_mla(qk_rope_head_dim=16)
+    assert cpu_native.mla_attend_blocked(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    monkeypatch.setattr(mla, "NATIVE_ATTEND_MAX_WORK", 0)
+    assert mla.native_attend_reaches(cfg, 10_000)
+    with cpu_native.limit_simd("avx2"):
+        assert not cpu_native.mla_attend_blocked(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        assert not mla.native_attend_reaches(cfg, 1)
+    assert not cpu_native.mla_attend_blocked(32, 8)
+
+
+def kimi_linear_mla(**over):
     """A Kimi Linear MLA shape (plain query projection, no output gate) whose products take int8 groups of 32."""
     from deltafin.config import parse_config
     return parse_config({"architectures": ["KimiLinearForCausalLM"], "vocab_size": 64, "hidden_size": 64,
@@ -113,7 +140,7 @@ def kimi_linear_mla():
                          "qk_rope_head_dim": 8, "v_head_dim": 16, "q_lora_rank": None, "num_experts": 4,
                          "num_experts_per_token": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
                          "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
-                                                "head_dim": 16, "short_conv_kernel_size": 4}})
+                                                "head_dim": 16, "short_conv_kernel_size": 4}, **over})
 
 
 def mla_layer(cfg, codec: str, seed: int) -> MLAttention:

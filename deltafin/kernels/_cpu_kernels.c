@@ -2901,11 +2901,96 @@ static AVX2 void mla_heads_avx2(const struct mla_attend *a, int64_t b, int64_t h
 }
 #endif
 
+#ifdef KERNELS_X86
+/* mla_heads with AVX-512 where r and rope are multiples of 16, as a small matrix product: each cache
+   row loaded once for the claim's HN heads (the scores of two rows at a time in 2 x HN registers), the
+   block's softmax weights 16 rows at once (exp_avx512 in place of libm's expf, as the KDA step), and the
+   weighted sum kept in registers 16 latent lanes at a time over the block's rows, stored once a block
+   (the loops above stream each head's whole output through memory for every row). The same formulas in
+   another summation order: the latents follow the loops above within float32 rounding. HN: the claim's
+   heads, a constant where it is MLA_HEADS or 4 (K3's and Kimi Linear's heads, small-k3's). */
+static inline __attribute__((always_inline)) AVX512 void
+mla_heads_avx512_n(const struct mla_attend *a, int64_t b, int64_t h0, const int HN) {
+    const int64_t r = a->r, rope = a->rope, L = a->len[b], nh = a->nh;
+    const float *ckv = a->ckv[b], *krot = a->krot[b];
+    const float *q[MLA_HEADS], *qr[MLA_HEADS];
+    float *o[MLA_HEADS], m[MLA_HEADS], sum[MLA_HEADS];
+    float w[MLA_HEADS][MLA_BLOCK] __attribute__((aligned(64)));
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int i = 0; i < HN; i++) {
+        q[i] = a->q_lat + (b * nh + h0 + i) * r, qr[i] = a->q_rot + (b * nh + h0 + i) * rope;
+        o[i] = a->out + (b * nh + h0 + i) * r, m[i] = -INFINITY, sum[i] = 0.0f;
+        for (int64_t k = 0; k < r; k += 16) _mm512_storeu_ps(o[i] + k, _mm512_setzero_ps());
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += MLA_BLOCK) {
+        const int jn = L - j0 < MLA_BLOCK ? (int)(L - j0) : MLA_BLOCK;
+        for (int jj = 0; jj < jn; jj += 2) {  /* scores, two rows at a time (the second a repeat past the end) */
+            const int64_t j = j0 + jj, j2 = jj + 1 < jn ? j + 1 : j;
+            __m512 s1[MLA_HEADS], s2[MLA_HEADS];
+            for (int i = 0; i < HN; i++) s1[i] = _mm512_setzero_ps(), s2[i] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < r; k += 16) {
+                const __m512 x1 = _mm512_loadu_ps(ckv + j * r + k), x2 = _mm512_loadu_ps(ckv + j2 * r + k);
+                for (int i = 0; i < HN; i++) {
+                    const __m512 qv = _mm512_loadu_ps(q[i] + k);
+                    s1[i] = _mm512_fmadd_ps(qv, x1, s1[i]), s2[i] = _mm512_fmadd_ps(qv, x2, s2[i]);
+                }
+            }
+            for (int64_t k = 0; k < rope; k += 16) {
+                const __m512 x1 = _mm512_loadu_ps(krot + j * rope + k), x2 = _mm512_loadu_ps(krot + j2 * rope + k);
+                for (int i = 0; i < HN; i++) {
+                    const __m512 qv = _mm512_loadu_ps(qr[i] + k);
+                    s1[i] = _mm512_fmadd_ps(qv, x1, s1[i]), s2[i] = _mm512_fmadd_ps(qv, x2, s2[i]);
+                }
+            }
+            for (int i = 0; i < HN; i++) {
+                w[i][jj] = _mm512_reduce_add_ps(s1[i]);
+                if (jj + 1 < jn) w[i][jj + 1] = _mm512_reduce_add_ps(s2[i]);
+            }
+        }
+        const __mmask16 valid = (__mmask16)(jn == MLA_BLOCK ? 0xFFFF : (1u << jn) - 1);
+        for (int i = 0; i < HN; i++) {  /* the block's weights, its rows in lanes; the running max and sum */
+            const __m512 v = _mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, w[i]), scale);
+            const float top = _mm512_mask_reduce_max_ps(valid, v);
+            if (top > m[i]) {  /* a larger max: what was summed so far shrinks by exp(old - new) */
+                const float c = m[i] == -INFINITY ? 0.0f : expf(m[i] - top);
+                sum[i] *= c;
+                const __m512 cv = _mm512_set1_ps(c);
+                for (int64_t k = 0; k < r; k += 16) _mm512_storeu_ps(o[i] + k, _mm512_mul_ps(_mm512_loadu_ps(o[i] + k), cv));
+                m[i] = top;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp_avx512(_mm512_sub_ps(v, _mm512_set1_ps(m[i]))));
+            _mm512_store_ps(w[i], e);
+            sum[i] += _mm512_reduce_add_ps(e);
+        }
+        for (int64_t k = 0; k < r; k += 16) {  /* the weighted rows, 16 lanes of every head at a time */
+            __m512 acc[MLA_HEADS];
+            for (int i = 0; i < HN; i++) acc[i] = _mm512_loadu_ps(o[i] + k);
+            for (int jj = 0; jj < jn; jj++) {
+                const __m512 x = _mm512_loadu_ps(ckv + (j0 + jj) * r + k);
+                for (int i = 0; i < HN; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][jj]), x, acc[i]);
+            }
+            for (int i = 0; i < HN; i++) _mm512_storeu_ps(o[i] + k, acc[i]);
+        }
+    }
+    for (int i = 0; i < HN; i++) {
+        const __m512 inv = _mm512_set1_ps(sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f);
+        for (int64_t k = 0; k < r; k += 16) _mm512_storeu_ps(o[i] + k, _mm512_mul_ps(_mm512_loadu_ps(o[i] + k), inv));
+    }
+}
+
+static AVX512 void mla_heads_avx512(const struct mla_attend *a, int64_t b, int64_t h0, int64_t hn) {
+    if (hn == MLA_HEADS) mla_heads_avx512_n(a, b, h0, MLA_HEADS);
+    else if (hn == 4) mla_heads_avx512_n(a, b, h0, 4);
+    else mla_heads_avx512_n(a, b, h0, (int)hn);
+}
+#endif
+
 static void *run_mla_attend(void *arg) {
     struct mla_attend *a = (struct mla_attend *)arg;
     void (*heads)(const struct mla_attend *, int64_t, int64_t, int64_t) = mla_heads_portable;
 #ifdef KERNELS_X86
-    if (have_avx2()) heads = mla_heads_avx2;
+    if (have_avx512() && a->r % 16 == 0 && a->rope % 16 == 0) heads = mla_heads_avx512;
+    else if (have_avx2()) heads = mla_heads_avx2;
 #endif
     for (;;) {
         const int64_t c = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);

@@ -82,7 +82,7 @@ class MLAttention(Bindable):
                 st.append(ckv_new[s:s + n], kv[s:s + n, r:])
         if slots is not None:
             latent, pieces, sizes = self._attend_slots(q_lat, q[:, :, nope:], *slots), [None], [T]  # one piece
-        elif not any(expand) and _native_attend_applies(x, parts, nh * (r + rope)):
+        elif not any(expand) and _native_attend_applies(x, parts, c):
             # Every sequence decodes one token: the attention of all of them in one native call.
             lat = cpu_native.mla_decode_attend(q_lat.transpose(0, 1).contiguous(), q[:, :, nope:].contiguous(),
                                                *zip(*(st.view() for st, _, _ in parts)), self.scale)
@@ -115,8 +115,7 @@ class MLAttention(Bindable):
         native products read (q and kv_a of one kind); else None. The same bits as the separate calls."""
         c = self.cfg
         if (c.q_lora_rank or c.mla_output_gate or h.dim() != 2 or h.shape[0] > cpu_native.GEMV_MAX_ROWS
-                or not _native_attend_applies(h, parts, c.mla_num_heads * (c.kv_lora_rank + c.qk_rope_head_dim),
-                                              new_rows=1)):
+                or not _native_attend_applies(h, parts, c, new_rows=1)):
             return None
         weights = (self.q_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj, norm, self.kv_a_layernorm)
         checked = _kept_blocks.get(weights, lambda: _block_weights(c, *weights))
@@ -212,20 +211,27 @@ def _slots_of(parts: list[Rows]) -> tuple | None:
 
 
 # The native decode attention takes a pass while no sequence's cache is larger than this many
-# multiply-adds per score pass (heads x cached tokens x (kv_lora_rank + rope)): below it, torch's ~8
-# small ops per sequence cost more than the attention itself; above it, torch's matrix products are
-# faster than the native loops (measured: docs/benchmarks.md#mla-decode-attention).
+# multiply-adds per score pass (heads x cached tokens x (kv_lora_rank + rope)) where it runs its plain
+# loops: below it, torch's ~8 small ops per sequence cost more than the attention itself; above it,
+# torch's matrix products are faster than those loops. Its AVX-512 kernel (cpu_native.mla_attend_blocked)
+# is faster than torch's products at every length measured, so there it takes any cache
+# (docs/benchmarks.md#mla-decode-attention).
 NATIVE_ATTEND_MAX_WORK = 1 << 22
 
 
-def _native_attend_applies(x: torch.Tensor, parts: list[Rows], width: int, new_rows: int = 0) -> bool:
+def native_attend_reaches(cfg, length: int) -> bool:
+    """Whether the native decode attention takes a cache of `length` rows of this model's MLA layers."""
+    r, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    return cpu_native.mla_attend_blocked(r, rope) or length * cfg.mla_num_heads * (r + rope) <= NATIVE_ATTEND_MAX_WORK
+
+
+def _native_attend_applies(x: torch.Tensor, parts: list[Rows], cfg, new_rows: int = 0) -> bool:
     """True when every sequence of the pass decodes one token into a float32 CPU cache outside a
-    recorded decode graph, none larger than NATIVE_ATTEND_MAX_WORK for ``width`` = heads x (kv_lora_rank
-    + rope) once its ``new_rows`` not yet appended are, with the native kernels built
-    (cpu_native.mla_decode_attend)."""
+    recorded decode graph, each within what the native attention takes (``native_attend_reaches``) once
+    its ``new_rows`` not yet appended are, with the native kernels built (cpu_native.mla_decode_attend)."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and cpu_native.available()
             and all(n == 1 and st.at is None and st.ckv.dtype == torch.float32 and st.krot.dtype == torch.float32
-                    and (st.length + new_rows) * width <= NATIVE_ATTEND_MAX_WORK for st, n, _ in parts))
+                    and native_attend_reaches(cfg, st.length + new_rows) for st, n, _ in parts))
 
 
 class KvB:

@@ -36,7 +36,7 @@ import time
 import torch
 
 from ..kernels import cpu_native
-from ..model.mla import NATIVE_ATTEND_MAX_WORK
+from ..model.mla import native_attend_reaches
 from ..model.state import KDAState, MLAState
 from .pass_stats import PassStats
 
@@ -60,7 +60,6 @@ class CpuReplay:
         cfg = engine.cfg
         self.mla_layers = [i for i in engine.layers if i not in cfg.kda_layers]
         self.moe_layers = [i for i in engine.layers if cfg.is_moe(i)]
-        self.mla_width = cfg.mla_num_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.recordings: dict[tuple, Recorded] = {}  # (sequences, threads) -> the latest recording
         self.failed: dict[tuple, str] = {}  # shapes whose passes are not calls alone, and why
         self.recorded = 0
@@ -81,7 +80,7 @@ class CpuReplay:
         if (len(seqs), cpu_native.pass_threads()) in self.failed or len(seqs) > cpu_native.GEMV_MAX_ROWS:
             return False
         return all(len(s.ids) == 1 and not s.keep_states and s.logits in ("all", "last")
-                   and all((st.length + 1) * self.mla_width <= NATIVE_ATTEND_MAX_WORK
+                   and all(native_attend_reaches(self.engine.cfg, st.length + 1)
                            for st in s.state.layers if isinstance(st, MLAState)) for s in seqs)
 
     def run(self, seqs, ids_t: torch.Tensor, stats: PassStats) -> torch.Tensor:
