@@ -53,8 +53,9 @@
 #define KERNELS_X86 1
 #endif
 
-/* Bumped whenever a signature below changes, so Python never calls a stale library. */
-#define KERNELS_ABI 22
+/* Bumped whenever a signature below changes, or what Python assumes of a kernel (23: the MLA decode
+   attention takes any cache length on AVX-512), so Python never calls a stale library. */
+#define KERNELS_ABI 23
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
