@@ -2,6 +2,8 @@
 pass of the same model: the same logits, bit for bit, whatever happened to the states and weights between."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -163,3 +165,27 @@ def test_the_replay_setting():
 def test_off_or_with_attention_residuals_there_is_no_replay(tiny_kl_path, tiny_k3_model):
     assert deltafin.load(tiny_kl_path, device="cpu", stream="off", cpu_replay=False).engine.cpu_replay is None
     assert tiny_k3_model.engine.cpu_replay is None  # its depth mix runs in torch between the calls
+
+
+@pytest.mark.skipif(cpu_native.simd() != "avx512", reason="the blocked attention kernel needs AVX-512")
+def test_long_caches_replay_where_the_blocked_attention_runs(monkeypatch):
+    """kl-code-tiny (latent and rope widths of multiples of 16): with the MLA caches past the plain loops'
+    limit, the passes still replay on the blocked kernel; with the kernels held to AVX2 they run the
+    Python (torch attends), and both make the plain pass's logits."""
+    from deltafin.model import mla
+    if not (KL_CODE_TINY / "config.json").exists():
+        pytest.skip(f"the trained model is not at {KL_CODE_TINY}")
+    model = deltafin.load(KL_CODE_TINY, device="cpu", stream="off")
+    cfg, replay = model.engine.cfg, model.engine.cpu_replay
+    monkeypatch.setattr(mla, "NATIVE_ATTEND_MAX_WORK", 6 * cfg.mla_num_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    for held_to_avx2, replays in ((False, True), (True, False)):
+        with cpu_native.limit_simd("avx2") if held_to_avx2 else contextlib.nullcontext():
+            mine, plain = model.new_state(), model.new_state()
+            got, want = model.forward([5, 6, 7, 8, 9], mine)[-1], _plain(model, lambda: model.forward([5, 6, 7, 8, 9], plain)[-1])
+            before = replay.replayed
+            for _ in range(6):  # caches of 6 to 11 rows: past the limit
+                assert torch.equal(got, want)
+                got = model.forward([int(got.argmax())], mine)[-1]
+                want = _plain(model, lambda: model.forward([int(want.argmax())], plain)[-1])
+            assert torch.equal(got, want)
+            assert (replay.replayed - before >= 4) == replays
