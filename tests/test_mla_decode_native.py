@@ -31,9 +31,9 @@ def caches(lengths: list[int], r: int, rope: int, seed: int) -> list[MLAState]:
 @pytest.mark.parametrize("simd", ["widest", "avx2"])
 @pytest.mark.parametrize("nh,r,rope", [(2, 8, 4), (11, 64, 16), (4, 32, 16)])
 def test_native_attention_matches_the_torch_code_and_each_sequence_alone(nh, r, rope, simd):
-    """Caches of 1 to 300 rows (several blocks of rows, a grown running max, a last block of one row):
-    each sequence's latents follow _attend_latent within float32 rounding, and are the same bits alone,
-    among others and on any number of threads."""
+    """Caches of 1 to 4,300 rows (several blocks of rows, a grown running max, a last block of one row; on
+    the AVX-512 kernel a long cache in chunks merged after): each sequence's latents follow _attend_latent
+    within float32 rounding, and are the same bits alone, among others and on any number of threads."""
     if simd == "avx2" and cpu_native.simd() != "avx512":
         pytest.skip("the plain loops are what this CPU runs anyway")
     with cpu_native.limit_simd(simd) if simd == "avx2" else contextlib.nullcontext():
@@ -41,7 +41,7 @@ def test_native_attention_matches_the_torch_code_and_each_sequence_alone(nh, r, 
 
 
 def _native_attention_matches(nh, r, rope):
-    lengths = [1, 5, 17, 70, 289]
+    lengths = [1, 5, 17, 70, 289, 4300]
     states = caches(lengths, r, rope, 1)
     g = torch.Generator().manual_seed(2)
     q_lat, q_rot = torch.randn(len(lengths), nh, r, generator=g), torch.randn(len(lengths), nh, rope, generator=g)
