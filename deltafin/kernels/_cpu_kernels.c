@@ -54,8 +54,9 @@
 #endif
 
 /* Bumped whenever a signature below changes, or what Python assumes of a kernel (23: the MLA decode
-   attention takes any cache length on AVX-512), so Python never calls a stale library. */
-#define KERNELS_ABI 23
+   attention takes any cache length on AVX-512; 24: mla_attend_blocked), so Python never calls a stale
+   library. */
+#define KERNELS_ABI 24
 
 #define GROUP 32
 /* Rows of x and output rows handled together by the AVX-512 gemvs (16 accumulators). */
@@ -3017,6 +3018,18 @@ static AVX512 void mla_rows_avx512(const struct mla_attend *a, int64_t b, int64_
 }
 #endif
 
+/* Whether the attention of latents of width r and rope keys of width rope runs the AVX-512 kernel (both
+   multiples of 16, on a CPU with AVX-512 within the simd limit); else the loops above. Python asks it to
+   know how long a cache the native attention should take (cpu_native.mla_attend_blocked). */
+int mla_attend_blocked(int64_t r, int64_t rope) {
+#ifdef KERNELS_X86
+    return have_avx512() && r % 16 == 0 && rope % 16 == 0;
+#else
+    (void)r, (void)rope;
+    return 0;
+#endif
+}
+
 /* A claim of the attention: heads h0..h0+hn-1 of sequence b over cache rows j0..j1-1. part < 0: the whole
    cache, normalized into out; else a chunk of a long cache, its running state kept in the call's partials
    (entry `part`) for the merge. */
@@ -3036,8 +3049,14 @@ struct mla_claim {
 #define MLA_CHUNK 256
 #define MLA_WIDE 32
 
+/* The chunks a cache of L rows is claimed in, 0 where it is claimed by heads over all its rows. */
+static int64_t mla_chunks(int blocked, int64_t L) {
+    return blocked && L > MLA_LONG ? (L + MLA_CHUNK - 1) / MLA_CHUNK : 0;
+}
+
 struct mla_work {
     const struct mla_attend *a;
+    int blocked;                      /* the AVX-512 kernel (r and rope multiples of 16), else the loops */
     const struct mla_claim *claims;
     int64_t count;
     float *part_o, *part_m, *part_s;  /* [parts, nh, r], [parts, nh], [parts, nh] */
@@ -3048,16 +3067,14 @@ static void *run_mla_attend(void *arg) {
     struct mla_work *wk = (struct mla_work *)arg;
     const struct mla_attend *a = wk->a;
     void (*heads)(const struct mla_attend *, int64_t, int64_t, int64_t) = mla_heads_portable;
-    int blocked = 0;
 #ifdef KERNELS_X86
-    blocked = have_avx512() && a->r % 16 == 0 && a->rope % 16 == 0;
-    if (!blocked && have_avx2()) heads = mla_heads_avx2;
+    if (have_avx2()) heads = mla_heads_avx2;
 #endif
     for (;;) {
         const int64_t c = __atomic_fetch_add(&wk->next, 1, __ATOMIC_RELAXED);
         if (c >= wk->count) break;
         const struct mla_claim *cl = &wk->claims[c];
-        if (!blocked) {
+        if (!wk->blocked) {
             heads(a, cl->b, cl->h0, cl->hn);
             continue;
         }
@@ -3096,17 +3113,14 @@ int mla_decode_attend_f32(int64_t B, const float *q_lat, const float *q_rot, con
         if (len[b] < 0) return -1;
         work += len[b];
     }
-    int blocked = 0;
-#ifdef KERNELS_X86
-    blocked = have_avx512() && r % 16 == 0 && rope % 16 == 0;
-#endif
+    const int blocked = mla_attend_blocked(r, rope);
     const struct mla_attend a = {.q_lat = q_lat, .q_rot = q_rot, .ckv = ckv, .krot = krot, .len = len, .scale = scale,
                                  .out = out, .B = B, .nh = nh, .r = r, .rope = rope,
                                  .groups = (nh + MLA_HEADS - 1) / MLA_HEADS};
     int64_t count = 0, parts = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t chunks = (len[b] + MLA_CHUNK - 1) / MLA_CHUNK;
-        if (blocked && len[b] > MLA_LONG) count += chunks * ((nh + MLA_WIDE - 1) / MLA_WIDE), parts += chunks;
+        const int64_t chunks = mla_chunks(blocked, len[b]);
+        if (chunks) count += chunks * ((nh + MLA_WIDE - 1) / MLA_WIDE), parts += chunks;
         else count += a.groups;
     }
     struct mla_claim *claims = malloc((size_t)(count + 1) * sizeof *claims);
@@ -3117,8 +3131,8 @@ int mla_decode_attend_f32(int64_t B, const float *q_lat, const float *q_rot, con
     if (!claims || (parts && (!part_o || !part_m || !part_s))) goto done;
     int64_t n = 0, p = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t chunks = (len[b] + MLA_CHUNK - 1) / MLA_CHUNK;
-        if (blocked && len[b] > MLA_LONG) {
+        const int64_t chunks = mla_chunks(blocked, len[b]);
+        if (chunks) {
             for (int64_t c = 0; c < chunks; c++, p++)
                 for (int64_t h0 = 0; h0 < nh; h0 += MLA_WIDE) {
                     const int64_t j1 = (c + 1) * MLA_CHUNK < len[b] ? (c + 1) * MLA_CHUNK : len[b];
@@ -3129,7 +3143,7 @@ int mla_decode_attend_f32(int64_t B, const float *q_lat, const float *q_rot, con
                 claims[n++] = (struct mla_claim){b, 0, len[b], h0, nh - h0 < MLA_HEADS ? nh - h0 : MLA_HEADS, -1};
         }
     }
-    struct mla_work wk = {&a, claims, count, part_o, part_m, part_s, 0};
+    struct mla_work wk = {&a, blocked, claims, count, part_o, part_m, part_s, 0};
     int64_t t = threads;
     if (t > count) t = count;
     if (work * nh * (r + rope) < MIN_WEIGHTS_PER_THREAD) t = 1;  /* little work: waking a thread costs more */
@@ -3137,8 +3151,8 @@ int mla_decode_attend_f32(int64_t B, const float *q_lat, const float *q_rot, con
     /* each long cache's chunks merged in row order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
     p = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t chunks = (len[b] + MLA_CHUNK - 1) / MLA_CHUNK;
-        if (!(blocked && len[b] > MLA_LONG)) continue;
+        const int64_t chunks = mla_chunks(blocked, len[b]);
+        if (!chunks) continue;
         for (int64_t h = 0; h < nh; h++) {
             float top = -INFINITY;
             for (int64_t c = 0; c < chunks; c++) top = part_m[(p + c) * nh + h] > top ? part_m[(p + c) * nh + h] : top;

@@ -34,7 +34,7 @@ from .mxfp4 import check_shapes, scale_bits
 
 LIBRARY = "deltafin.kernels._cpu_kernels"
 # Must equal KERNELS_ABI in _cpu_kernels.c; a library built from older source is ignored.
-ABI = 23
+ABI = 24
 # int4/int6 group sizes the native gemv handles are multiples of this (it decodes 8 elements of
 # one group at a time); others stay on the torch reference.
 INTQ_GROUP_MULTIPLE = 8
@@ -71,6 +71,8 @@ def _library() -> ctypes.CDLL | None:
         lib.cpu_kernels_simd.restype = _int
         lib.cpu_kernels_limit_simd.argtypes = [_int]
         lib.cpu_kernels_limit_simd.restype = _int
+        lib.mla_attend_blocked.argtypes = [_i64, _i64]
+        lib.mla_attend_blocked.restype = _int
         lib.mxfp4_gemv_f32.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _int, _int]
         lib.mxfp4_gemv_f32.restype = _int
         lib.mxfp4_gemv_items_f32.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _int, _int]
@@ -143,9 +145,10 @@ _SIMD_LEVELS = ("portable", "avx2", "avx512")
 
 def mla_attend_blocked(r: int, rope: int) -> bool:
     """Whether ``mla_decode_attend`` runs its AVX-512 kernel for latents of width r and rope keys of width
-    rope (both multiples of 16, a CPU with AVX-512 and no narrower ``limit_simd``): a blocked product
-    faster than torch's at every cache length measured; else its plain loops."""
-    return simd() == "avx512" and r % 16 == 0 and rope % 16 == 0
+    rope (both multiples of 16, a CPU with AVX-512 and no narrower ``limit_simd``: the library's own rule):
+    a blocked product faster than torch's at every cache length measured; else its plain loops."""
+    lib = _library()
+    return lib is not None and bool(lib.mla_attend_blocked(r, rope))
 
 
 @contextlib.contextmanager
