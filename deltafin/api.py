@@ -95,16 +95,19 @@ class Model:
         layers, with_globals, need = None, True, None
         if group is not None:
             from .dist.placement import agree
-            if device.type != "cpu":
-                raise DeltafinError("a model split across ranks runs on the CPU only so far: add --device cpu")
+            if device.type not in ("cpu", "cuda"):
+                raise DeltafinError(f"a model split across ranks runs on the CPU or CUDA GPUs, not {device.type}")
+            if device.type == "cuda":
+                settings = self.settings = _on_rank_gpu(settings, device, group.local_rank)
+                device = settings.torch_device()
             self.placement = agree(group, self.source, settings)
             layers, with_globals = self.placement.ranges[group.rank], group.rank == 0
             need = self.placement.weight_bytes[group.rank]
         if device.type != "cpu":
             from .io.device import DeviceProvider, device_placement
-            placement, held = device_placement(self.source, settings, device, settings.stream)
+            placement, held = device_placement(self.source, settings, device, settings.stream, layers, with_globals)
             self.residency = f"device holds {held}"
-            provider = DeviceProvider(self.source, settings, placement)
+            provider = DeviceProvider(self.source, settings, placement, layers, with_globals)
             self.streaming = provider.streaming
         elif _want_stream(settings, self.source, model_bytes(self.source) if need is None else need):
             self.streaming = True
@@ -314,6 +317,14 @@ class Model:
     def expert_weights(self, i: int, experts: list[int], stats: PassStats | None = None) -> dict:
         """Experts of layer i as the provider hands them to a pass: {expert id: (w1, w3, w2)}."""
         return self.engine.provider.experts(i, experts, PassStats() if stats is None else stats).result()
+
+
+def _on_rank_gpu(settings: Settings, device: torch.device, local_rank: int) -> Settings:
+    """A rank's settings on its own GPU (``dist.launch.rank_device``), made the process's current one."""
+    from .dist.launch import rank_device
+    mine = rank_device(device, local_rank, torch.cuda.device_count())
+    torch.cuda.set_device(mine)
+    return dataclasses.replace(settings, device=str(mine))
 
 
 def load(path: str | Path, **settings) -> Model:

@@ -1,4 +1,4 @@
-"""One rank of a split model in tests/test_dist.py: ``python dist_rank.py CHECKPOINT OUT`` under a
+"""One rank of a split model in tests/test_dist.py: ``python dist_rank.py CHECKPOINT OUT [DEVICE]`` under a
 torchrun-like environment (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT). Rank 0 runs ``parity`` and
 saves what it returns to OUT (or, with OUT ``hostile:HOW``, sends rank 1 a control message it must
 refuse); the other ranks serve its passes."""
@@ -101,13 +101,13 @@ def hostile(model, how: str) -> None:
         group.send_message(1, {"ops": [], "seqs": [[12345, [1, 2], False, "all"]]})
 
 
-def main(path: str, out: str) -> int:
+def main(path: str, out: str, device: str = "cpu") -> int:
     import deltafin
     from deltafin.dist import launch
     from deltafin.dist.worker import serve_passes
     group = launch.join(launch.from_environment(), timeout=30)
     try:
-        model = deltafin.load(path, device="cpu")
+        model = deltafin.load(path, device=device, stream="off" if device != "cpu" else "auto")
         if group.rank:
             return serve_passes(group, model.engine)
         if out.startswith("hostile:"):
@@ -123,4 +123,4 @@ def main(path: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1], sys.argv[2]))
+    raise SystemExit(main(*sys.argv[1:4]))

@@ -93,6 +93,63 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
     assert got["drafted"] == got["greedy"] and got["accepted"] > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("which", ["k3", "kl"])
+def test_ranks_on_cuda_equal_one_process_on_cuda(which, tiny_k3_path, tiny_kl_path, tmp_path):
+    """Two ranks, each holding its layers on a GPU (the host's GPU LOCAL_RANK, modulo the GPUs there:
+    with one GPU both share it), rows handed on through host memory: every logit equal to one process
+    on that GPU running the same kernels (no graphs: a split model's passes run eagerly)."""
+    path = tiny_k3_path if which == "k3" else tiny_kl_path
+    out = tmp_path / "out.pt"
+    results = _finish(_start(lambda r: [sys.executable, str(RANK_SCRIPT), str(path), str(out), "cuda"], 2,
+                             DELTAFIN_PIPELINE="2", DELTAFIN_CUDA_GRAPHS="0"),
+                      timeout=300)
+    for rank, (rc, so, se) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {se}"
+    got = torch.load(out)
+    got.pop("placement")
+    alone = deltafin.load(path, device="cuda", stream="off", cuda_graphs=False)
+    want = parity(alone, tmp_path / "alone.state")
+    assert set(got) == set(want)
+    for key in ("logits", "after_rollback", "after_restore", "after_load", "after_saved"):
+        assert got[key].device.type == "cpu" and torch.equal(got[key], want[key].cpu()), key
+    for key in ("batch", "batch2", "in_flight"):
+        assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got[key], want[key])), key
+    for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
+        assert got[key] == want[key], key
+    assert (tmp_path / "alone.state").read_bytes() == (tmp_path / "out.pt.state").read_bytes()
+
+
+def test_a_rank_takes_the_gpu_of_its_local_rank():
+    from deltafin.dist.launch import rank_device
+    cuda = torch.device("cuda")
+    assert rank_device(cuda, 0, 2) == torch.device("cuda", 0)
+    assert rank_device(cuda, 1, 2) == torch.device("cuda", 1)
+    assert rank_device(cuda, 3, 2) == torch.device("cuda", 1)  # more ranks than GPUs: they share
+    assert rank_device(torch.device("cuda", 1), 0, 2) == torch.device("cuda", 1)  # named: as named
+    assert rank_device(torch.device("cpu"), 1, 0) == torch.device("cpu")
+
+
+def test_a_rank_holds_its_share_and_refuses_a_budget_it_does_not_fit(tiny_k3_path):
+    """A rank's device plan counts its layers (and rank 0 the globals) only, and a rank holds them whole."""
+    from deltafin.checkpoint.sizes import ModelSizes
+    from deltafin.io.placement import PlacementError, plan, require_everything
+    source = deltafin.load(tiny_k3_path, device="cpu").source
+    sizes = ModelSizes.of(source)
+    first, rest = range(0, 1), range(1, len(sizes.spine_bytes))
+    one = sizes.restricted(first, True)
+    two = sizes.restricted(rest, False)
+    assert one.total + two.total == sizes.total and two.globals_bytes == 0
+    assert plan(two, two.total, "cuda:1").everything
+    with pytest.raises(PlacementError, match="does not fit in cuda:1"):
+        require_everything(plan(two, two.total - 1, "cuda:1"), "gpu_budget")
+    # a share with no MoE layer needs no expert slot
+    dense = [i for i in range(len(sizes.expert_bytes)) if not sizes.expert_bytes[i]]
+    if dense:
+        share = sizes.restricted(range(dense[0], dense[0] + 1), False)
+        assert plan(share, share.total, "cuda:0").everything
+
+
 def _alone_and_on_two_ranks(args) -> tuple[str, list[tuple[int, str, str]]]:
     """The command's stdout in one process, and (rc, stdout, stderr) of each of 2 ranks running it;
     both ran cleanly and rank 1 printed nothing."""

@@ -41,6 +41,15 @@ class ModelSizes:
         return cls(group_bytes(g), spines, experts, cfg.num_experts if any(experts) else 0,
                    embed_bytes, embed_bytes // cfg.vocab_size)
 
+    def restricted(self, layers: range, with_globals: bool) -> "ModelSizes":
+        """What a rank of a split model holds: the layers in `layers` (the others count 0 bytes) and,
+        `with_globals`, the globals and embedding table."""
+        inside = [i in layers for i in range(len(self.spine_bytes))]
+        return ModelSizes(self.globals_bytes if with_globals else 0,
+                          tuple(b if k else 0 for b, k in zip(self.spine_bytes, inside)),
+                          tuple(b if k else 0 for b, k in zip(self.expert_bytes, inside)),
+                          self.num_experts, self.embed_bytes if with_globals else 0, self.embed_row_bytes)
+
     @property
     def one_expert(self) -> int:
         """Bytes of one routed expert (every MoE layer's are alike); 0 without routed experts."""

@@ -35,6 +35,7 @@ class Launch:
     master_addr: str
     master_port: int
     agent_store: bool  # torchrun's agent hosts the rendezvous store; rank 0 does otherwise
+    local_rank: int = 0  # this rank's place among the ranks of its host (which GPU it takes)
 
 
 def from_environment(env=None) -> Launch | None:
@@ -44,12 +45,15 @@ def from_environment(env=None) -> Launch | None:
         return None
     try:
         launch = Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                        env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+                        env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+                        int(env.get("LOCAL_RANK") or env["RANK"]))
     except (KeyError, ValueError) as e:
         raise LaunchError(f"WORLD_SIZE is set, but the rest of the launch is not (RANK, MASTER_ADDR, MASTER_PORT): "
                           f"{e}; start deltafin on several ranks with torchrun") from None
     if not 0 <= launch.rank < launch.world_size:
         raise LaunchError(f"RANK {launch.rank} is outside WORLD_SIZE {launch.world_size}")
+    if not 0 <= launch.local_rank < launch.world_size:
+        raise LaunchError(f"LOCAL_RANK {launch.local_rank} is outside WORLD_SIZE {launch.world_size}")
     return launch
 
 
@@ -63,8 +67,18 @@ def join(launch: Launch, timeout: float) -> Group:
     store = dist.PrefixStore("deltafin", store)  # apart from the launcher's own keys
     dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=NO_DEADLINE)
-    _joined = Group(launch.rank, launch.world_size, store, timeout)
+    _joined = Group(launch.rank, launch.world_size, store, timeout, launch.local_rank)
     return _joined
+
+
+def rank_device(device, local_rank: int, count: int):
+    """The device a rank computes on: a CUDA device named without an index is the host's GPU
+    ``local_rank`` (modulo the GPUs there: ranks beyond them share, which tests do on one GPU); any
+    other device as named."""
+    import torch
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", local_rank % max(1, count))
 
 
 def joined() -> Group | None:

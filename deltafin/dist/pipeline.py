@@ -208,7 +208,8 @@ class FrontEngine(Engine):
             t0 = time.perf_counter()
             h = self.run_layers(h, blocks, seqs, stats, routes)
             t1 = time.perf_counter()
-            back = group.expect_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size))
+            back = group.expect_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size),
+                                     self.device)
             sends.append(group.send_rows(1, torch.stack([*blocks, h]), wait=False))
         except LinkError as e:
             raise group.at_fault(e) from None

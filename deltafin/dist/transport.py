@@ -7,7 +7,9 @@ One process group of every rank, two kinds of traffic told apart by tag:
   (a server may idle for days); the wait ends when rank 0's process ends (its connection closes).
 - rows (along the chain 0 -> 1 -> ... -> N-1 -> 0): the residual stream of the pass's rows, as one
   float32 tensor whose shape both ends know from the control message. Every wait for rows, and every
-  send, within a pass is bounded by ``dist_timeout``.
+  send, within a pass is bounded by ``dist_timeout``. Ranks that compute on a GPU send their rows
+  from host memory and receive them there, then move them onto their device (gloo carries CPU
+  tensors); a pass's rows are a few kB a token, so the copies cost microseconds.
 - state tensors (rank 0 <-> one rank, between passes): a saved decode state's part for that rank's
   layers, whose names, dtypes and shapes a control message announced and the receiver checked
   against its own fresh state first (``send_tensor`` / ``recv_tensor``).
@@ -57,8 +59,8 @@ def _why(e: Exception, timeout: float) -> str:
 class Group:
     """This process's place in the group: its rank, the world size, and the channels above."""
 
-    def __init__(self, rank: int, world_size: int, store, timeout: float):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, world_size: int, store, timeout: float, local_rank: int = 0):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.store = store  # the rendezvous store: fault reports
         self.timeout = timeout
         self.fault: RankFault | None = None  # set once a pass failed: the group is down for good
@@ -107,19 +109,20 @@ class Group:
 
     # -- rows --------------------------------------------------------------------------------
     def send_rows(self, dst: int, rows: torch.Tensor, wait: bool = True) -> "Sent":
-        return self._send([rows.contiguous()], dst, ROWS, wait)
+        """`rows` (float32, on any device: a GPU's are copied to host memory first) to `dst`."""
+        return self._send([rows.detach().to("cpu").contiguous()], dst, ROWS, wait)
 
-    def recv_rows(self, src: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.expect_rows(src, shape).wait()
+    def recv_rows(self, src: int, shape: tuple[int, ...], device=None) -> torch.Tensor:
+        return self.expect_rows(src, shape, device).wait()
 
-    def expect_rows(self, src: int, shape: tuple[int, ...]) -> "Expected":
+    def expect_rows(self, src: int, shape: tuple[int, ...], device=None) -> "Expected":
         """Rows from `src` received into a buffer posted now; ``wait()`` returns them (bounded by the
-        timeout from when it is called). Receives posted for one peer are filled in the order posted,
-        so rank 0 posts the receive of a pass's rows before it hands them on: the last rank's send
-        back never waits on rank 0, which may be busy with the next pass."""
+        timeout from when it is called), on `device` (default the CPU). Receives posted for one peer
+        are filled in the order posted, so rank 0 posts the receive of a pass's rows before it hands
+        them on: the last rank's send back never waits on rank 0, which may be busy with the next pass."""
         out = torch.empty(shape, dtype=torch.float32)
         try:
-            return Expected(self, src, out, dist.irecv(out, src, tag=ROWS))
+            return Expected(self, src, out, dist.irecv(out, src, tag=ROWS), device)
         except RuntimeError as e:
             raise LinkError(src, _why(e, self.timeout)) from None
 
@@ -187,15 +190,15 @@ class Group:
 class Expected:
     """A receive posted (``Group.expect_rows``) and not yet waited for."""
 
-    def __init__(self, group: Group, src: int, out: torch.Tensor, work):
-        self.group, self.src, self.out, self.work = group, src, out, work
+    def __init__(self, group: Group, src: int, out: torch.Tensor, work, device=None):
+        self.group, self.src, self.out, self.work, self.device = group, src, out, work, device
 
     def wait(self) -> torch.Tensor:
         try:
             self.work.wait(datetime.timedelta(seconds=self.group.timeout))
         except RuntimeError as e:
             raise LinkError(self.src, _why(e, self.group.timeout)) from None
-        return self.out
+        return self.out if self.device is None else self.out.to(self.device)
 
 
 class Sent:

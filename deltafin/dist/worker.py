@@ -141,7 +141,8 @@ def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally, befor
     taken first."""
     cfg = engine.cfg
     n = sum(len(s.ids) for s in seqs)
-    x = group.recv_rows(group.rank - 1, (blocks_before(cfg, engine.layers.start) + 1, n, cfg.hidden_size))
+    x = group.recv_rows(group.rank - 1, (blocks_before(cfg, engine.layers.start) + 1, n, cfg.hidden_size),
+                        engine.device)
     blocks, h = list(x[:-1]), x[-1]
     stats = PassStats(tokens=n)
     for s in seqs:

@@ -133,11 +133,17 @@ def device_budget(settings, device: torch.device) -> tuple[int, str]:
     return max(0, free - headroom), (f"auto: {free / GB:.1f} GB free - {headroom / GB:.1f} GB headroom")
 
 
-def device_placement(source, settings, device: torch.device, stream: str) -> tuple[Placement, str]:
-    """The device's plan for `source` and a start-up line; stream 'off' refuses a model that does not fit."""
+def device_placement(source, settings, device: torch.device, stream: str, layers: range | None = None,
+                     with_globals: bool = True) -> tuple[Placement, str]:
+    """The device's plan for `source` and a start-up line; stream 'off' refuses a model that does not fit.
+    `layers` / `with_globals`: a rank of a model split across processes, which holds its layers (and
+    rank 0 the globals) whole on its device, or refuses to start."""
     budget, how = device_budget(settings, device)
-    p = plan(ModelSizes.of(source), budget, str(device))
-    if stream == "off":
+    sizes = ModelSizes.of(source)
+    if layers is not None:
+        sizes = sizes.restricted(layers, with_globals)
+    p = plan(sizes, budget, str(device))
+    if stream == "off" or layers is not None:
         require_everything(p, how)
     return p, f"{p.describe()}; budget {how}"
 
@@ -255,21 +261,25 @@ def _wait(event) -> None:
 
 
 class DeviceProvider:
-    def __init__(self, source, settings, placement: Placement):
+    def __init__(self, source, settings, placement: Placement, layers: range | None = None,
+                 with_globals: bool = True):
+        """``layers``: the layers whose weights it holds (default all; a rank of a split model holds
+        its own, whole: ``device_placement``); ``with_globals``: the embedding, head and final norm too."""
         self.config = cfg = source.config
         self.placement = placement
+        self.layers = range(cfg.num_layers) if layers is None else layers
         self.device = settings.torch_device()
         # bf16 products (--dtype bfloat16): stacked bf16 experts may take the bf16 grouped GEMMs
         self._bf16_products = settings.torch_dtype() == torch.bfloat16
         self._copier = _Copier(self.device)
         sizes = placement.sizes
-        g = source.read_globals()
+        g = source.read_globals() if with_globals else {}
         self._globals = {k: w if k == "embed" else _held(k, w, self.device) for k, w in g.items()}
         self._spines = {}
         self._stacks: dict[int, Stacked] = {}  # layers whose experts are all held, stacked
         self._all: dict[int, dict] = {}  # layers whose experts are all held, per expert (other codecs)
         self._slots = ExpertSlots(placement.expert_slots if placement.expert_slots < sizes.num_experts else 0)
-        for i in range(cfg.num_layers):
+        for i in self.layers:
             if i in placement.spine_layers:
                 self._spines[i] = {k: _held(k, w, self.device) for k, w in source.read_spine(i).items()}
             if cfg.is_moe(i) and placement.expert_slots >= sizes.num_experts:
@@ -289,7 +299,7 @@ class DeviceProvider:
         self.host_choices: dict[int, dict] = {}  # auto's measurements, per layer
         self._spine_copy = None  # event of the last copy out of a streamer spine buffer
         # The layers whose spines cross to the device each pass, and the one copied ahead (below).
-        self._streamed = [i for i in range(cfg.num_layers) if i not in self._spines] if self._host else []
+        self._streamed = [i for i in self.layers if i not in self._spines] if self._host else []
         self._ahead: tuple[int, dict, object] | None = None
         self.spines_copied_ahead = 0  # of those used
         self._expert_copy = None  # ... and out of its expert slots
@@ -302,7 +312,7 @@ class DeviceProvider:
     def graph_ready(self) -> bool:
         """Every weight is held and every MoE layer's experts are stacked: a one-token pass reads
         nothing back to the host, so it can be recorded as a CUDA graph (decode_graph.py)."""
-        moe = sum(1 for i in range(self.config.num_layers) if self.config.is_moe(i))
+        moe = sum(1 for i in self.layers if self.config.is_moe(i))
         return self._host is None and len(self._stacks) == moe
 
     @property

@@ -70,8 +70,9 @@ def plan(sizes: ModelSizes, budget: int, tier: str) -> Placement:
         left -= b
     per_slot = sum(sizes.expert_bytes)  # one expert in every MoE layer
     slots = 0
-    if len(spines) == len(sizes.spine_bytes) and per_slot:
-        slots = min(sizes.num_experts, left // per_slot)
+    if len(spines) == len(sizes.spine_bytes):
+        # no expert bytes at all (a rank's share without MoE layers): every slot is free
+        slots = min(sizes.num_experts, left // per_slot) if per_slot else sizes.num_experts
     return Placement(tier, budget, sizes, frozenset(spines), int(slots))
 
 
