@@ -35,7 +35,8 @@ def _free_port() -> int:
 
 def _env(rank: int, world: int, port: int, **extra) -> dict:
     env = dict(os.environ, WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               GLOO_SOCKET_IFNAME="lo", DELTAFIN_THREADS="1", PYTHONPATH=str(ROOT))
+               GLOO_SOCKET_IFNAME="lo", DELTAFIN_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.update(extra)
     return env
 
