@@ -1,4 +1,4 @@
-"""The one-launch CUDA row steps (RMSNorm, the depth mix, the KDA conv step) against deltafin's torch
+"""The one-launch CUDA row steps (RMSNorm, the depth mix, the KDA conv step and recurrence) against deltafin's torch
 formulas on the CPU (a model's decode passes with and without them: test_cuda.py)."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from deltafin.kernels import row_ops_triton  # noqa: E402
 from deltafin.model.kda import causal_conv  # noqa: E402
+from deltafin.model.kda_recurrence import kda_recurrent  # noqa: E402
 from deltafin.model.layers import attn_res  # noqa: E402
 from deltafin.model.ops import rms_norm  # noqa: E402
 
@@ -75,6 +76,31 @@ def test_conv_step_matches_the_torch_formula_and_moves_the_tails(dtype, B, n, D,
     assert got.dtype == torch.float32 and torch.equal(got.to(dtype), got)  # rounded to xin's dtype first
     _close(got.to(dtype), want, steps=2)
     assert torch.equal(in_place.cpu(), want_tail)
+
+
+@pytest.mark.parametrize("T,B,H,DK,DV", [(1, 1, 32, 128, 128), (1, 8, 4, 128, 128), (5, 3, 2, 64, 96),
+                                           (2, 2, 3, 24, 20)])
+def test_kda_step_matches_the_torch_recurrence(T, B, H, DK, DV):
+    """Rows of B sequences stepped in one launch, S in place, the trace after each row: the CPU's
+    kda_recurrent (float32) on the same inputs, given as the model gives them (time-major views)."""
+    q, k = _randn(B, T, H, DK, dtype=torch.float32, seed=1), _randn(B, T, H, DK, dtype=torch.float32, seed=2)
+    q, k = F.normalize(q, dim=-1) * DK ** -0.5, F.normalize(k, dim=-1)
+    v = _randn(B, T, H, DV, dtype=torch.float32, seed=3)
+    g = -torch.rand(B, T, H, DK, generator=torch.Generator().manual_seed(4))
+    beta = torch.rand(B, T, H, generator=torch.Generator().manual_seed(5))
+    S0 = _randn(B, H, DK, DV, dtype=torch.float32, seed=6)
+    want_trace = torch.empty(T, B, H, DK, DV)
+    want_o, want_S = kda_recurrent(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S0.clone(), trace=want_trace)
+    S, trace = S0.cuda(), torch.empty(T, B, H, DK, DV, device="cuda")
+    rows = [t.cuda().transpose(0, 1) for t in (q, k, v, g, beta)]
+    assert row_ops_triton.kda_step_applies(rows[0], S)
+    o = row_ops_triton.kda_step(*rows, S, trace)
+    _close(o, want_o, 4)
+    _close(S, want_S, 4)
+    _close(trace, want_trace, 4)
+    S2 = S0.cuda()  # without a trace
+    _close(row_ops_triton.kda_step(*rows, S2), want_o, 4)
+    _close(S2, want_S, 4)
 
 
 def test_shapes_the_kernels_do_not_take_fall_back():

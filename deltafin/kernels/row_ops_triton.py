@@ -163,3 +163,59 @@ def conv_step(xin: torch.Tensor, tail: torch.Tensor, ws: tuple, new_tail: torch.
     _conv_step_kernel[grid](xin, tail, *ws, out, new_tail, n, D, *xin.stride()[:3], *tail.stride()[:3],
                             *new_tail.stride()[:3], K=ws[0].shape[-1], BT=CONV_ROWS, BD=BD, num_warps=4)
     return out
+
+
+@triton.jit
+def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, tr_ptr, T, BH, DK, DV,
+                     HAS_TRACE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    # one (sequence, head) and BV of its value columns: S [DK, BV] stays in registers for all T rows
+    bh = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BV + tl.arange(0, BV)
+    d = tl.arange(0, BK)
+    dm, jm = d < DK, j < DV
+    m = dm[:, None] & jm[None, :]
+    s_at = s_ptr + bh * DK * DV + d[:, None] * DV + j[None, :]
+    S = tl.load(s_at, mask=m, other=0.0)
+    for t in range(T):
+        row = t * BH + bh  # inputs are [T, B * H, ...] contiguous
+        g = tl.load(g_ptr + row * DK + d, mask=dm, other=0.0)
+        k = tl.load(k_ptr + row * DK + d, mask=dm, other=0.0)
+        q = tl.load(q_ptr + row * DK + d, mask=dm, other=0.0)
+        v = tl.load(v_ptr + row * DV + j, mask=jm, other=0.0)
+        beta = tl.load(b_ptr + row)
+        S = S * tl.exp(g)[:, None]
+        u = beta * (v - tl.sum(k[:, None] * S, 0))
+        S = S + k[:, None] * u[None, :]
+        tl.store(o_ptr + row * DV + j, tl.sum(q[:, None] * S, 0), mask=jm)
+        if HAS_TRACE:
+            tl.store(tr_ptr + row * DK * DV + d[:, None] * DV + j[None, :], S, mask=m)
+    tl.store(s_at, S, mask=m)
+
+
+KDA_MAX_DK = 256  # a head's key width held whole in one program
+
+
+def kda_step_applies(q: torch.Tensor, S: torch.Tensor) -> bool:
+    return (S.is_cuda and S.dtype == torch.float32 and S.is_contiguous() and q.dtype == torch.float32
+            and S.dim() >= 3 and q.dim() == S.dim() and S.shape[-2] <= KDA_MAX_DK and S.numel() > 0)
+
+
+def kda_step(q, k, v, g, beta, S: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
+    """``kda_recurrence.kda_recurrent`` with ``in_place`` in one launch: q, k, g [T, ..., H, Dk]; v [T, ..., H,
+    Dv]; beta [T, ..., H] (float32); S [..., H, Dk, Dv] float32, contiguous, stepped in place over the T rows
+    (each program keeps its part of S in registers, so S is read and written once whatever T, where the
+    torch steps read it four times and write it twice a row); ``trace`` [T, ..., H, Dk, Dv], when given,
+    receives S after each row. Returns o [T, ..., H, Dv]. The same formulas (the decay, the delta rule's
+    fused update); only the order of the sums over Dk differs."""
+    T, DK, DV = q.shape[0], S.shape[-2], S.shape[-1]
+    BH = S.numel() // (DK * DV)
+    q, k, g = (x.reshape(T, BH, DK).contiguous() for x in (q, k, g))
+    v, beta = v.reshape(T, BH, DV).contiguous(), beta.reshape(T, BH).contiguous()
+    o = torch.empty((T, BH, DV), dtype=torch.float32, device=S.device)
+    if trace is not None and not trace.is_contiguous():
+        raise ValueError("kda_step: the trace must be contiguous")
+    BK = triton.next_power_of_2(DK)
+    BV = max(16, min(32, triton.next_power_of_2(DV), 8192 // BK))
+    _kda_step_kernel[(BH, triton.cdiv(DV, BV))](q, k, v, g, beta, S, o, trace if trace is not None else S, T, BH,
+                                                 DK, DV, HAS_TRACE=trace is not None, BK=BK, BV=BV, num_warps=4)
+    return o.view(T, *S.shape[:-2], DV)
