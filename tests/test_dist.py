@@ -144,6 +144,11 @@ def test_a_rank_holds_its_share_and_refuses_a_budget_it_does_not_fit(tiny_k3_pat
     assert plan(two, two.total, "cuda:1").everything
     with pytest.raises(PlacementError, match="does not fit in cuda:1"):
         require_everything(plan(two, two.total - 1, "cuda:1"), "gpu_budget")
+    from deltafin.io.device import device_placement
+    from deltafin.settings import Settings
+    with pytest.raises(PlacementError, match="a rank on a GPU holds its layers whole"):
+        device_placement(source, Settings.resolve({"gpu_budget": "0.000001"}), torch.device("cpu"), "auto", rest,
+                         False)
     # a share with no MoE layer needs no expert slot
     dense = [i for i in range(len(sizes.expert_bytes)) if not sizes.expert_bytes[i]]
     if dense:

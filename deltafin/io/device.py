@@ -143,7 +143,10 @@ def device_placement(source, settings, device: torch.device, stream: str, layers
     if layers is not None:
         sizes = sizes.restricted(layers, with_globals)
     p = plan(sizes, budget, str(device))
-    if stream == "off" or layers is not None:
+    if layers is not None:
+        require_everything(p, how, "a rank on a GPU holds its layers whole: start more ranks (--placement sets "
+                                   "their layers) or give this one a larger --gpu-budget")
+    elif stream == "off":
         require_everything(p, how)
     return p, f"{p.describe()}; budget {how}"
 

@@ -76,15 +76,15 @@ def plan(sizes: ModelSizes, budget: int, tier: str) -> Placement:
     return Placement(tier, budget, sizes, frozenset(spines), int(slots))
 
 
-def require_everything(p: Placement, how: str) -> None:
-    """Refuse, with the sizes, when the tier cannot hold the whole model."""
+def require_everything(p: Placement, how: str, remedy: str = "stream the rest with --stream on") -> None:
+    """Refuse, with the sizes, when the tier cannot hold the whole model (or a rank's share of it)."""
     if p.everything:
         return
     s = p.sizes
     raise PlacementError(
         f"the model does not fit in {p.tier}: it needs {s.total / GB:.2f} GB (globals {s.globals_bytes / GB:.2f}, "
         f"spines {sum(s.spine_bytes) / GB:.2f}, experts {s.experts_total / GB:.2f}) and the "
-        f"budget is {p.budget / GB:.2f} GB ({how}); stream the rest with --stream on")
+        f"budget is {p.budget / GB:.2f} GB ({how}); {remedy}")
 
 
 class ExpertSlots:
