@@ -34,6 +34,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import deltafin
 from deltafin.bench import _decode
+from deltafin.model.moe import chosen_experts
+from deltafin.runtime.pass_stats import PassObserver
 from deltafin.settings import add_arguments, from_args
 from engine_passes import _positive, _positive_list  # this folder: the same argument types
 
@@ -41,18 +43,14 @@ TIMING_ROUNDS = 3
 BASE_TOKENS = 8  # the shorter decode of a timing, subtracted
 
 
-class ChosenExperts:
-    """A pass observer that notes, per MoE layer, how many distinct experts the pass's rows chose."""
+class ChosenExperts(PassObserver):
+    """Per MoE layer, how many distinct experts the last pass watched chose for its rows."""
 
     def __init__(self):
-        self.per_layer: dict[int, list[int]] = collections.defaultdict(list)
+        self.per_layer: dict[int, int] = {}
 
     def on_route(self, layer: int, ids, x) -> None:
-        flat = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [e for row in ids for e in row]
-        self.per_layer[layer].append(len(set(flat)))
-
-    def on_pass(self, stats) -> None:
-        pass
+        self.per_layer[layer] = len(chosen_experts(ids))
 
 
 def _sync(model) -> None:
@@ -99,7 +97,7 @@ def experts_chosen(model, prompts: list[list[int]]) -> dict[int, int]:
     watch = ChosenExperts()
     with model.observe(watch):
         _decode(model, prompts, 2)
-    return {layer: counts[-1] for layer, counts in sorted(watch.per_layer.items())}
+    return dict(sorted(watch.per_layer.items()))  # the decode pass routed after the prefill
 
 
 def main(argv=None) -> int:
