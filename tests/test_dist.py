@@ -556,3 +556,10 @@ def test_launch_from_environment():
         from_environment({"WORLD_SIZE": "2"})
     with pytest.raises(LaunchError, match="outside"):
         from_environment({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    launch = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert from_environment(launch).local_rank == 1  # without LOCAL_RANK: the rank
+    assert from_environment({**launch, "LOCAL_RANK": "0"}).local_rank == 0
+    with pytest.raises(LaunchError, match="LOCAL_RANK 5 is outside WORLD_SIZE 2"):
+        from_environment({**launch, "LOCAL_RANK": "5"})
+    with pytest.raises(LaunchError, match="LOCAL_RANK an integer"):
+        from_environment({**launch, "LOCAL_RANK": "x"})

@@ -48,7 +48,8 @@ def from_environment(env=None) -> Launch | None:
                         env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
                         int(env.get("LOCAL_RANK") or env["RANK"]))
     except (KeyError, ValueError) as e:
-        raise LaunchError(f"WORLD_SIZE is set, but the rest of the launch is not (RANK, MASTER_ADDR, MASTER_PORT): "
+        raise LaunchError(f"WORLD_SIZE is set, but the rest of the launch is not (RANK, MASTER_ADDR, MASTER_PORT, and "
+                          f"LOCAL_RANK an integer where given): "
                           f"{e}; start deltafin on several ranks with torchrun") from None
     if not 0 <= launch.rank < launch.world_size:
         raise LaunchError(f"RANK {launch.rank} is outside WORLD_SIZE {launch.world_size}")
