@@ -97,26 +97,48 @@ def hostile(model, how: str) -> None:
     elif how == "layers":
         group.send_message(1, {"ops": [["new", 7]], "state_in": 7, "num_tokens": 2,
                                "tensors": [["layers.0.S", "F32", [1 << 30, 1 << 30]]]})
+    elif how == "reach":
+        group.send_message(1, {"ops": [["new", 7]], "seqs": [[7, [1, 2], False, "all", 1 << 40]]})
     else:
-        group.send_message(1, {"ops": [], "seqs": [[12345, [1, 2], False, "all"]]})
+        group.send_message(1, {"ops": [], "seqs": [[12345, [1, 2], False, "all", 0]]})
+
+
+def recorded_mode(model) -> None:
+    """The model's decode passes run the recorded-mode code eagerly, as a CPU test of decode_graph does."""
+    from deltafin.runtime.decode_graph import DecodeGraphs
+    assert model.engine.graphs is None  # only on CUDA
+    model.engine.graphs = DecodeGraphs(model.engine, record=False)
 
 
 def main(path: str, out: str, device: str = "cpu") -> int:
+    """With DIST_RANK_RECORDED=1 in the environment (CPU only) every rank's passes run in recorded
+    mode (recorded_mode). A rank other than 0 whose passes could take the recorded-mode code and never
+    did (replayed no graph on CUDA) ends with status 3."""
+    import os
+
     import deltafin
     from deltafin.dist import launch
     from deltafin.dist.worker import serve_passes
     group = launch.join(launch.from_environment(), timeout=30)
     try:
         model = deltafin.load(path, device=device, stream="off" if device != "cpu" else "auto")
+        recorded = os.environ.get("DIST_RANK_RECORDED") == "1"
+        if recorded:
+            recorded_mode(model)
         if group.rank:
-            return serve_passes(group, model.engine)
+            rc = serve_passes(group, model.engine)
+            g = model.engine.graphs
+            if g is not None and not (g.slots if recorded else g.replayed):
+                return 3  # its passes never took the recorded-mode code, or never replayed a graph
+            return rc
         if out.startswith("hostile:"):
             hostile(model, out.split(":", 1)[1])
             return 0
         if out.startswith("order:"):
             torch.save(out_of_order(model), out.split(":", 1)[1])
             return 0
-        torch.save({**parity(model, out + ".state"), "placement": [(r.start, r.stop) for r in model.placement.ranges]}, out)
+        torch.save({**parity(model, out + ".state"), "placement": [(r.start, r.stop) for r in model.placement.ranges],
+                    "graphs": model.graph_stats()}, out)
         return 0
     finally:
         launch.leave()

@@ -75,6 +75,7 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
         assert rc == 0, f"rank {rank}: {se}"
         assert so == ""  # the ranks print nothing to stdout
     got = torch.load(out)
+    assert got.pop("graphs") is None  # on the CPU
     ranges = [range(a, b) for a, b in got.pop("placement")]
     assert len(ranges) == world and ranges[0].start == 0 and ranges[-1].stop == deltafin.load(path).config.num_layers
     alone = deltafin.load(path, device="cpu", stream="off")
@@ -94,22 +95,53 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
     assert got["drafted"] == got["greedy"] and got["accepted"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("which", ["k3", "kl"])
-def test_ranks_on_cuda_equal_one_process_on_cuda(which, tiny_k3_path, tiny_kl_path, tmp_path):
+def test_ranks_in_recorded_mode_equal_one_process_in_it(which, tiny_k3_path, tiny_kl_path, tmp_path):
+    """Every rank's passes through the code a CUDA graph records (decode_graph.py, run eagerly here:
+    each rank's layers over its state slots, rows in and out of its input buffer): logits, batches,
+    passes in flight, rollbacks and every generation equal to one process running that code."""
+    from dist_rank import recorded_mode
+    path = tiny_k3_path if which == "k3" else tiny_kl_path
+    out = tmp_path / "out.pt"
+    results = _finish(_start(lambda r: [sys.executable, str(RANK_SCRIPT), str(path), str(out)], 2,
+                             DELTAFIN_PIPELINE="2", DIST_RANK_RECORDED="1"))
+    for rank, (rc, so, se) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {se}"
+    got = torch.load(out)
+    got.pop("placement")
+    assert got.pop("graphs")["replayed"] == 0  # recorded mode runs eagerly
+    alone = deltafin.load(path, device="cpu", stream="off")
+    recorded_mode(alone)
+    want = parity(alone, tmp_path / "alone.state")
+    assert alone.engine.graphs.slots  # the recorded-mode code ran
+    for key in ("logits", "after_rollback", "after_restore", "after_load", "after_saved"):
+        assert torch.equal(got[key], want[key]), key
+    for key in ("batch", "batch2", "in_flight"):
+        assert all(torch.equal(g, w) for g, w in zip(got[key], want[key])), key
+    for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
+        assert got[key] == want[key], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("graphs", [False, True], ids=["launched", "graphs"])
+@pytest.mark.parametrize("which", ["k3", "kl"])
+def test_ranks_on_cuda_equal_one_process_on_cuda(which, graphs, tiny_k3_path, tiny_kl_path, tmp_path):
     """Two ranks, each holding its layers on a GPU (the host's GPU LOCAL_RANK, modulo the GPUs there:
     with one GPU both share it), rows handed on through host memory: every logit equal to one process
-    on that GPU running the same kernels (no graphs: a split model's passes run eagerly)."""
+    on that GPU running the same kernels, each kernel launched or, with graphs, each rank replaying
+    its layers' recorded passes against the one process replaying its whole passes."""
     path = tiny_k3_path if which == "k3" else tiny_kl_path
     out = tmp_path / "out.pt"
     results = _finish(_start(lambda r: [sys.executable, str(RANK_SCRIPT), str(path), str(out), "cuda"], 2,
-                             DELTAFIN_PIPELINE="2", DELTAFIN_CUDA_GRAPHS="0"),
+                             DELTAFIN_PIPELINE="2", DELTAFIN_CUDA_GRAPHS=str(int(graphs))),
                       timeout=300)
     for rank, (rc, so, se) in enumerate(results):
         assert rc == 0, f"rank {rank}: {se}"
     got = torch.load(out)
     got.pop("placement")
-    alone = deltafin.load(path, device="cuda", stream="off", cuda_graphs=False)
+    replayed = got.pop("graphs")
+    assert (replayed is not None and replayed["replayed"] > 0 and not replayed["failed"]) if graphs else replayed is None
+    alone = deltafin.load(path, device="cuda", stream="off", cuda_graphs=graphs)
     want = parity(alone, tmp_path / "alone.state")
     assert set(got) == set(want)
     for key in ("logits", "after_rollback", "after_restore", "after_load", "after_saved"):
@@ -272,7 +304,8 @@ def test_a_lost_rank_ends_the_request_naming_it(how, tiny_kl_path):
                                       ("state", "state transfer this rank cannot make (ValueError: a state of "
                                                 "1099511627776 tokens)"),
                                       ("layers", "state transfer this rank cannot make (ValueError: the state's "
-                                                 "tensors do not match")])
+                                                 "tensors do not match"),
+                                      ("reach", "cannot run (ValueError: a sequence reaching 1099511627776 tokens)")])
 def test_a_rank_refuses_a_hostile_control_message(how, says, tiny_kl_path):
     """A rank takes nothing from the wire on trust: a message longer than any pass needs is refused
     before it is allocated, bytes that are not JSON, a pass it cannot run and a decode state it cannot

@@ -54,6 +54,18 @@ def blocks_before(cfg, layer: int) -> int:
     return (layer + B - 1) // B if B else 0
 
 
+def layer_rows(engine: Engine, x: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()) -> torch.Tensor:
+    """The engine's layers (a rank's) over a pass's rows x [summaries + 1, rows, H] (the block
+    summaries so far, then the residual stream), stacked alike after them: a replayed graph of them
+    where the pass's shape records (runtime.decode_graph), else each layer's kernels launched."""
+    g = engine.graphs
+    if g is not None and not routes and g.applies(seqs):
+        return g.run_rows(seqs, x, stats)
+    blocks = list(x[:-1])
+    h = engine.run_layers(x[-1], blocks, seqs, stats, routes)
+    return torch.stack([*blocks, h])
+
+
 class Mirror:
     """The state operations since the last pass, to be replayed on every other rank."""
 
@@ -199,18 +211,17 @@ class FrontEngine(Engine):
             if not isinstance(s.state, FrontState) or s.state.mirror is not self.mirror:
                 raise ValueError("a pass of a model split across ranks takes only states from its new_state()")
         message = {"ops": self.mirror.drain(),
-                   "seqs": [[s.state.key, list(s.ids), s.keep_states, s.logits] for s in seqs]}
+                   "seqs": [[s.state.key, list(s.ids), s.keep_states, s.logits, s.reach] for s in seqs]}
         wanted = len(logit_rows(seqs))
         try:
             # Posted, not waited for: a rank still busy with an earlier pass takes them when it is done.
             sends = [group.send_message(r, message, wait=False) for r in range(1, group.world_size)]
-            blocks: list[torch.Tensor] = []
             t0 = time.perf_counter()
-            h = self.run_layers(h, blocks, seqs, stats, routes)
+            rows = layer_rows(self, h.unsqueeze(0), seqs, stats, routes)
             t1 = time.perf_counter()
             back = group.expect_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size),
                                      self.device)
-            sends.append(group.send_rows(1, torch.stack([*blocks, h]), wait=False))
+            sends.append(group.send_rows(1, rows, wait=False))
         except LinkError as e:
             raise group.at_fault(e) from None
         except BaseException:

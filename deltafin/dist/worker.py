@@ -15,7 +15,7 @@ import torch
 from ..model.state import STATE_DTYPES, DecodeState
 from ..runtime.engine import Engine, Seq, logit_rows
 from ..runtime.pass_stats import PassStats
-from .pipeline import blocks_before, state_announcement
+from .pipeline import blocks_before, layer_rows, state_announcement
 from .transport import Group, LinkError, RankFault, Sent
 
 
@@ -127,7 +127,11 @@ def _pass_of(message: dict, states: dict, engine: Engine) -> list[Seq]:
     """The pass a control message describes, after its state operations (raises on a malformed one)."""
     for op in message["ops"]:
         _apply(op, states, engine)
-    seqs = [Seq(list(ids), states[key], bool(keep), logits) for key, ids, keep, logits in message["seqs"]]
+    seqs = []
+    for key, ids, keep, logits, reach in message["seqs"]:
+        if type(reach) is not int or not 0 <= reach <= MAX_STATE_TOKENS:
+            raise ValueError(f"a sequence reaching {reach!r} tokens")
+        seqs.append(Seq(list(ids), states[key], bool(keep), logits, reach=reach))
     rows = sum(len(s.ids) for s in seqs)
     if not 0 < rows <= MAX_PASS_ROWS:
         raise ValueError(f"a pass of {rows} rows (at most {MAX_PASS_ROWS})")
@@ -143,13 +147,12 @@ def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally, befor
     n = sum(len(s.ids) for s in seqs)
     x = group.recv_rows(group.rank - 1, (blocks_before(cfg, engine.layers.start) + 1, n, cfg.hidden_size),
                         engine.device)
-    blocks, h = list(x[:-1]), x[-1]
     stats = PassStats(tokens=n)
     for s in seqs:
         s.state.begin_pass(s.keep_states)
     t0 = time.perf_counter()
     with engine.pass_threads(n):
-        h = engine.run_layers(h, blocks, seqs, stats)
+        rows = layer_rows(engine, x, seqs, stats)
     tally.layer_seconds += time.perf_counter() - t0
     for s in seqs:
         s.state.num_tokens += len(s.ids)
@@ -157,9 +160,9 @@ def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally, befor
     tally.passes += 1
     tally.stats.add(stats)
     if group.rank == group.last:  # only the rows whose logits rank 0 wants go back
-        rows = logit_rows(seqs)
-        if len(rows) != n:
-            h, blocks = h[rows], [b[rows] for b in blocks]
+        wanted = logit_rows(seqs)
+        if len(wanted) != n:
+            rows = rows[:, wanted.to(rows.device)]
     if before is not None:
         before.wait()
-    return group.send_rows(group.next_rank(), torch.stack([*blocks, h]), wait=False)
+    return group.send_rows(group.next_rank(), rows, wait=False)

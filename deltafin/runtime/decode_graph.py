@@ -88,13 +88,20 @@ class DecodeGraphs:
         self.replayed = 0
         self.replayed_by_kind = {"decode": 0, "check": 0}  # one token of each sequence | drafts checked
         self.record_seconds = 0.0  # spent recording (not running) graphs
+        # The whole pass (token ids in, logits out: ``run``), or this rank's layers of a model split
+        # across processes (rows in, rows out: ``run_rows``).
+        self.whole = engine.layers == range(cfg.num_layers)
         dev = engine.device
-        self.x = torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, device=dev)
+        # The pass's input: [1, rows, H] embedding rows for the whole pass; for a rank's layers the rows it
+        # receives, [summaries + 1, rows, H] (under Block Attention Residuals the block summaries so far
+        # travel with the residual stream), sized at its first pass.
+        self.x = torch.zeros(1, self.max_rows, cfg.hidden_size, dtype=engine.dtype, device=dev)
         self.pos = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
         # The pass's input rows and positions are written on the host into page-locked buffers, so
         # their copies to the device are queued without waiting (a pageable copy waits, each time).
         pin = dev.type == "cuda"
-        self.x_host = torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
+        self.x_host = (torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
+                       if self.whole else None)
         self.pos_host = torch.zeros(self.max_rows, dtype=torch.long, pin_memory=pin)
 
     @staticmethod
@@ -119,32 +126,56 @@ class DecodeGraphs:
         return [pair for slot in self.slots for pair in slot]
 
     def run(self, seqs, ids_t: torch.Tensor, stats: PassStats) -> torch.Tensor:
-        """The pass of B sequences' n new rows each, queued; float32 logits [B * n, vocab] on the device."""
+        """The whole pass of B sequences' n new rows each, queued; float32 logits [B * n, vocab] on the
+        device."""
         t0 = time.perf_counter()
-        B, n, keep = len(seqs), len(seqs[0].ids), seqs[0].keep_states
-        rows = B * n
+        rows = self._seat(seqs)
+        self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
+        self.x[0, :rows].copy_(self.x_host[:rows], non_blocking=True)
+        return self._pass(seqs, stats, t0)
+
+    def run_rows(self, seqs, x: torch.Tensor, stats: PassStats) -> torch.Tensor:
+        """This rank's layers over the pass's rows x [summaries + 1, B * n, H] (on the device, as
+        received), queued; the rows after them, stacked alike (the summaries the layers began
+        appended)."""
+        t0 = time.perf_counter()
+        if x.shape[0] != self.x.shape[0]:  # the rank's first pass: its input's width is now known
+            self.x = self.x.new_zeros((x.shape[0], *self.x.shape[1:]))
+            self.graphs, self._pool = {}, None
+        rows = self._seat(seqs)
+        self.x[:, :rows].copy_(x)
+        return self._pass(seqs, stats, t0)
+
+    def _seat(self, seqs) -> int:
+        """Slots for the pass's sequences (each moved into its own) and its rows' positions queued;
+        the pass's rows."""
+        B, n = len(seqs), len(seqs[0].ids)
         reach = min(max(s.reach for s in seqs), REACH_MAX_CAPACITY)  # room sized once for what they will hold
         self._fit(max(max(s.state.num_tokens for s in seqs) + n, reach), B)
         for b, s in enumerate(seqs):
             self._adopt(s.state, b)
+        rows = B * n
         self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(n)])
-        self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
         self.pos[:rows].copy_(self.pos_host[:rows], non_blocking=True)
-        self.x[:rows].copy_(self.x_host[:rows], non_blocking=True)
-        shape = (B, n, keep)
+        return rows
+
+    def _pass(self, seqs, stats: PassStats, t0: float) -> torch.Tensor:
+        """The pass over the input in place: recorded mode (then recorded) for a new shape, else replayed."""
+        n, keep = len(seqs[0].ids), seqs[0].keep_states
+        shape = (len(seqs), n, keep)
         recorded = self.graphs.get(shape)
         if recorded is None:
-            logits = self._recorded_mode(seqs, stats, capture=False)
+            out = self._recorded_mode(seqs, stats, capture=False)
             if self.record:
                 t1 = time.perf_counter()
                 self._capture(seqs)
                 self.record_seconds += time.perf_counter() - t1
         else:
-            graph, out, counts, records = recorded
+            graph, recorded_out, counts, records = recorded
             graph.replay()
             self.replayed += 1
             self.replayed_by_kind["check" if keep else "decode"] += 1
-            logits = out.clone()  # the recorded output buffer is the next replay's
+            out = recorded_out.clone()  # the recorded output buffer is the next replay's
             for k, v in counts.items():
                 setattr(stats, k, getattr(stats, k) + v)
             _give_pending(seqs, records)  # what a rollback replays, refilled by this replay
@@ -153,7 +184,7 @@ class DecodeGraphs:
                 if isinstance(st, MLAState):
                     st.length += n
         stats.compute_seconds = time.perf_counter() - t0  # the whole pass (device_pass counted a part)
-        return logits
+        return out
 
     # -- recording -----------------------------------------------------------------------------
     def _recorded_mode(self, seqs, stats: PassStats, capture: bool):
@@ -167,7 +198,7 @@ class DecodeGraphs:
                     st.at = self.pos[b * n:(b + 1) * n]
         try:
             if not capture:
-                return self.engine.device_pass(self.x[:rows], seqs, stats)
+                return self._forward(rows, seqs, stats)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -178,7 +209,7 @@ class DecodeGraphs:
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    out = self.engine.device_pass(self.x[:rows], seqs, stats)
+                    out = self._forward(rows, seqs, stats)
             finally:
                 if collecting:
                     gc.enable()
@@ -190,6 +221,15 @@ class DecodeGraphs:
                         st.in_place = False
                     else:
                         st.at = None
+
+    def _forward(self, rows: int, seqs, stats: PassStats) -> torch.Tensor:
+        """What a pass computes from its input buffer: the logits, or this rank's rows stacked."""
+        if self.whole:
+            return self.engine.device_pass(self.x[0, :rows], seqs, stats)
+        x = self.x[:, :rows]
+        blocks = list(x[:-1])
+        h = self.engine.run_layers(x[-1], blocks, seqs, stats)
+        return torch.stack([*blocks, h])
 
     def _capture(self, seqs) -> None:
         stats = PassStats()
@@ -227,7 +267,7 @@ class DecodeGraphs:
         self.capacity = max(self.capacity, MIN_CAPACITY, 1 << (need - 1).bit_length())
         count = max(batch, 2 * len(self.slots)) if batch > len(self.slots) else len(self.slots)
         stacks = []
-        for st in self.engine.new_state().layers:
+        for st in self.engine.layer_states():
             if isinstance(st, KDAState):
                 stacks.append((st.conv.new_zeros((count, *st.conv.shape)), st.S.new_zeros((count, *st.S.shape))))
             else:

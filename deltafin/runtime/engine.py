@@ -61,10 +61,11 @@ class Engine:
         # The native threads of one-token CPU passes, chosen from where their bytes come from
         # (thread_policy.py); the loader sets it for a streamed model with automatic threads.
         self.thread_policy: ThreadPolicy | None = None
-        # Decode and check passes replayed as CUDA graphs where everything they read is resident (the
-        # whole model: a rank of a split one hands its rows on between passes).
+        # Decode and check passes replayed as CUDA graphs where everything they read is resident: the
+        # whole pass, or a rank's layers of a model split across processes (the rank hands its rows
+        # on between its replays; dist.worker, dist.pipeline).
         whole = self.layers == range(cfg.num_layers)
-        self.graphs = DecodeGraphs(self) if whole and DecodeGraphs.possible(self) else None
+        self.graphs = DecodeGraphs(self) if DecodeGraphs.possible(self) else None
         # On the CPU, one-token passes of a resident model replayed as the native calls they make.
         self.cpu_replay = CpuReplay(self) if whole and CpuReplay.possible(self) else None
 
@@ -78,11 +79,12 @@ class Engine:
             self.observers.remove(observer)
 
     def new_state(self) -> DecodeState:
-        layers = []
-        for i in self.layers:
-            attn = self.templates[layer_kind(self.cfg, i)].self_attn
-            layers.append(attn.new_state(self.dtype, self.device))
-        return DecodeState(layers=layers)
+        return DecodeState(layers=self.layer_states())
+
+    def layer_states(self) -> list:
+        """Empty per-layer states of this engine's layers (a state's parts, nobody's yet)."""
+        return [self.templates[layer_kind(self.cfg, i)].self_attn.new_state(self.dtype, self.device)
+                for i in self.layers]
 
     def _for_products(self, weights: dict) -> dict:
         """Mark the plain projection weights for 16-bit products when that path was chosen."""
@@ -139,7 +141,7 @@ class Engine:
         for s in seqs:
             s.state.begin_pass(s.keep_states)
         routes = [o.on_route for o in self.observers if o.on_route is not None]
-        if self.graphs is not None and not routes and self.graphs.applies(seqs):
+        if self.graphs is not None and self.graphs.whole and not routes and self.graphs.applies(seqs):
             logits = self.graphs.run(seqs, ids_t, stats)
             finish = lambda: logits  # noqa: E731
         else:
