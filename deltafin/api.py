@@ -304,7 +304,7 @@ class Model:
             return None
         return {"recorded": g.recorded, "replayed": g.replayed, "replayed_by_kind": dict(g.replayed_by_kind),
                 "shapes": [list(shape) for shape in sorted(g.graphs)], "failed": g.failed,
-                "record_seconds": g.record_seconds}
+                "record_seconds": g.record_seconds, "states_moved_in": g.moved_in}
 
     def global_weights(self) -> dict:
         """The weights outside the layers (embedding, head, final norm) as the provider holds them."""

@@ -30,6 +30,21 @@ def parity(model, state_file=None) -> dict:
     fourth = model.start_batch([Seq([9], d, logits="last")])
     out["in_flight"] += third.result() + fourth.result()
     del c, d
+    # Two groups of sequences taking turns, each pass begun before the other group's has ended (as a
+    # split model's scheduler runs them): on ranks that replay graphs each group keeps its own slots.
+    groups = [[model.new_state(), model.new_state()], [model.new_state(), model.new_state()]]
+    for states in groups:
+        model.forward_batch([Seq(prompt, st) for st in states])
+    moved = model.graph_stats()["states_moved_in"] if model.graph_stats() else None
+    out["groups"], pending = [], None
+    for step in range(8):
+        begun = model.start_batch([Seq([20 + step], st) for st in groups[step % 2]])
+        if pending is not None:
+            out["groups"] += pending.result()
+        pending = begun
+    out["groups"] += pending.result()
+    out["groups_moved_in"] = model.graph_stats()["states_moved_in"] - moved if moved is not None else None
+    del groups, pending, begun
     # Speculation's pattern: a keep_states pass, a rollback into it, and a snapshot restored later.
     snap = a.snapshot()
     model.forward([1, 2, 3, 4], a, keep_states=True)
@@ -97,6 +112,8 @@ def hostile(model, how: str) -> None:
     elif how == "layers":
         group.send_message(1, {"ops": [["new", 7]], "state_in": 7, "num_tokens": 2,
                                "tensors": [["layers.0.S", "F32", [1 << 30, 1 << 30]]]})
+    elif how == "base":
+        group.send_message(1, {"ops": [["new", 7]], "base": 1 << 40, "seqs": [[7, [1, 2], False, "all", 0]]})
     elif how == "reach":
         group.send_message(1, {"ops": [["new", 7]], "seqs": [[7, [1, 2], False, "all", 1 << 40]]})
     else:

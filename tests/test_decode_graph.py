@@ -231,7 +231,7 @@ def test_a_shape_that_cannot_be_recorded_runs_plain_and_others_still_record(tiny
     assert graphs.failed_shapes == {(2, 1, False)} and "2 sequence(s)" in capsys.readouterr().err
     assert not graphs.applies([Seq([5], a, False, "last"), Seq([6], b, False, "last")])
     m.forward([7], a)  # one sequence: still recorded
-    assert captured == [1] and (1, 1, False) in graphs.graphs
+    assert captured == [1] and (1, 1, False, 0) in graphs.graphs
 
 
 def test_a_released_state_keeps_its_values(tiny_kl_path):
@@ -327,7 +327,7 @@ def test_cuda_batched_graph_replay_matches_each_sequence_alone(request, fixture)
     tokens = [_tokens(len(plan), 20 + j) for j in range(len(prompts))]
     got, _ = _batched(m, plan, prompts, tokens)
     graphs = m.engine.graphs
-    assert graphs.failed is None and graphs.replayed >= 10 and (6, 1, False) in graphs.graphs
+    assert graphs.failed is None and graphs.replayed >= 10 and (6, 1, False, 0) in graphs.graphs
     for j, prompt in enumerate(prompts):
         st = plain.new_state()
         plain.forward(prompt, st)
@@ -359,7 +359,7 @@ def test_cuda_speculation_replays_check_passes_with_the_same_tokens(request, fix
         g = generate(m, PROMPT, params.replace(speculate=True), drafter=drafter)
         assert g.tokens == want
     graphs = m.engine.graphs
-    assert graphs.failed is None and any(keep for (_, n, keep) in graphs.graphs)
+    assert graphs.failed is None and any(keep for (_, n, keep, _) in graphs.graphs)
     assert m.graph_stats()["replayed_by_kind"]["check"] > 0
     assert g.stats["accepted_draft_tokens"] > 0 and g.stats["passes"] < len(want) - 1
 
@@ -377,7 +377,7 @@ def test_cuda_passes_recorded_ahead_are_the_ones_a_generation_replays(tiny_kl_pa
     m = deltafin.load(tiny_kl_path, device="cuda", stream="off", dtype="float32", draft_len=3)
     assert m.record_passes(len(PROMPT) + 300, drafts=3) == 4
     graphs = m.engine.graphs
-    assert set(graphs.graphs) == {(1, 1, False), (1, 2, True), (1, 3, True), (1, 4, True)}
+    assert set(graphs.graphs) == {(1, 1, False, 0), (1, 2, True, 0), (1, 3, True, 0), (1, 4, True, 0)}
     assert graphs.capacity == 512 and m.record_passes(len(PROMPT) + 300, drafts=3) == 0
     g = generate(m, PROMPT, params, eos_token_ids=())
     assert g.tokens == want and graphs.recorded == 4 and graphs.failed is None
@@ -461,7 +461,7 @@ def test_cuda_batch_of_eight_decodes_the_cpu_reference_tokens(request, fixture):
     m = deltafin.load(path, device="cuda", stream="off")
     assert _greedy_together(m, prompts, 32) == want
     graphs = m.engine.graphs
-    assert graphs.replayed_by_kind["decode"] >= 30 and (8, 1, False) in graphs.graphs
+    assert graphs.replayed_by_kind["decode"] >= 30 and (8, 1, False, 0) in graphs.graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -478,4 +478,4 @@ def test_cuda_recorded_sorted_mxfp4_tiles_decode_the_cpu_reference_tokens(tiny_k
     assert 64 * m.config.experts_per_token >= grouped.MXFP4Stack.sorted_min_rows * m.config.num_experts
     assert _greedy_together(m, prompts, 8) == want
     graphs = m.engine.graphs
-    assert graphs.failed is None and (64, 1, False) in graphs.graphs and graphs.replayed_by_kind["decode"] >= 5
+    assert graphs.failed is None and (64, 1, False, 0) in graphs.graphs and graphs.replayed_by_kind["decode"] >= 5

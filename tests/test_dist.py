@@ -88,7 +88,7 @@ def test_split_model_equals_one_process(which, world, tiny_k3_path, tiny_kl_path
     _, state, _ = load_state(alone, str(out) + ".state")
     assert torch.equal(alone.forward([6], state), want["after_load"])
     assert (tmp_path / "alone.state").read_bytes() == (tmp_path / "out.pt.state").read_bytes()
-    for key in ("batch", "batch2", "in_flight"):
+    for key in ("batch", "batch2", "in_flight", "groups"):
         assert len(got[key]) == len(want[key]) and all(torch.equal(g, w) for g, w in zip(got[key], want[key])), key
     for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
         assert got[key] == want[key], key
@@ -109,14 +109,19 @@ def test_ranks_in_recorded_mode_equal_one_process_in_it(which, tiny_k3_path, tin
         assert rc == 0, f"rank {rank}: {se}"
     got = torch.load(out)
     got.pop("placement")
-    assert got.pop("graphs")["replayed"] == 0  # recorded mode runs eagerly
+    slots = got.pop("graphs")
+    assert slots["replayed"] == 0  # recorded mode runs eagerly
     alone = deltafin.load(path, device="cpu", stream="off")
     recorded_mode(alone)
     want = parity(alone, tmp_path / "alone.state")
-    assert alone.engine.graphs.slots  # the recorded-mode code ran
+    assert slots["states_moved_in"] > 0
+    # Two groups taking turns, in flight together: each kept its own slots on rank 0 (each sequence
+    # moved in once, and the first group again when the second group's slots were added), where one
+    # process, running a pass at a time, moves a group in at every turn.
+    assert (got.pop("groups_moved_in"), want.pop("groups_moved_in")) == (6, 16)
     for key in ("logits", "after_rollback", "after_restore", "after_load", "after_saved"):
         assert torch.equal(got[key], want[key]), key
-    for key in ("batch", "batch2", "in_flight"):
+    for key in ("batch", "batch2", "in_flight", "groups"):
         assert all(torch.equal(g, w) for g, w in zip(got[key], want[key])), key
     for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
         assert got[key] == want[key], key
@@ -146,11 +151,13 @@ def test_ranks_on_cuda_equal_one_process_on_cuda(which, graphs, tiny_k3_path, ti
     assert set(got) == set(want)
     for key in ("logits", "after_rollback", "after_restore", "after_load", "after_saved"):
         assert got[key].device.type == "cpu" and torch.equal(got[key], want[key].cpu()), key
-    for key in ("batch", "batch2", "in_flight"):
+    for key in ("batch", "batch2", "in_flight", "groups"):
         assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got[key], want[key])), key
     for key in ("greedy", "greedy_plain", "sampled", "drafted", "scheduled"):
         assert got[key] == want[key], key
     assert (tmp_path / "alone.state").read_bytes() == (tmp_path / "out.pt.state").read_bytes()
+    # groups taking turns keep their slots across ranks (see the recorded-mode test)
+    assert (got["groups_moved_in"], want["groups_moved_in"]) == ((6, 16) if graphs else (None, None))
 
 
 def test_a_rank_takes_the_gpu_of_its_local_rank():
@@ -305,7 +312,8 @@ def test_a_lost_rank_ends_the_request_naming_it(how, tiny_kl_path):
                                                 "1099511627776 tokens)"),
                                       ("layers", "state transfer this rank cannot make (ValueError: the state's "
                                                  "tensors do not match"),
-                                      ("reach", "cannot run (ValueError: a sequence reaching 1099511627776 tokens)")])
+                                      ("reach", "cannot run (ValueError: a sequence reaching 1099511627776 tokens)"),
+                                      ("base", "cannot run (ValueError: state slots from 1099511627776)")])
 def test_a_rank_refuses_a_hostile_control_message(how, says, tiny_kl_path):
     """A rank takes nothing from the wire on trust: a message longer than any pass needs is refused
     before it is allocated, bytes that are not JSON, a pass it cannot run and a decode state it cannot

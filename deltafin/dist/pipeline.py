@@ -54,13 +54,15 @@ def blocks_before(cfg, layer: int) -> int:
     return (layer + B - 1) // B if B else 0
 
 
-def layer_rows(engine: Engine, x: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()) -> torch.Tensor:
+def layer_rows(engine: Engine, x: torch.Tensor, seqs: list[Seq], stats: PassStats, base: int,
+               routes=()) -> torch.Tensor:
     """The engine's layers (a rank's) over a pass's rows x [summaries + 1, rows, H] (the block
     summaries so far, then the residual stream), stacked alike after them: a replayed graph of them
-    where the pass's shape records (runtime.decode_graph), else each layer's kernels launched."""
+    where the pass's shape records (runtime.decode_graph; its states in the slots from `base` on),
+    else each layer's kernels launched."""
     g = engine.graphs
-    if g is not None and not routes and g.applies(seqs):
-        return g.run_rows(seqs, x, stats)
+    if g is not None and not routes and g.applies(seqs, base):
+        return g.run_rows(seqs, x, stats, base)
     blocks = list(x[:-1])
     h = engine.run_layers(x[-1], blocks, seqs, stats, routes)
     return torch.stack([*blocks, h])
@@ -133,7 +135,8 @@ class FrontEngine(Engine):
         self.ranges = ranges  # every rank's layers
         self.mirror = Mirror(self)
         self.passes, self.layer_seconds, self.round_trip_seconds = 0, 0.0, 0.0
-        self._in_flight: collections.deque = collections.deque()  # passes begun, oldest first
+        # passes begun, oldest first: (token, the state slots their sequences take)
+        self._in_flight: collections.deque = collections.deque()
 
     def ranks_report(self) -> list[dict]:
         """Every rank's running totals, rank 0's first (between passes: see worker.Tally); rank 0's
@@ -200,6 +203,24 @@ class FrontEngine(Engine):
     def device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()) -> torch.Tensor:
         return self.start_device_pass(h, seqs, stats, routes)()
 
+    def _slot_base(self, seqs: list[Seq]) -> int:
+        """The first of the state slots a pass's sequences take on every rank where passes replay
+        graphs (runtime.decode_graph): where they sit already if no pass in flight holds those slots,
+        else past the slots of the passes in flight, so that groups taking turns never move each
+        other's states out (every rank follows the same bases, so where they sit on rank 0 is where
+        they sit on every rank)."""
+        B = len(seqs)
+
+        def free(base: int) -> bool:
+            return not any(base < r.stop and r.start < base + B for _, r in self._in_flight)
+        here = self.graphs.slot_of(seqs[0].state) if self.graphs is not None else None
+        if here is not None and free(here):
+            return here
+        base = 0
+        while not free(base):
+            base = next(r.stop for _, r in self._in_flight if base < r.stop and r.start < base + B)
+        return base
+
     def start_device_pass(self, h: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()):
         """Rank 0's layers over the pass's rows, handed on to rank 1; the function returned waits for
         the last rank's rows and runs the head. Between the two, rank 0 may start other passes (of
@@ -210,14 +231,15 @@ class FrontEngine(Engine):
         for s in seqs:
             if not isinstance(s.state, FrontState) or s.state.mirror is not self.mirror:
                 raise ValueError("a pass of a model split across ranks takes only states from its new_state()")
-        message = {"ops": self.mirror.drain(),
+        base = self._slot_base(seqs)
+        message = {"ops": self.mirror.drain(), "base": base,
                    "seqs": [[s.state.key, list(s.ids), s.keep_states, s.logits, s.reach] for s in seqs]}
         wanted = len(logit_rows(seqs))
         try:
             # Posted, not waited for: a rank still busy with an earlier pass takes them when it is done.
             sends = [group.send_message(r, message, wait=False) for r in range(1, group.world_size)]
             t0 = time.perf_counter()
-            rows = layer_rows(self, h.unsqueeze(0), seqs, stats, routes)
+            rows = layer_rows(self, h.unsqueeze(0), seqs, stats, base, routes)
             t1 = time.perf_counter()
             back = group.expect_rows(group.last, (blocks_before(cfg, cfg.num_layers) + 1, wanted, cfg.hidden_size),
                                      self.device)
@@ -230,10 +252,10 @@ class FrontEngine(Engine):
             raise
         self.layer_seconds += t1 - t0
         token = object()
-        self._in_flight.append(token)
+        self._in_flight.append((token, range(base, base + len(seqs))))
 
         def finish() -> torch.Tensor:
-            if not self._in_flight or self._in_flight[0] is not token:
+            if not self._in_flight or self._in_flight[0][0] is not token:
                 group.fault = RankFault("rank 0 ended passes out of order")
                 raise RuntimeError("passes of a model split across ranks end in the order they began")
             self._in_flight.popleft()

@@ -60,7 +60,7 @@ def serve_passes(group: Group, engine: Engine) -> int:
             raise RankFault(f"rank {group.rank}: rank 0 sent a pass this rank cannot run ({type(e).__name__}: {e}); "
                             "stopping") from None
         try:
-            sent = _run_pass(group, engine, seqs, tally, sent)
+            sent = _run_pass(group, engine, seqs, message["base"], tally, sent)
         except LinkError as e:
             group.report(e)
             raise RankFault(f"rank {group.rank}: {e}; stopping") from None
@@ -135,11 +135,14 @@ def _pass_of(message: dict, states: dict, engine: Engine) -> list[Seq]:
     rows = sum(len(s.ids) for s in seqs)
     if not 0 < rows <= MAX_PASS_ROWS:
         raise ValueError(f"a pass of {rows} rows (at most {MAX_PASS_ROWS})")
+    base = message["base"]  # where its states sit in the slots (past MAX_SLOTS the plain pass runs)
+    if type(base) is not int or not 0 <= base <= MAX_PASS_ROWS:
+        raise ValueError(f"state slots from {base!r}")
     return seqs
 
 
 @torch.inference_mode()
-def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally, before: Sent | None) -> Sent:
+def _run_pass(group: Group, engine: Engine, seqs: list[Seq], base: int, tally: Tally, before: Sent | None) -> Sent:
     """This rank's layers over a pass's rows, handed on to the next rank without waiting for it to
     take them (it may be busy with the pass before); `before`, the last pass's rows, must have been
     taken first."""
@@ -152,7 +155,7 @@ def _run_pass(group: Group, engine: Engine, seqs: list[Seq], tally: Tally, befor
         s.state.begin_pass(s.keep_states)
     t0 = time.perf_counter()
     with engine.pass_threads(n):
-        rows = layer_rows(engine, x, seqs, stats)
+        rows = layer_rows(engine, x, seqs, stats, base)
     tally.layer_seconds += time.perf_counter() - t0
     for s in seqs:
         s.state.num_tokens += len(s.ids)

@@ -25,10 +25,15 @@ What recording needs, and how it gets it:
   (``KDAState.pending``, tensors of the graph's own memory, refilled by every replay); the recorder
   keeps the records the recording made and hands them to the states again after each replay. The
   rollback writes into the slot's tensors, so the next pass finds the state in place.
-- One graph per shape: (B, n, keep_states). A pass replays the graph recorded for its shape, over
-  slots 0..B-1; a new shape records a new graph (no padding: a padded row would need a slot that no
-  sequence owns, and the shapes a server or a speculating decode sees settle quickly). Graphs share
-  one memory pool.
+- One graph per shape: (B, n, keep_states, base). A pass replays the graph recorded for its shape,
+  over slots base..base+B-1; a new shape records a new graph (no padding: a padded row would need a
+  slot that no sequence owns, and the shapes a server or a speculating decode sees settle quickly).
+  Graphs share one memory pool. One process runs a pass at a time, at base 0; a model split across
+  processes keeps several in flight, each at its own base (chosen by rank 0, dist.pipeline), so two
+  groups of sequences taking turns each find their states where they left them.
+- A rank's layers. On a rank of a split model the recorder replays that rank's layers only
+  (``run_rows``): its input buffer takes the rows the rank receives (the residual stream and the
+  block summaries so far), its output is the rows it hands on, and its slots hold its layers' states.
 - Capacity. A sequence longer than the buffers doubles every slot's MLA caches (outside any graph),
   which drops the recorded graphs; they are recorded again at the new capacity as passes need them.
   Where sequences say how long they will grow (``Seq.reach``: a generation's prompt and new tokens),
@@ -62,6 +67,9 @@ MIN_CAPACITY = 256  # MLA cache rows of the first buffers (then doubled as neede
 # pass attends over its buffers' every row, so room far beyond the tokens held costs every pass.
 REACH_MAX_CAPACITY = 2048
 MAX_GRAPH_ROWS = 64  # rows of the largest pass recorded, where the experts' kernels allow any
+# The most state slots: passes in flight at once (a split model's pipeline) sit in slots of their own
+# (``base``); a pass reaching past this many runs the plain pass, so no pass can grow the buffers further.
+MAX_SLOTS = 2 * MAX_GRAPH_ROWS
 # PassStats fields a replay adds as the recorded pass counted them (what it reads does not change).
 REPLAYED_COUNTS = ("bytes_on_device", "bytes_to_device", "experts_loaded")
 
@@ -80,7 +88,7 @@ class DecodeGraphs:
         self.capacity = 0
         self.slots: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # slot -> per layer (a, b)
         self._owners: list = []  # slot -> weak reference to the DecodeState living in it, or None
-        self.graphs: dict[tuple, tuple] = {}  # (B, n, keep) -> (graph, output, counts, rollback records)
+        self.graphs: dict[tuple, tuple] = {}  # (B, n, keep, base) -> (graph, output, counts, rollback records)
         self._pool = None
         self.failed: str | None = None  # the last recording that failed, why
         self.failed_shapes: set[tuple] = set()  # shapes whose recording failed: they run the plain pass
@@ -88,6 +96,7 @@ class DecodeGraphs:
         self.replayed = 0
         self.replayed_by_kind = {"decode": 0, "check": 0}  # one token of each sequence | drafts checked
         self.record_seconds = 0.0  # spent recording (not running) graphs
+        self.moved_in = 0  # sequences whose states were copied into a slot (not already living there)
         # The whole pass (token ids in, logits out: ``run``), or this rank's layers of a model split
         # across processes (rows in, rows out: ``run_rows``).
         self.whole = engine.layers == range(cfg.num_layers)
@@ -110,9 +119,9 @@ class DecodeGraphs:
         return (engine.device.type == "cuda" and engine.settings.cuda_graphs
                 and getattr(engine.provider, "graph_ready", False))
 
-    def applies(self, seqs) -> bool:
+    def applies(self, seqs, base: int = 0) -> bool:
         n, keep = len(seqs[0].ids), seqs[0].keep_states
-        if (len(seqs), n, keep) in self.failed_shapes or len(seqs) * n > self.max_rows:
+        if (len(seqs), n, keep) in self.failed_shapes or len(seqs) * n > self.max_rows or base + len(seqs) > MAX_SLOTS:
             return False
         if n > 1 and not keep:  # several rows of a sequence that keeps no rollback: a prompt piece
             return False
@@ -129,46 +138,47 @@ class DecodeGraphs:
         """The whole pass of B sequences' n new rows each, queued; float32 logits [B * n, vocab] on the
         device."""
         t0 = time.perf_counter()
-        rows = self._seat(seqs)
+        rows = self._seat(seqs, 0)
         self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
         self.x[0, :rows].copy_(self.x_host[:rows], non_blocking=True)
-        return self._pass(seqs, stats, t0)
+        return self._pass(seqs, stats, 0, t0)
 
-    def run_rows(self, seqs, x: torch.Tensor, stats: PassStats) -> torch.Tensor:
+    def run_rows(self, seqs, x: torch.Tensor, stats: PassStats, base: int = 0) -> torch.Tensor:
         """This rank's layers over the pass's rows x [summaries + 1, B * n, H] (on the device, as
-        received), queued; the rows after them, stacked alike (the summaries the layers began
-        appended)."""
+        received), its sequences in slots base..base+B-1, queued; the rows after them, stacked alike
+        (the summaries the layers began appended). Passes in flight together take different bases
+        (dist.pipeline), so that neither moves the other's states out of their slots."""
         t0 = time.perf_counter()
         if x.shape[0] != self.x.shape[0]:  # the rank's first pass: its input's width is now known
             self.x = self.x.new_zeros((x.shape[0], *self.x.shape[1:]))
             self.graphs, self._pool = {}, None
-        rows = self._seat(seqs)
+        rows = self._seat(seqs, base)
         self.x[:, :rows].copy_(x)
-        return self._pass(seqs, stats, t0)
+        return self._pass(seqs, stats, base, t0)
 
-    def _seat(self, seqs) -> int:
-        """Slots for the pass's sequences (each moved into its own) and its rows' positions queued;
-        the pass's rows."""
+    def _seat(self, seqs, base: int) -> int:
+        """Slots for the pass's sequences (each moved into its own, from `base` on) and its rows'
+        positions queued; the pass's rows."""
         B, n = len(seqs), len(seqs[0].ids)
         reach = min(max(s.reach for s in seqs), REACH_MAX_CAPACITY)  # room sized once for what they will hold
-        self._fit(max(max(s.state.num_tokens for s in seqs) + n, reach), B)
+        self._fit(max(max(s.state.num_tokens for s in seqs) + n, reach), base + B)
         for b, s in enumerate(seqs):
-            self._adopt(s.state, b)
+            self._adopt(s.state, base + b)
         rows = B * n
         self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(n)])
         self.pos[:rows].copy_(self.pos_host[:rows], non_blocking=True)
         return rows
 
-    def _pass(self, seqs, stats: PassStats, t0: float) -> torch.Tensor:
+    def _pass(self, seqs, stats: PassStats, base: int, t0: float) -> torch.Tensor:
         """The pass over the input in place: recorded mode (then recorded) for a new shape, else replayed."""
         n, keep = len(seqs[0].ids), seqs[0].keep_states
-        shape = (len(seqs), n, keep)
+        shape = (len(seqs), n, keep, base)
         recorded = self.graphs.get(shape)
         if recorded is None:
             out = self._recorded_mode(seqs, stats, capture=False)
             if self.record:
                 t1 = time.perf_counter()
-                self._capture(seqs)
+                self._capture(seqs, base)
                 self.record_seconds += time.perf_counter() - t1
         else:
             graph, recorded_out, counts, records = recorded
@@ -231,9 +241,9 @@ class DecodeGraphs:
         h = self.engine.run_layers(x[-1], blocks, seqs, stats)
         return torch.stack([*blocks, h])
 
-    def _capture(self, seqs) -> None:
+    def _capture(self, seqs, base: int) -> None:
         stats = PassStats()
-        shape = (len(seqs), len(seqs[0].ids), seqs[0].keep_states)
+        shape = (len(seqs), len(seqs[0].ids), seqs[0].keep_states, base)
         # Recording runs the pass's Python again: the rollback records it leaves are the graph's
         # (filled by replays), while the states keep those of the pass that just ran.
         ran = _pending(seqs)
@@ -244,7 +254,7 @@ class DecodeGraphs:
             # for this shape only (a kernel of batches may not record where one-row passes do); the
             # pool the failed recording drew from is dropped with every graph in it
             self.failed = f"{type(e).__name__}: {e}"
-            self.failed_shapes.add(shape)
+            self.failed_shapes.add(shape[:3])
             print(f"deltafin: recording the decode pass of {shape[0]} sequence(s) x {shape[1]} row(s) as a CUDA "
                   f"graph failed ({self.failed}); such passes run without it", file=sys.stderr)
             self.graphs, self._pool = {}, None
@@ -277,6 +287,10 @@ class DecodeGraphs:
         # A pool whose graphs are all gone is freed: the next recording starts a new one.
         self._owners, self.graphs, self._pool = [None] * count, {}, None
 
+    def slot_of(self, state) -> int | None:
+        """The slot `state` lives in (None: none)."""
+        return next((i for i in range(len(self._owners)) if self._owner(i) is state), None)
+
     def _owner(self, slot: int):
         ref = self._owners[slot]
         return ref() if ref is not None else None
@@ -284,6 +298,7 @@ class DecodeGraphs:
     def _adopt(self, state, slot: int) -> None:
         """Make `state` live in `slot` (copying in what is not there already)."""
         if self._owner(slot) is not state:
+            self.moved_in += 1
             self._release(slot)
             for other in range(len(self.slots)):
                 if other != slot and self._owner(other) is state:

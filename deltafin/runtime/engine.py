@@ -122,7 +122,7 @@ class Engine:
         before = g.recorded
         token = self.cfg.bos_token_id or 0
         for B, n in shapes:
-            if (B, n, n > 1) in g.graphs:
+            if (B, n, n > 1, 0) in g.graphs:
                 continue
             seqs = [Seq([token] * n, self.new_state(), n > 1, "all", reach=reach) for _ in range(B)]
             if g.applies(seqs):
