@@ -544,3 +544,35 @@ def test_prefix_cache_settings_are_range_checked():
     for name in ("prefix_cache_mb", "prefix_cache_block"):
         with pytest.raises(SettingsError, match=name):
             Settings.resolve({name: -1})
+
+
+def test_handoff_wakes_the_loop_once_for_a_burst_and_keeps_each_queues_order():
+    """The engine thread's pieces reach each request's queue in order; a burst of them put while the
+    loop is busy wakes it once, not once per piece (tokens of 8 streams a pass: one wake-up)."""
+    import asyncio
+
+    from deltafin.serve.app import Handoff
+    handoff, loop = Handoff(), asyncio.new_event_loop()
+    wakeups = []
+    real = loop.call_soon_threadsafe
+
+    def counted(*args):
+        wakeups.append(args)
+        return real(*args)
+    loop.call_soon_threadsafe = counted
+    try:
+        queues = [asyncio.Queue() for _ in range(3)]
+        burst = threading.Thread(target=lambda: [handoff.put(loop, queues[i % 3], i) for i in range(30)])
+        burst.start()
+        burst.join()  # the loop is not running: everything waits behind the first wake-up
+        assert len(wakeups) == 1
+        loop.run_until_complete(asyncio.sleep(0))
+        assert [[q.get_nowait() for _ in range(q.qsize())] for q in queues] == [list(range(k, 30, 3)) for k in range(3)]
+        handoff.put(loop, queues[0], "next")  # delivered: the next put wakes the loop again
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(wakeups) == 2 and queues[0].get_nowait() == "next"
+    finally:
+        loop.close()
+    with pytest.raises(RuntimeError):  # a closed loop: refused, and nothing is left pending for it
+        handoff.put(loop, queues[0], "late")
+    assert not handoff._pending
