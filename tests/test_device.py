@@ -14,6 +14,7 @@ import torch
 import deltafin
 from deltafin.io.sources import open_source
 from deltafin.runtime.engine import Engine
+from deltafin.runtime.pass_stats import PassStats
 from deltafin.io.device import DeviceProvider
 from deltafin.checkpoint.sizes import ModelSizes
 from deltafin.io.placement import ExpertSlots, PlacementError, plan, require_everything
@@ -130,6 +131,28 @@ def test_device_provider_matches_ram_at_every_split(request, fixture):
                     == sum(sizes.spine_bytes) + last.experts_loaded * max(sizes.expert_bytes))
         finally:
             provider.close()
+
+
+def test_stacked_experts_count_at_most_the_layers_experts(tiny_k3_path):
+    """With every expert of a layer stacked the routing is not read back: a pass's experts count as
+    its (token, expert) pairs, exact for one token and capped at the layer's experts for a batch that
+    has more pairs than that (the union cannot be larger)."""
+    source = open_source(tiny_k3_path)
+    sizes = ModelSizes.of(source)
+    settings = Settings.resolve({"device": "cpu"})
+    provider = DeviceProvider(source, settings, plan(sizes, sizes.total + 1, "cpu"))
+    try:
+        cfg = source.config
+        layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
+        k, E = cfg.experts_per_token, cfg.num_experts
+        for rows, want in ((1, k), (E, E)):  # one token; more pairs than experts
+            stats = PassStats()
+            ids = torch.stack([torch.randperm(E)[:k] for _ in range(rows)])
+            provider.experts(layer, ids, stats).result()
+            assert stats.experts_loaded == want
+            assert stats.bytes_on_device == want * sizes.expert_bytes[layer]
+    finally:
+        provider.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -396,9 +396,11 @@ class DeviceProvider:
     def experts(self, i: int, ids, stats, residual=None) -> Future:
         stack = self._stacks.get(i)
         if stack is not None:
-            # Every expert is here: no need to read the routing back. Counted as ids.numel() experts,
-            # which at one token is exact (a token's top-k experts are distinct).
-            n = ids.numel() if isinstance(ids, torch.Tensor) else len(ids)
+            # Every expert is here: no need to read the routing back. Counted as the pass's (token, expert)
+            # pairs, at most the layer's experts: exact for one token (a token's top-k experts are
+            # distinct) and for a batch that chose every expert, between those an upper bound (the
+            # union of the rows' choices stays on the device).
+            n = min(ids.numel() if isinstance(ids, torch.Tensor) else len(ids), len(stack))
             stats.bytes_on_device += n * self._expert_bytes[i]
             stats.experts_loaded += n
             return done(stack)
