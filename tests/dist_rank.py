@@ -33,12 +33,12 @@ def parity(model, state_file=None) -> dict:
     # Two groups of sequences taking turns, each pass begun before the other group's has ended (as a
     # split model's scheduler runs them): on ranks that replay graphs each group keeps its own slots.
     groups = [[model.new_state(), model.new_state()], [model.new_state(), model.new_state()]]
-    for states in groups:
-        model.forward_batch([Seq(prompt, st) for st in states])
+    for j, st in enumerate(groups[0] + groups[1]):
+        model.forward(prompt[:4 + j], st)
     moved = model.graph_stats()["states_moved_in"] if model.graph_stats() else None
     out["groups"], pending = [], None
     for step in range(8):
-        begun = model.start_batch([Seq([20 + step], st) for st in groups[step % 2]])
+        begun = model.start_batch([Seq([20 + step + 7 * j], st) for j, st in enumerate(groups[step % 2])])
         if pending is not None:
             out["groups"] += pending.result()
         pending = begun
