@@ -156,12 +156,12 @@ class Model:
     def pipeline_depth(self) -> int:
         """Passes (of different sequences) worth keeping in flight at once: ``--pipeline``, or for a
         model split across ranks one per rank unless two ranks compute on the same cores
-        (``RankPlacement.shares_cores``); else 1."""
+        (``RankPlacement.shares_compute``: the same cores or the same GPU); else 1."""
         if self.placement is None:
             return 1
         if self.settings.pipeline:
             return self.settings.pipeline
-        return 1 if self.placement.shares_cores else len(self.placement.ranges)
+        return 1 if self.placement.shares_compute else len(self.placement.ranges)
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(ids), vocab]: a full prefill from a fresh state."""

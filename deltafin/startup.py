@@ -100,7 +100,7 @@ def pipeline_message(model) -> str:
     if model.settings.pipeline:
         why = "--pipeline"
     elif depth == 1:
-        why = "auto: ranks share this host's cores, so one pass at a time batches every request into it"
+        why = "auto: ranks share this host's cores or a GPU, so one pass at a time batches every request into it"
     else:
         why = "auto: one per rank"
     return f"{depth} pass{'es' if depth != 1 else ''} of different sequences in flight at once ({why})"

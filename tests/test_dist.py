@@ -17,7 +17,7 @@ import torch
 import deltafin
 from deltafin.checkpoint.sizes import ModelSizes
 from deltafin.dist.launch import LaunchError, from_environment
-from deltafin.dist.placement import PlacementError, check_same, plan, share_cores, split
+from deltafin.dist.placement import PlacementError, check_same, plan, share_compute, split
 from deltafin.settings import Settings, SettingsError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -578,14 +578,20 @@ def test_check_same_names_the_field_and_ranks():
         check_same([{"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 1, "b": "x"}])
 
 
-def test_ranks_share_cores_only_on_one_host_with_overlapping_cpus():
-    """What turns automatic pipelining off: two ranks of one host computing on the same cores."""
-    assert share_cores([["a", [0, 1]], ["a", [1, 2]]])
-    assert not share_cores([["a", [0, 1]], ["b", [0, 1]]])  # two hosts
-    assert not share_cores([["a", [0]], ["a", [1]], ["b", [0]]])  # one host, a core each (taskset)
-    for bad in (["a"], ["a", "0-3"], [1, [0]], ["a", [0.5]], None):
-        with pytest.raises(PlacementError, match="rank 1 described its CPUs"):
-            share_cores([["a", [0]], bad])
+def test_ranks_share_compute_only_on_one_host_with_the_same_cores_or_gpu():
+    """What turns automatic pipelining off: two ranks of one host computing on the same cores, or on
+    the same GPU; ranks on GPUs of their own pipeline whatever cores their launches run on."""
+    assert share_compute([["a", [0, 1], "cpu"], ["a", [1, 2], "cpu"]])
+    assert not share_compute([["a", [0, 1], "cpu"], ["b", [0, 1], "cpu"]])  # two hosts
+    assert not share_compute([["a", [0], "cpu"], ["a", [1], "cpu"], ["b", [0], "cpu"]])  # a core each (taskset)
+    assert not share_compute([["a", [0, 1], "cuda:0"], ["a", [0, 1], "cuda:1"]])  # a GPU each
+    assert share_compute([["a", [0], "cuda:0"], ["a", [1], "cuda:0"]])  # one GPU for both
+    assert share_compute([["a", [0, 1], "cuda:0"], ["a", [1], "cpu"]])  # a CPU rank on the GPU rank's cores
+    assert not share_compute([["a", [0], "cuda:0"], ["a", [1], "cpu"]])
+    for bad in (["a", [0]], ["a", "0-3", "cpu"], [1, [0], "cpu"], ["a", [0.5], "cpu"], ["a", [0], 7],
+                ["a", [0], "x" * 33], None):
+        with pytest.raises(PlacementError, match="rank 1 described where it computes"):
+            share_compute([["a", [0], "cpu"], bad])
 
 
 def test_launch_from_environment():

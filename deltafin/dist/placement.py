@@ -36,10 +36,11 @@ class RankPlacement:
     ranges: tuple[range, ...]  # each rank's layers
     weight_bytes: tuple[int, ...]  # what each rank holds as stored (rank 0: with the globals)
     how: str  # where the ranges came from
-    # Two ranks on one host may compute on the same cores (their CPU sets overlap): passes of theirs
-    # in flight at once then slow each other down as much as they overlap, so one pass at a time
-    # (every request batched into it) is the faster way there (Model.pipeline_depth).
-    shares_cores: bool = False
+    # Two ranks on one host may compute on the same cores (their CPU sets overlap, one of them
+    # computing on the CPU) or on the same GPU: passes of theirs in flight at once then slow each other
+    # down as much as they share, so one pass at a time (every request batched into it) is the faster
+    # way there (Model.pipeline_depth). Ranks on GPUs of their own pipeline.
+    shares_compute: bool = False
 
     def table(self) -> str:
         """The placement as a few lines (rank 0 prints it at start)."""
@@ -126,19 +127,30 @@ def describe(source, settings: Settings) -> dict:
     return {"model": {**model_identity(source, settings.dtype), "index_sha256": index_sha256(source),
                       "kda_chunk": settings.kda_chunk, "placement": settings.placement,
                       "dist_timeout": settings.dist_timeout},
-            "budget": settings.ram_budget_bytes(), "cpus": [socket.gethostname(), sorted(os.sched_getaffinity(0))]}
+            "budget": settings.ram_budget_bytes(),
+            "compute": [socket.gethostname(), sorted(os.sched_getaffinity(0)), settings.device]}
 
 
-def share_cores(cpus: list) -> bool:
-    """Whether two ranks run on one host with CPU sets that overlap (``describe``'s "cpus": each rank's
-    host name and CPU numbers, checked here: a peer's description is not trusted)."""
+def share_compute(compute: list) -> bool:
+    """Whether two ranks of one host compute on the same cores (CPU sets that overlap, one of the two
+    computing on the CPU) or on the same GPU. ``describe``'s "compute": each rank's host name, CPU
+    numbers and device ("cpu" or "cuda:N", as the rank resolved it), checked here: a peer's
+    description is not trusted."""
     seen = []
-    for rank, c in enumerate(cpus):
-        if not (isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], list)
-                and all(type(n) is int for n in c[1])):
-            raise PlacementError(f"rank {rank} described its CPUs as {str(c)[:80]!r}, not [host, [cpu, ...]]")
-        seen.append((c[0], set(c[1])))
-    return any(a[0] == b[0] and a[1] & b[1] for i, a in enumerate(seen) for b in seen[i + 1:])
+    for rank, c in enumerate(compute):
+        if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and isinstance(c[1], list)
+                and all(type(n) is int for n in c[1]) and isinstance(c[2], str) and len(c[2]) <= 32):
+            raise PlacementError(f"rank {rank} described where it computes as {str(c)[:80]!r}, not "
+                                 "[host, [cpu, ...], device]")
+        seen.append((c[0], set(c[1]), c[2]))
+
+    def compete(a, b) -> bool:
+        if a[0] != b[0]:
+            return False  # hosts of their own
+        if a[2].startswith("cuda") and b[2].startswith("cuda"):
+            return a[2] == b[2]  # the launches' host threads are light beside a GPU's passes
+        return bool(a[1] & b[1])
+    return any(compete(a, b) for i, a in enumerate(seen) for b in seen[i + 1:])
 
 
 def check_same(models: list[dict]) -> None:
@@ -161,4 +173,4 @@ def agree(group: Group, source, settings: Settings) -> RankPlacement:
     everyone = group.gather(describe(source, settings))
     check_same([d["model"] for d in everyone])
     placement = plan(ModelSizes.of(source), [d["budget"] for d in everyone], parse_placement(settings.placement))
-    return dataclasses.replace(placement, shares_cores=share_cores([d["cpus"] for d in everyone]))
+    return dataclasses.replace(placement, shares_compute=share_compute([d["compute"] for d in everyone]))
