@@ -128,7 +128,7 @@ def describe(source, settings: Settings) -> dict:
                       "kda_chunk": settings.kda_chunk, "placement": settings.placement,
                       "dist_timeout": settings.dist_timeout},
             "budget": settings.ram_budget_bytes(),
-            "compute": [socket.gethostname(), sorted(os.sched_getaffinity(0)), settings.device]}
+            "compute": [socket.gethostname(), sorted(os.sched_getaffinity(0)), str(settings.torch_device())]}
 
 
 def share_compute(compute: list) -> bool:
