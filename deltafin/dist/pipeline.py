@@ -63,9 +63,7 @@ def layer_rows(engine: Engine, x: torch.Tensor, seqs: list[Seq], stats: PassStat
     g = engine.graphs
     if g is not None and not routes and g.applies(seqs, base):
         return g.run_rows(seqs, x, stats, base)
-    blocks = list(x[:-1])
-    h = engine.run_layers(x[-1], blocks, seqs, stats, routes)
-    return torch.stack([*blocks, h])
+    return engine.run_stacked(x, seqs, stats, routes)
 
 
 class Mirror:

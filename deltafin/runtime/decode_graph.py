@@ -236,10 +236,7 @@ class DecodeGraphs:
         """What a pass computes from its input buffer: the logits, or this rank's rows stacked."""
         if self.whole:
             return self.engine.device_pass(self.x[0, :rows], seqs, stats)
-        x = self.x[:, :rows]
-        blocks = list(x[:-1])
-        h = self.engine.run_layers(x[-1], blocks, seqs, stats)
-        return torch.stack([*blocks, h])
+        return self.engine.run_stacked(self.x[:, :rows], seqs, stats)
 
     def _capture(self, seqs, base: int) -> None:
         stats = PassStats()

@@ -243,6 +243,14 @@ class Engine:
             self.provider.end_pass(stats)
         return h
 
+    def run_stacked(self, x: torch.Tensor, seqs: list[Seq], stats: PassStats, routes=()) -> torch.Tensor:
+        """``run_layers`` over rows as they travel between ranks, x [summaries + 1, rows, H] (the block
+        summaries so far, then the residual stream), and the rows after them stacked alike (the
+        summaries the layers began appended)."""
+        blocks = list(x[:-1])
+        h = self.run_layers(x[-1], blocks, seqs, stats, routes)
+        return torch.stack([*blocks, h])
+
     def head(self, h: torch.Tensor, blocks: list[torch.Tensor], seqs: list[Seq], stats: PassStats) -> torch.Tensor:
         """The final norm and lm_head over the rows whose logits the sequences want (h may hold
         those rows only, see logit_rows); float32 logits on the compute device."""
