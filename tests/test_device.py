@@ -398,6 +398,37 @@ def test_cuda_half_gemv_matches_torch_products():
     assert not half_gemv_triton.applies(torch.zeros(2, 33, device="cuda"), w)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_float_gemv_is_the_float32_product_of_the_stored_bf16_weight():
+    """fp32 rows against a bf16 weight, unrounded: one row and 2 to MAX_ROWS rows (three bf16 parts on the
+    tensor cores), narrow weights included, through ``ops.linear``, against the float64 product. The bound
+    is float32 summation error, which torch's own widened product meets too; rows rounded to bf16 would
+    miss it by ~10x (the products' rounding is 2**-9 of each term)."""
+    from deltafin.kernels import half_gemv_triton
+    from deltafin.model.ops import linear
+    gen = torch.Generator().manual_seed(6)
+    for N, K, leads in (((37, 300, ((1,), (2,), (16,)))), (128, 7168, ((1,), (2, 4))), (5, 2050, ((1,), (3,))),
+                        (512, 1024, ((8,),)), (4700, 1536, ((1,), (4, 2))), (7200, 2304, ((16,),))):
+        w = torch.randn(N, K, generator=gen).bfloat16().cuda()
+        for lead in leads:
+            x = torch.randn(*lead, K, generator=gen).cuda()
+            want = (x.double() @ w.double().T)
+            bound = 2 ** -17 * (x.double().abs() @ w.double().abs().T) + 1e-30
+            assert half_gemv_triton.applies(x, w, rounded=False)
+            widened = torch.nn.functional.linear(x, w.float())
+            assert ((widened.double() - want).abs() <= bound).all(), (N, K, lead)  # the bound is fair
+            fixed = {"BN": 4, "BK": 128} if x.numel() == K else {"BN": 16, "BK": 64, "num_stages": 2}
+            for got in (linear(x, w), half_gemv_triton.float_gemv(x, w), half_gemv_triton.float_gemv(x, w, fixed)):
+                assert got.shape == want.shape and got.dtype == torch.float32
+                assert ((got.double() - want).abs() <= bound).all(), (N, K, lead)
+            rounded = half_gemv_triton.half_gemv(x, w) if half_gemv_triton.applies(x, w) else None
+            if rounded is not None:  # what the bound tells apart
+                assert not ((rounded.double() - want).abs() <= bound).all(), (N, K, lead)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda")
+    assert not half_gemv_triton.applies(torch.zeros(half_gemv_triton.MAX_ROWS + 1, 32, device="cuda"), w, False)
+    assert half_gemv_triton.applies(torch.zeros(2, 32, device="cuda"), w, False)
+
+
 def _expert_reads(source, budget: int, ram_budget: str, ids):
     """Logits, the decode passes' stats, and what each tier holds at the end, for a device that
     holds every spine and two experts per layer over a host-RAM cache of `ram_budget` over disk."""

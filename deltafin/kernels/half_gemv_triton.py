@@ -13,6 +13,11 @@ time; enough rows give enough programs for the device. Where BN and BK divide th
 loads carry no masks, so each thread reads 16 contiguous bytes of a row at once. Two to MAX_ROWS rows
 (``_rows_kernel``, a batch of decodes or a draft check) against a weight of ROWS_MIN_OUT outputs or
 more: the same walk, the rows padded to 16 on the tensor cores, each weight read once for all of them.
+
+The same two kernels run fp32 rows against a bf16 weight unrounded (``float_gemv``, ``ops.linear``'s
+path for a float32 model over bf16 weights): one row sums exact fp32 products; several go to the tensor
+cores as three bf16 parts each. Torch would widen the weight to fp32 first, a launch that writes twice
+the weight's bytes and a product that reads them (a small-k3 fp32 pass: 99 widenings, a quarter of it).
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ _even = triton.heuristics({"EVEN": lambda a: a["K"] % a["BK"] == 0 and a["N"] % 
 
 @_even
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                 ROUND: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < N
     rows = w_ptr + n[:, None].to(tl.int64) * stride_w
@@ -40,16 +46,22 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.c
             kmask = k < K
             x = tl.load(x_ptr + k, mask=kmask, other=0.0)
             w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.bfloat16).to(tl.float32)[None, :]
-    y = tl.sum(acc, 1).to(tl.bfloat16).to(tl.float32)
+        if ROUND:
+            x = x.to(tl.bfloat16).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if ROUND:
+        y = y.to(tl.bfloat16).to(tl.float32)
     tl.store(y_ptr + n, y, mask=nmask)
 
 
 @_even
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 EVEN: tl.constexpr):
-    """M rows (M <= BM) on the tensor cores: bf16 x bf16 products are exact and sum in fp32."""
+                 EVEN: tl.constexpr, ROUND: tl.constexpr):
+    """M rows (M <= BM) on the tensor cores: bf16 x bf16 products are exact and sum in fp32. Unrounded
+    (ROUND false), each fp32 row goes in as three bf16 parts whose sum is the row to fp32's precision
+    (x - hi is exact in fp32, and so is the next remainder), so the three products give the fp32 product."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     nmask, mmask = n < N, m < M
@@ -65,8 +77,17 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: t
             kmask = k < K
             w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             x = tl.load(xs + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
-    y = acc.to(tl.bfloat16).to(tl.float32)
+        wt = tl.trans(w)
+        hi = x.to(w.dtype)
+        if not ROUND:
+            rest = x - hi.to(tl.float32)
+            mid = rest.to(w.dtype)
+            acc = tl.dot((rest - mid.to(tl.float32)).to(w.dtype), wt, acc)  # smallest first
+            acc = tl.dot(mid, wt, acc)
+        acc = tl.dot(hi, wt, acc)
+    y = acc
+    if ROUND:
+        y = y.to(tl.bfloat16).to(tl.float32)
     tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
@@ -119,26 +140,39 @@ def _launch(bn: int, bk: int, warps: int, stages: int = 2) -> dict:
     return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
 
 
-def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One fp32 row, or up to MAX_ROWS of them (any leading shape) against a weight of at least ROWS_MIN_OUT
-    outputs, times a contiguous 2-D bf16 weight, on CUDA."""
+def applies(x: torch.Tensor, w: torch.Tensor, rounded: bool = True) -> bool:
+    """One fp32 row, or up to MAX_ROWS of them (any leading shape), times a contiguous 2-D bf16 weight, on
+    CUDA; several rounded rows only against a weight of at least ROWS_MIN_OUT outputs (below, torch's
+    bf16 product is faster), unrounded ones against any (torch's would first widen the whole weight)."""
     return (x.is_cuda and x.dtype == torch.float32 and w.dim() == 2 and x.shape[-1] == w.shape[1]
             and 0 < x.numel() <= MAX_ROWS * w.shape[1] and w.dtype == torch.bfloat16 and w.is_cuda
-            and w.stride(1) == 1 and (x.numel() == w.shape[1] or w.shape[0] >= ROWS_MIN_OUT))
+            and w.stride(1) == 1 and (not rounded or x.numel() == w.shape[1] or w.shape[0] >= ROWS_MIN_OUT))
 
 
 def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (up to MAX_ROWS rows) @ w[N, K]^T with the input and the result rounded to bf16 -> x's
     shape with N. config: {"BN", "BK"} and optionally "num_warps", "num_stages" instead of the chosen
     launch (``config_for`` for one row, ``rows_config`` for more)."""
+    return _product(x, w, config, rounded=True)
+
+
+def float_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (up to MAX_ROWS fp32 rows) @ w[N, K]^T in fp32 arithmetic, the bf16 weight read once as
+    stored: the product torch computes after widening the weight to fp32 (``ops.linear``), up to
+    summation order, without writing and reading the widened copy. config as ``half_gemv``'s."""
+    return _product(x, w, config, rounded=False)
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, config: dict | None, rounded: bool) -> torch.Tensor:
     N, K = w.shape
     M = x.numel() // K
     xr = x.reshape(M, K).contiguous()
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if M == 1:
         launch = config or config_for(N, K)
-        _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), **launch)
+        _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), ROUND=rounded, **launch)
     else:
         launch = config or rows_config(N)
-        _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=MAX_ROWS, **launch)
+        _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=MAX_ROWS, ROUND=rounded,
+                                                      **launch)
     return y.view(*x.shape[:-1], N)

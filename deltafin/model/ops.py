@@ -46,6 +46,9 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         return qlinear(x, w)
     if w.dtype == x.dtype:
         return F.linear(x, w)
+    if x.is_cuda and w.dtype == torch.bfloat16 and (gemv := triton_kernels("half_gemv_triton")) is not None \
+            and gemv.applies(x, w, rounded=False):
+        return gemv.float_gemv(x, w)
     if w.numel() <= CONVERT_BLOCK:
         return F.linear(x, w.to(x.dtype))
     rows = max(1, CONVERT_BLOCK // w.shape[1])
