@@ -14,6 +14,7 @@ from .dist.launch import joined
 from .errors import DeltafinError
 from .io.sources import open_source
 from .model.state import DecodeState
+from .runtime.decode_graph import piece_size
 from .runtime.engine import Engine
 from .runtime.generate import generate
 from .runtime.grammar import Constraint
@@ -267,6 +268,16 @@ class Model:
         """Whether decode passes replay recorded CUDA graphs (one per pass shape: a scheduler keeps the
         shapes few)."""
         return self.engine.graphs is not None
+
+    def replayed_piece(self, left: int) -> int:
+        """The prompt piece a replayed pass reads from a prompt with `left` tokens to go
+        (decode_graph.piece_size); 0 where passes replay no graphs."""
+        return piece_size(left) if self.engine.graphs is not None and left > 0 else 0
+
+    @property
+    def replayed_rows(self) -> int:
+        """Rows a replayed pass takes at most (0: passes replay no graphs)."""
+        return self.engine.graphs.max_rows if self.engine.graphs is not None else 0
 
     def record_passes(self, reach: int, drafts: int = 0, sequences: int = 1) -> int:
         """Records ahead the decode graphs a greedy generation of `sequences` sequences will replay: a

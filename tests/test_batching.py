@@ -246,7 +246,7 @@ def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_pa
     """With recorded passes (on the CPU their code runs eagerly), prompt pieces go in passes of their own
     and a pass of several decoding sequences carries one row of each, so one graph per batch size
     replays them; the outputs stay each alone's."""
-    from deltafin.runtime.decode_graph import DecodeGraphs
+    from deltafin.runtime.decode_graph import DecodeGraphs, piece_size
     m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
     m.engine.graphs = DecodeGraphs(m.engine, record=False)
     assert m.replays_passes
@@ -256,6 +256,10 @@ def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_pa
     decode = [rows for rows, kinds in shapes.passes if set(kinds) == {"all"}]
     assert any(len(rows) > 1 for rows in decode) and all(set(rows) == {1} for rows in decode if len(rows) > 1)
     assert all("all" not in kinds for _, kinds in shapes.passes if set(kinds) != {"all"})  # none mixed
+    # prompts in pieces a graph replays (8, 4, 2, 1 tokens here), newcomers with as many to go together
+    prompt = [rows for rows, kinds in shapes.passes if "all" not in kinds]
+    assert all(len(set(rows)) == 1 and piece_size(rows[0]) == rows[0] for rows in prompt)
+    assert any(len(rows) > 1 for rows in prompt)
 
 
 class _SmallDevice(_Shapes):
@@ -396,6 +400,9 @@ def test_an_idle_engine_gathers_while_requests_keep_coming():
     assert gather_deadline(10.0, 10.0, slow) == pytest.approx(10.0 + GATHER_SHARE * slow)
     assert gather_deadline(10.0, 10.15, slow) == pytest.approx(10.0 + GATHER_SHARE * slow)
     assert gather_deadline(10.0, 10.195, slow) == pytest.approx(10.0 + GATHER_SHARE * slow)
+    replayed = 0.0015  # a replayed GPU pass: one pass, not GATHER_MIN_SECONDS, after the start or an arrival
+    assert gather_deadline(10.0, 10.0, replayed) == pytest.approx(10.0 + replayed)
+    assert gather_deadline(10.0, 10.001, replayed) == pytest.approx(10.001 + replayed)
 
 
 def test_requests_sent_together_to_an_idle_engine_start_in_one_pass(model, alone):

@@ -12,6 +12,7 @@ import torch
 import deltafin
 from deltafin.runtime import decode_graph
 from deltafin.runtime.decode_graph import DecodeGraphs
+from deltafin.runtime.engine import Seq
 from deltafin.settings import Settings, SettingsError
 
 PROMPT = [11, 42, 7, 300, 5, 99]
@@ -175,6 +176,52 @@ def test_batched_recorded_mode_matches_each_sequence_alone(request, fixture, mon
     assert graphs.capacity == 32 and len(graphs.slots) == 4  # 6 + 12 tokens: 8 -> 16 -> 32
 
 
+def _pieces(plain, m, tol):
+    """Two prompts (23 and 22 tokens) read by `m` in the pieces a graph takes (16, 4, 2, 1 rows; both
+    sharing each pass, one wanting the last row's logits where the other wants none), against each read
+    in one plain pass by `plain`: the last logits, the states and a decode after them, within `tol`."""
+    prompts = [_tokens(23, 30), _tokens(22, 31)]
+    want, refs = [], []
+    for prompt in prompts:
+        st = plain.new_state()
+        want.append(plain.forward(prompt, st, last_only=True))
+        refs.append(st)
+    states = [m.new_state() for _ in prompts]
+    got = [None, None]
+    fed = [0, 0]
+    for sizes in ((16, 16), (4, 4), (2, 2), (1,)):  # the second prompt ends at 22, so it sits out the last
+        seqs = []
+        for j, n in enumerate(sizes):
+            piece = prompts[j][fed[j]:fed[j] + n]
+            fed[j] += n
+            seqs.append(Seq(piece, states[j], logits="last" if fed[j] == len(prompts[j]) else "none"))
+        assert m.engine.graphs.applies(seqs)
+        for j, out in enumerate(m.engine.forward_batch(seqs)):
+            if out is not None:
+                got[j] = out
+    for j in (0, 1):
+        assert (got[j] - want[j]).abs().max().item() < tol
+        assert states[j].max_abs_diff(refs[j]) < tol
+        tokens = _tokens(4, 40 + j)
+        assert (_decode(m, states[j], tokens) - _decode(plain, refs[j], tokens)).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_prompt_pieces_in_slots_read_the_prompt_as_one_plain_pass_does(request, fixture):
+    """Prompt pieces of the sizes a graph takes in recorded mode read a prompt as one plain pass does
+    (_pieces); other lengths, or every row's logits, run the plain pass."""
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cpu", stream="off")
+    m = _recorded(path)
+    graphs = m.engine.graphs
+    _pieces(plain, m, 1e-4)
+    assert graphs._pieces_seen == {(2, 16, False, 0), (2, 4, False, 0), (2, 2, False, 0)}  # the last one a decode's
+    st = m.new_state()
+    assert not graphs.applies([Seq(_tokens(3, 1), st, logits="last")])  # not a piece size
+    assert not graphs.applies([Seq(_tokens(4, 1), st, logits="all")])  # every row's logits: the plain pass
+    assert not graphs.applies([Seq(_tokens(32, 1), st, logits="last")])  # past PIECE_MAX_ROWS
+
+
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
 def test_check_passes_in_slots_roll_back_as_plain_passes_do(request, fixture):
     """Draft-check passes (n rows each, keep_states) of one and of two sequences in slots, each
@@ -312,6 +359,21 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
         assert (got - want).abs().max().item() < tol * want.abs().max().item()
     # a replay accounts the bytes the recorded pass read
     assert m.engine.last_pass.bytes_on_device == plain.engine.last_pass.bytes_on_device > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_prompt_pieces_replay_as_one_plain_pass_reads_the_prompt(request, fixture):
+    """fp32 on the device: prompt pieces run in recorded mode, recorded the second time their shapes
+    come and replayed the third, each time against the prompts read in one plain pass each (_pieces)."""
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cuda", stream="off", cuda_graphs=False)
+    m = deltafin.load(path, device="cuda", stream="off")
+    graphs = m.engine.graphs
+    for _ in range(3):
+        _pieces(plain, m, 1e-4)
+    assert graphs.failed is None and graphs.replayed_by_kind["prompt"] == 3
+    assert {(2, 16, False, 0), (2, 4, False, 0), (2, 2, False, 0)} <= set(graphs.graphs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

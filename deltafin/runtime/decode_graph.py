@@ -1,8 +1,9 @@
 """Decode and draft-check passes recorded once as CUDA graphs and replayed.
 
-A pass qualifies when every sequence in it feeds the same number n of rows and wants all their
-logits: one token each (decode), or one token and n - 1 drafts each (speculation's check, which
-keeps what a rollback needs). When every weight is resident on the device and every MoE layer's
+A pass qualifies when every sequence in it feeds the same number n of rows: one token each (decode),
+one token and n - 1 drafts each (speculation's check, which keeps what a rollback needs and wants
+every row's logits), or a prompt piece each of a power of two rows up to PIECE_MAX_ROWS (the last
+row's logits or none; a server cuts short prompts into such pieces, see runtime.scheduler). When every weight is resident on the device and every MoE layer's
 experts are stacked (the grouped kernels read the routing on the device), such a pass of B
 sequences is a fixed sequence of kernels whose only inputs from the host are the rows' embeddings
 and their positions. Replaying that
@@ -45,12 +46,14 @@ What recording needs, and how it gets it:
 
 The first pass of a batch size at a capacity runs eagerly through the same code (which also warms up
 cuBLAS and the Triton autotuners: neither may run inside a recording) and the graph is recorded
-after it, for the next pass. Prompt pieces, passes whose sequences feed different numbers of rows,
-and streamed weights run the plain pass. A recording that fails is reported once
+after it, for the next pass; a prompt piece's shape is recorded the second time it comes (a one-off
+prompt of a generation does not pay a recording). Prompt pieces of other lengths, passes whose
+sequences feed different numbers of rows, and streamed weights run the plain pass. A recording that fails is reported once
 and passes of that shape run the plain pass from then on (other shapes still record).
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 import time
@@ -59,6 +62,7 @@ import weakref
 import torch
 
 from ..kernels.grouped import GROUPED_MAX_PAIRS
+from ..model.kda import RECURRENT_MAX_ROWS
 from ..model.state import KDAState, MLAState
 from .pass_stats import PassStats
 
@@ -70,6 +74,10 @@ MAX_GRAPH_ROWS = 64  # rows of the largest pass recorded, where the experts' ker
 # The most state slots: passes in flight at once (a split model's pipeline) sit in slots of their own
 # (``base``); a pass reaching past this many runs the plain pass, so no pass can grow the buffers further.
 MAX_SLOTS = 2 * MAX_GRAPH_ROWS
+# The longest prompt piece a graph takes (its sizes are powers of two up to it): up to here the plain pass
+# steps KDA's recurrence row by row too, as a recorded pass does, so a piece's arithmetic is the same
+# whichever runs it; longer pieces take the chunked form, at matrix speed, in the plain pass.
+PIECE_MAX_ROWS = RECURRENT_MAX_ROWS
 # PassStats fields a replay adds as the recorded pass counted them (what it reads does not change).
 REPLAYED_COUNTS = ("bytes_on_device", "bytes_to_device", "experts_loaded")
 
@@ -94,7 +102,9 @@ class DecodeGraphs:
         self.failed_shapes: set[tuple] = set()  # shapes whose recording failed: they run the plain pass
         self.recorded = 0  # graphs recorded so far (one per batch size and capacity reached)
         self.replayed = 0
-        self.replayed_by_kind = {"decode": 0, "check": 0}  # one token of each sequence | drafts checked
+        # one token of each sequence | drafts checked | prompt pieces
+        self.replayed_by_kind = {"decode": 0, "check": 0, "prompt": 0}
+        self._pieces_seen: set[tuple] = set()  # prompt-piece shapes run once (recorded the next time)
         self.record_seconds = 0.0  # spent recording (not running) graphs
         self.moved_in = 0  # sequences whose states were copied into a slot (not already living there)
         # The whole pass (token ids in, logits out: ``run``), or this rank's layers of a model split
@@ -112,6 +122,9 @@ class DecodeGraphs:
         self.x_host = (torch.zeros(self.max_rows, cfg.hidden_size, dtype=engine.dtype, pin_memory=pin)
                        if self.whole else None)
         self.pos_host = torch.zeros(self.max_rows, dtype=torch.long, pin_memory=pin)
+        # Marks the end of the last copies out of those buffers: they are not written again before it (a
+        # pass whose sequences want no logits reads nothing back, so nothing else waits for the device).
+        self._copied = torch.cuda.Event() if pin else None
 
     @staticmethod
     def possible(engine) -> bool:
@@ -123,10 +136,12 @@ class DecodeGraphs:
         n, keep = len(seqs[0].ids), seqs[0].keep_states
         if (len(seqs), n, keep) in self.failed_shapes or len(seqs) * n > self.max_rows or base + len(seqs) > MAX_SLOTS:
             return False
-        if n > 1 and not keep:  # several rows of a sequence that keeps no rollback: a prompt piece
-            return False
-        # one row: its logits ("all" or "last" are the same row); more: a check pass wants them all
-        wanted = ("all", "last") if n == 1 else ("all",)
+        if keep:  # a check pass wants every row's logits
+            wanted = ("all",)
+        elif n == 1:  # a decode step or a one-token prompt piece
+            wanted = ("all", "last", "none")
+        else:  # a prompt piece, of a few sizes
+            wanted = ("last", "none") if piece_size(n) == n else ()
         return all(len(s.ids) == n and s.keep_states == keep and s.logits in wanted for s in seqs)
 
     @property
@@ -135,13 +150,22 @@ class DecodeGraphs:
         return [pair for slot in self.slots for pair in slot]
 
     def run(self, seqs, ids_t: torch.Tensor, stats: PassStats) -> torch.Tensor:
-        """The whole pass of B sequences' n new rows each, queued; float32 logits [B * n, vocab] on the
-        device."""
+        """The whole pass of B sequences' n new rows each, queued; float32 logits of the rows they want
+        on the device ([B * n, vocab] for a check pass)."""
         t0 = time.perf_counter()
         rows = self._seat(seqs, 0)
         self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
         self.x[0, :rows].copy_(self.x_host[:rows], non_blocking=True)
-        return self._pass(seqs, stats, 0, t0)
+        self._mark_copied()
+        if seqs[0].keep_states:
+            return self._pass(seqs, stats, 0, t0)
+        # Without rollback states a pass records every sequence's last row's logits (one shape, whatever
+        # they asked), and hands on those of the sequences that want them.
+        out = self._pass([dataclasses.replace(s, logits="last") for s in seqs], stats, 0, t0)
+        wanted = [b for b, s in enumerate(seqs) if s.logits != "none"]
+        if len(wanted) == len(seqs):
+            return out
+        return torch.cat([out[b:b + 1] for b in wanted]) if wanted else out[:0]
 
     def run_rows(self, seqs, x: torch.Tensor, stats: PassStats, base: int = 0) -> torch.Tensor:
         """This rank's layers over the pass's rows x [summaries + 1, B * n, H] (on the device, as
@@ -153,6 +177,7 @@ class DecodeGraphs:
             self.x = self.x.new_zeros((x.shape[0], *self.x.shape[1:]))
             self.graphs, self._pool = {}, None
         rows = self._seat(seqs, base)
+        self._mark_copied()
         self.x[:, :rows].copy_(x)
         return self._pass(seqs, stats, base, t0)
 
@@ -165,9 +190,15 @@ class DecodeGraphs:
         for b, s in enumerate(seqs):
             self._adopt(s.state, base + b)
         rows = B * n
+        if self._copied is not None:
+            self._copied.synchronize()  # the last pass's copies out of the page-locked buffers are done
         self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(n)])
         self.pos[:rows].copy_(self.pos_host[:rows], non_blocking=True)
         return rows
+
+    def _mark_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
 
     def _pass(self, seqs, stats: PassStats, base: int, t0: float) -> torch.Tensor:
         """The pass over the input in place: recorded mode (then recorded) for a new shape, else replayed."""
@@ -176,7 +207,10 @@ class DecodeGraphs:
         recorded = self.graphs.get(shape)
         if recorded is None:
             out = self._recorded_mode(seqs, stats, capture=False)
-            if self.record:
+            once = n > 1 and not keep and shape not in self._pieces_seen  # a prompt piece's first time
+            if once:
+                self._pieces_seen.add(shape)
+            elif self.record:
                 t1 = time.perf_counter()
                 self._capture(seqs, base)
                 self.record_seconds += time.perf_counter() - t1
@@ -184,7 +218,7 @@ class DecodeGraphs:
             graph, recorded_out, counts, records = recorded
             graph.replay()
             self.replayed += 1
-            self.replayed_by_kind["check" if keep else "decode"] += 1
+            self.replayed_by_kind["check" if keep else "prompt" if n > 1 else "decode"] += 1
             out = recorded_out.clone()  # the recorded output buffer is the next replay's
             for k, v in counts.items():
                 setattr(stats, k, getattr(stats, k) + v)
@@ -334,6 +368,12 @@ class DecodeGraphs:
                     st.pending = {k: v.clone() if id(v) in mine else v for k, v in st.pending.items()}
             elif id(st.ckv) in mine:
                 st.ckv, st.krot = st.ckv[: st.length].clone(), st.krot[: st.length].clone()
+
+
+def piece_size(left: int) -> int:
+    """The prompt piece a recorded pass takes from a prompt with `left` tokens to go: the largest power of
+    two up to PIECE_MAX_ROWS (a few shapes cover every prompt: 23 tokens are pieces of 16, 4, 2 and 1)."""
+    return 1 << (max(1, min(left, PIECE_MAX_ROWS)).bit_length() - 1)
 
 
 def _pending(seqs) -> list[list]:

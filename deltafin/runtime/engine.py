@@ -162,9 +162,9 @@ class Engine:
         with self.pass_threads(stats.tokens):
             logits = finish()
         c0 = time.perf_counter()
-        if all(s.on_device for s in seqs):
-            _wait_for(self.device)  # the pass's time includes the device's work
-        else:
+        if all(s.on_device for s in seqs) or logits.numel() == 0:
+            _wait_for(self.device)  # the pass's time includes the device's work (an empty read-back waits for none)
+        if not all(s.on_device for s in seqs):
             logits = logits.cpu()
         stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - pending.started
@@ -258,8 +258,18 @@ class Engine:
         g = self.provider.globals()
         c0 = time.perf_counter()
         rows = logit_rows(seqs)
-        if len(rows) != h.shape[0]:  # every row wanted (a full-logits pass): no copy
-            h, blocks = h[rows], [b[rows] for b in blocks]
+        n = len(seqs[0].ids)
+        if len(rows) == h.shape[0]:  # every row wanted (a full-logits pass): no copy
+            pick = None
+        elif all(s.logits == "last" and len(s.ids) == n for s in seqs):
+            # each sequence's last row: a strided view, which a recorded pass (prompt pieces) can take
+            def pick(t):
+                return t.view(len(seqs), n, *t.shape[1:])[:, -1]
+        else:
+            def pick(t):
+                return t[rows]
+        if pick is not None:
+            h, blocks = pick(h), [pick(b) for b in blocks]
         if cfg.attn_res_block_size:
             h = attn_res(h, blocks, g["out_res_proj"], g["out_res_norm"], cfg.rms_norm_eps)
         head = self._for_products({"lm_head": g["lm_head"]})["lm_head"]

@@ -215,6 +215,11 @@ class Decoding:
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not fed yet."""
+        return len(self.prompt) - self.fed
+
     def next_pass(self, max_draft: int | None = None, max_prompt: int | None = None) -> Seq:
         """What the next forward pass feeds this sequence: the next piece of the prompt (at most
         ``prefill_chunk`` tokens, and at most ``max_prompt`` when given), or the last produced

@@ -20,10 +20,11 @@ newcomer), so speculation keeps going beside a newcomer; a sequence whose drafts
 accepted drafts as much as it would alone (``draft_limits``), as far as MAX_PASS_ROWS allows. With
 nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. On a device that replays
 recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), where a decode pass
-costs a small fraction of any pass run eagerly, newcomers' prompts go in passes of their own (pieces
-of ``prefill_chunk`` tokens) taking turns with the decode passes, and a pass of several decoding
-sequences carries one token of each: a graph replays it, where a prompt piece or one sequence's
-drafts would make the whole pass eager. Each request keeps its own
+costs a small fraction of any pass run eagerly, newcomers' prompts go in passes of their own taking
+turns with the decode passes, and a pass of several decoding sequences carries one token of each: a
+graph replays it, where a prompt piece or one sequence's drafts would make the whole pass eager. A
+short prompt (REPLAYED_PROMPT_MAX) is read in pieces that graphs replay too (16, 8, 4, 2, 1 tokens,
+newcomers with as many tokens to go sharing a pass); a longer one in ``prefill_chunk`` pieces. Each request keeps its own
 drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
 one it gets served alone (up to the rounding of products over a different number of rows, which
 leaves greedy tokens and seeded samples unchanged in the tests).
@@ -77,6 +78,11 @@ FREE_ROWS_COST = 1.1
 # several streams stays out of the shared passes for dozens of them (measured:
 # docs/benchmarks.md#scheduler).
 PROMPT_COST_FACTOR = 1.5
+# With recorded passes, a newcomer's prompt with at most this many tokens to go is read in pieces that
+# graphs replay (decode_graph.PIECE_MAX_ROWS at most, ~1.5-2 ms a pass of small-k3 on an H100), where a
+# plain pass of any length costs ~20-30 ms of launches there; longer prompts go in plain passes of
+# prefill_chunk tokens, whose cost per token falls as they grow.
+REPLAYED_PROMPT_MAX = 64
 # A sequence whose drafts have been accepted at least at this rate (accepted over drafted tokens,
 # over its generation so far) drafts as it would alone, not only its share of the rows: its draft
 # rows then yield tokens at that rate, while one pass per token is what the batch saves (measured:
@@ -88,8 +94,11 @@ ACCEPTED_DRAFTS = 0.5
 # others finishes one pass late. A lone request's first token comes up to this share of a pass
 # later (measured: docs/benchmarks.md#scheduler).
 GATHER_SHARE = 0.05
-# ... and at least this long: in RAM that share of a one-row pass is shorter than clients sending
-# together take to arrive.
+# ... and at least this long, or one pass where a pass is shorter: in RAM that share of a one-row pass
+# is shorter than clients sending together take to arrive. A replayed GPU pass (~1.5 ms of small-k3)
+# costs less than waiting longer: a latecomer reads its prompt a few passes later (replayed pieces)
+# and runs that many passes behind, where 20 ms of waiting held a lone client's every request up by
+# 14 such passes (one client, two requests of 64 tokens: idle 21 % of its run, 2026-12-06).
 GATHER_MIN_SECONDS = 0.02
 # While requests keep coming, each arrival extends the wait to GATHER_MIN_SECONDS after it, up to
 # this long (or the share above, when longer): clients of one load generator arrive spread over
@@ -167,10 +176,12 @@ class PassCosts:
 def gather_deadline(start: float, last_arrival: float, pace: float) -> float:
     """When an idle engine that began gathering at ``start`` stops waiting, the latest request having
     come at ``last_arrival``, for passes of ``pace`` seconds: GATHER_SHARE of a pass (at least
-    GATHER_MIN_SECONDS) after the start, or GATHER_MIN_SECONDS after the latest arrival when that is
-    later, but no later than GATHER_MAX_SECONDS (or that share, when longer) after the start."""
-    base = max(GATHER_SHARE * pace, GATHER_MIN_SECONDS)
-    return min(start + max(base, GATHER_MAX_SECONDS), max(start + base, last_arrival + GATHER_MIN_SECONDS))
+    ``least``: GATHER_MIN_SECONDS, or one pass if shorter) after the start, or ``least`` after the latest
+    arrival when that is later, but no later than GATHER_MAX_SECONDS (or that share, when longer) after
+    the start."""
+    least = min(GATHER_MIN_SECONDS, pace)
+    base = max(GATHER_SHARE * pace, least)
+    return min(start + max(base, GATHER_MAX_SECONDS), max(start + base, last_arrival + least))
 
 
 def draft_limits(stats: list[dict], draft_lens: list[int], share: int, room: int) -> list[int]:
@@ -447,17 +458,17 @@ class Scheduler:
         """(request, Seq) for each of `requests` in this pass (see the module docstring for the rows)."""
         decoding = [r for r in requests if not r.decoding.prefilling]
         prefilling = [r for r in requests if r.decoding.prefilling]
+        replays = getattr(self.model, "replays_passes", False)
         if not decoding:
-            return [(r, r.decoding.next_pass()) for r in prefilling]
-        if getattr(self.model, "replays_passes", False):
-            # A recorded pass carries decode rows only, of one shape: prompt pieces go in passes of
-            # their own (eager), taking turns with the decode passes; several decoding sequences
-            # feed one token each.
+            return self._prompt_pass(prefilling) if replays else [(r, r.decoding.next_pass()) for r in prefilling]
+        if replays:
+            # A recorded pass carries rows of one shape: prompt pieces go in passes of their own, taking
+            # turns with the decode passes; several decoding sequences feed one token each.
             if not prefilling or self._prompt_turn is False:
                 self._prompt_turn = True
                 return [(r, r.decoding.next_pass(max_draft=0 if len(decoding) > 1 else None)) for r in decoding]
             self._prompt_turn = False
-            return [(r, r.decoding.next_pass()) for r in prefilling]
+            return self._prompt_pass(prefilling)
         # The decoding sequences first, each with a draft of what their rows leave (one row kept
         # for a newcomer); then newcomers, earliest first, share the prompt rows the cost budget
         # allows beside those rows (at least one row for the earliest).
@@ -474,6 +485,21 @@ class Scheduler:
             batch.append((r, r.decoding.next_pass(max_prompt=room)))
             room -= len(batch[-1][1].ids)
         return batch
+
+    def _prompt_pass(self, prefilling: list[_Request]) -> list:
+        """A pass of newcomers' prompt pieces on a model that replays recorded passes. A prompt with at
+        most REPLAYED_PROMPT_MAX tokens to go is read in the pieces a graph replays
+        (``Model.replayed_piece``: 16, 8, 4, 2 or 1 tokens): the earliest newcomer's, beside every other
+        newcomer with as many tokens to go, as many as a recorded pass takes. Longer prompts go in
+        ``prefill_chunk`` pieces, together, in a plain pass (at matrix speed)."""
+        first = prefilling[0].decoding.prompt_left
+        piece = self.model.replayed_piece(min(first, self.prefill_chunk))
+        if not piece:  # no piece replays here (a rank's layers): every newcomer's next piece, together
+            return [(r, r.decoding.next_pass()) for r in prefilling]
+        if first > REPLAYED_PROMPT_MAX:
+            return [(r, r.decoding.next_pass()) for r in prefilling if r.decoding.prompt_left > REPLAYED_PROMPT_MAX]
+        group = [r for r in prefilling if piece <= r.decoding.prompt_left <= REPLAYED_PROMPT_MAX]
+        return [(r, r.decoding.next_pass(max_prompt=piece)) for r in group[:max(1, self.model.replayed_rows // piece)]]
 
     def _retire(self) -> None:
         still = []
