@@ -1,13 +1,13 @@
-"""Decode and draft-check passes recorded once as CUDA graphs and replayed.
+"""Decode, draft-check and prompt-piece passes recorded once as CUDA graphs and replayed.
 
 A pass qualifies when every sequence in it feeds the same number n of rows: one token each (decode),
 one token and n - 1 drafts each (speculation's check, which keeps what a rollback needs and wants
 every row's logits), or a prompt piece each of a power of two rows up to PIECE_MAX_ROWS (the last
-row's logits or none; a server cuts short prompts into such pieces, see runtime.scheduler). When every weight is resident on the device and every MoE layer's
-experts are stacked (the grouped kernels read the routing on the device), such a pass of B
-sequences is a fixed sequence of kernels whose only inputs from the host are the rows' embeddings
-and their positions. Replaying that
-sequence as a CUDA graph costs one launch, where the plain pass launches about a hundred kernels
+row's logits or none; a server cuts short prompts into such pieces, see runtime.scheduler). When
+every weight is resident on the device and every MoE layer's experts are stacked (the grouped kernels
+read the routing on the device), such a pass of B sequences is a fixed sequence of kernels whose only
+inputs from the host are the rows' embeddings and their positions. Replaying that sequence as a CUDA
+graph costs one launch, where the plain pass launches about a hundred kernels
 per layer, each with its Python around it: on a fast GPU those launches, not memory, bound decoding,
 and a batch of B sequences costs B times the launches of one.
 
@@ -48,8 +48,9 @@ The first pass of a batch size at a capacity runs eagerly through the same code 
 cuBLAS and the Triton autotuners: neither may run inside a recording) and the graph is recorded
 after it, for the next pass; a prompt piece's shape is recorded the second time it comes (a one-off
 prompt of a generation does not pay a recording). Prompt pieces of other lengths, passes whose
-sequences feed different numbers of rows, and streamed weights run the plain pass. A recording that fails is reported once
-and passes of that shape run the plain pass from then on (other shapes still record).
+sequences feed different numbers of rows, and streamed weights run the plain pass. A recording that
+fails is reported once and passes of that shape run the plain pass from then on (other shapes still
+record).
 """
 from __future__ import annotations
 

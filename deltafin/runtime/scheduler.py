@@ -22,10 +22,10 @@ nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. On a device t
 recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), where a decode pass
 costs a small fraction of any pass run eagerly, newcomers' prompts go in passes of their own taking
 turns with the decode passes, and a pass of several decoding sequences carries one token of each: a
-graph replays it, where a prompt piece or one sequence's drafts would make the whole pass eager. A
-short prompt (REPLAYED_PROMPT_MAX) is read in pieces that graphs replay too (16, 8, 4, 2, 1 tokens,
-newcomers with as many tokens to go sharing a pass); a longer one in ``prefill_chunk`` pieces. Each request keeps its own
-drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
+graph replays it, where a prompt piece or one sequence's drafts mixed in would make the whole pass
+eager. A short prompt (REPLAYED_PROMPT_MAX) is read in pieces that graphs replay too (16, 8, 4, 2, 1
+tokens, newcomers with as many tokens to go sharing a pass); a longer one in ``prefill_chunk``
+pieces. Each request keeps its own drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
 one it gets served alone (up to the rounding of products over a different number of rows, which
 leaves greedy tokens and seeded samples unchanged in the tests).
 
