@@ -25,9 +25,9 @@ turns with the decode passes, and a pass of several decoding sequences carries o
 graph replays it, where a prompt piece or one sequence's drafts mixed in would make the whole pass
 eager. A short prompt (REPLAYED_PROMPT_MAX) is read in pieces that graphs replay too (16, 8, 4, 2, 1
 tokens, newcomers with as many tokens to go sharing a pass); a longer one in ``prefill_chunk``
-pieces. Each request keeps its own drafts and sampling generator; pieces and draft lengths change speed only, so its output is the
-one it gets served alone (up to the rounding of products over a different number of rows, which
-leaves greedy tokens and seeded samples unchanged in the tests).
+pieces. Each request keeps its own drafts and sampling generator; pieces and draft lengths change
+speed only, so its output is the one it gets served alone (up to the rounding of products over a
+different number of rows, which leaves greedy tokens and seeded samples unchanged in the tests).
 
 On a model split across ranks (``Model.pipeline_depth`` > 1) the engine thread keeps that many
 passes in flight, each over a share of the active requests not already in one: while rank 1 runs one
