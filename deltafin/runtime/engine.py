@@ -264,7 +264,7 @@ class Engine:
         elif all(s.logits == "last" and len(s.ids) == n for s in seqs):
             # each sequence's last row: a strided view, which a recorded pass (prompt pieces) can take
             def pick(t):
-                return t.view(len(seqs), n, *t.shape[1:])[:, -1]
+                return t.reshape(len(seqs), n, *t.shape[1:])[:, -1]
         else:
             def pick(t):
                 return t[rows]
