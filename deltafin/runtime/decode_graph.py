@@ -158,14 +158,12 @@ class DecodeGraphs:
         self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
         self.x[0, :rows].copy_(self.x_host[:rows], non_blocking=True)
         self._mark_copied()
-        if seqs[0].keep_states:
+        wanted = [b for b, s in enumerate(seqs) if s.logits != "none"]
+        if len(wanted) == len(seqs):  # a check pass (every row), or one row or the last of each
             return self._pass(seqs, stats, 0, t0)
         # Without rollback states a pass records every sequence's last row's logits (one shape, whatever
         # they asked), and hands on those of the sequences that want them.
         out = self._pass([dataclasses.replace(s, logits="last") for s in seqs], stats, 0, t0)
-        wanted = [b for b, s in enumerate(seqs) if s.logits != "none"]
-        if len(wanted) == len(seqs):
-            return out
         return torch.cat([out[b:b + 1] for b in wanted]) if wanted else out[:0]
 
     def run_rows(self, seqs, x: torch.Tensor, stats: PassStats, base: int = 0) -> torch.Tensor:
