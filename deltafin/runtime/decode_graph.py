@@ -76,8 +76,9 @@ MAX_GRAPH_ROWS = 64  # rows of the largest pass recorded, where the experts' ker
 # (``base``); a pass reaching past this many runs the plain pass, so no pass can grow the buffers further.
 MAX_SLOTS = 2 * MAX_GRAPH_ROWS
 # The longest prompt piece a graph takes (its sizes are powers of two up to it): up to here the plain pass
-# steps KDA's recurrence row by row too, as a recorded pass does, so a piece's arithmetic is the same
-# whichever runs it; longer pieces take the chunked form, at matrix speed, in the plain pass.
+# steps KDA's recurrence row by row too, as a recorded pass does (a fresh sequence's MLA attention is the
+# one difference: the plain pass expands its keys, a recorded one stays latent; the same within float32
+# rounding); longer pieces take the chunked form, at matrix speed, in the plain pass.
 PIECE_MAX_ROWS = RECURRENT_MAX_ROWS
 # PassStats fields a replay adds as the recorded pass counted them (what it reads does not change).
 REPLAYED_COUNTS = ("bytes_on_device", "bytes_to_device", "experts_loaded")
