@@ -546,12 +546,49 @@ def test_prefix_cache_settings_are_range_checked():
             Settings.resolve({name: -1})
 
 
+def test_handoff_deferred_wakes_each_loop_once_when_the_hand_out_ends():
+    """Inside ``deferred()`` (the engine thread handing out a pass) no put wakes a loop; at its end each
+    loop with items is woken once and gets them in order; puts from another thread meanwhile wait for
+    that wake-up; a loop closed meanwhile loses its items without an error."""
+    import asyncio
+
+    from deltafin.serve.handoff import Handoff
+    handoff = Handoff()
+    loops = [asyncio.new_event_loop() for _ in range(3)]
+    wakeups = []
+    for k, loop in enumerate(loops):
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a, k=k, real=real: (real(*a), wakeups.append(k))[0]  # if it took it
+    try:
+        queues = [asyncio.Queue() for _ in loops]
+        with handoff.deferred():
+            for i in range(12):
+                handoff.put(loops[i % 2], queues[i % 2], i)
+            other = threading.Thread(target=lambda: handoff.put(loops[0], queues[0], "other"))
+            other.start()
+            other.join()
+            handoff.put(loops[2], queues[2], "lost")
+            loops[2].close()
+            assert wakeups == []
+        assert sorted(wakeups) == [0, 1]  # the closed loop's wake-up was refused, quietly
+        for loop in loops[:2]:
+            loop.run_until_complete(asyncio.sleep(0))
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues[:2]]
+        assert got == [[0, 2, 4, 6, 8, 10, "other"], [1, 3, 5, 7, 9, 11]]
+        assert not handoff._pending
+        handoff.put(loops[0], queues[0], "after")  # outside the block: at once
+        assert wakeups[-1] == 0
+    finally:
+        for loop in loops:
+            loop.close()
+
+
 def test_handoff_wakes_the_loop_once_for_a_burst_and_keeps_each_queues_order():
     """The engine thread's pieces reach each request's queue in order; a burst of them put while the
     loop is busy wakes it once, not once per piece (tokens of 8 streams a pass: one wake-up)."""
     import asyncio
 
-    from deltafin.serve.app import Handoff
+    from deltafin.serve.handoff import Handoff
     handoff, loop = Handoff(), asyncio.new_event_loop()
     wakeups = []
     real = loop.call_soon_threadsafe

@@ -43,9 +43,11 @@ pre-filled, or a fresh one). Nothing else outlives a request.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -253,10 +255,14 @@ class _Request:
 class Scheduler:
     """Runs generations on one engine thread, up to ``max_batch`` of them in each pass."""
 
-    def __init__(self, model, max_batch: int, prefill_chunk: int):
+    def __init__(self, model, max_batch: int, prefill_chunk: int,
+                 hand_out: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        """hand_out: entered around handing a pass's tokens to its requests (their callbacks run inside
+        it; the server defers waking its event loop to its end, serve.handoff)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {max_batch} and {prefill_chunk}")
         self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
+        self._hand_out = hand_out
         self._prompt_turn = False  # with recorded passes: whether the next pass reads prompt pieces
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -411,20 +417,21 @@ class Scheduler:
         self.costs.record(rows, t3 - flight.t1)
         prompt_rows = sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
         decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
-        for (r, _), out, ids in zip(batch, logits, picks):
-            try:
-                r.decoding.take(out, ids)
-            except Exception as e:  # this request's own callback or checks: only it fails
-                r.future.set_exception(e)
-        t = self.tally  # counted before the finished requests are resolved, so their callers see it
-        t.sequences, t.decoding, t.rows, t.prompt_rows = (t.sequences + len(batch), t.decoding + decoding,
-                                                          t.rows + rows, t.prompt_rows + prompt_rows)
-        t.in_flight += flight.in_flight
-        t.plan_seconds += flight.t1 - flight.t0
-        t.forward_seconds += flight.forward_seconds + t3 - t2
-        t.take_seconds += time.perf_counter() - t3
-        t.passes += 1
-        self._retire()
+        with self._hand_out():
+            for (r, _), out, ids in zip(batch, logits, picks):
+                try:
+                    r.decoding.take(out, ids)
+                except Exception as e:  # this request's own callback or checks: only it fails
+                    r.future.set_exception(e)
+            t = self.tally  # counted before the finished requests are resolved, so their callers see it
+            t.sequences, t.decoding, t.rows, t.prompt_rows = (t.sequences + len(batch), t.decoding + decoding,
+                                                              t.rows + rows, t.prompt_rows + prompt_rows)
+            t.in_flight += flight.in_flight
+            t.plan_seconds += flight.t1 - flight.t0
+            t.forward_seconds += flight.forward_seconds + t3 - t2
+            t.take_seconds += time.perf_counter() - t3
+            t.passes += 1
+            self._retire()
 
     def _failed(self, batch: list, e: Exception) -> None:
         """A pass over `batch` failed (starting or ending)."""

@@ -36,6 +36,7 @@ from ..errors import DeltafinError, DeviceOutOfMemory
 from ..settings import Settings
 from . import metrics as metrics_mod
 from .admission import EngineBusy
+from .handoff import HANDOFF
 from .memo import MemoChoice, MemoEntry
 from .protocol import (MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat,
                        parse_completion, sse)
@@ -78,43 +79,6 @@ def memo_response(shaper: Shaper, stream: bool, entry: MemoEntry, prompt_tokens:
         chunks.append(shaper.usage_chunk(prompt_tokens, entry.completion_tokens, entry.cached_tokens))
     return Response(b"".join(sse(c) for c in chunks) + SSE_DONE,
                     headers={k.decode(): v.decode() for k, v in _SSE_HEADERS})
-
-
-class Handoff:
-    """What the engine thread hands to asyncio queues (each request's pieces), delivered on their
-    event loop. A hand-off wakes the loop (``call_soon_threadsafe``: a write to its self-pipe) only
-    when none is pending there: the tokens a pass gives every stream go over in one wake-up, where a
-    wake-up per token and stream was most of the engine thread's work between passes with 8 streams
-    (on the CPU, 15 of the 25 samples it spent handing out tokens). Each queue gets its items in the
-    order they were put."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # loop -> [(queue, item)], a wake-up queued
-
-    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
-        """From any thread: `item` into `queue` on `loop` (RuntimeError if the loop is closed)."""
-        with self._lock:
-            waiting = self._pending.get(loop)
-            if waiting is not None:
-                waiting.append((queue, item))
-                return
-            self._pending[loop] = [(queue, item)]
-        try:
-            loop.call_soon_threadsafe(self._deliver, loop)
-        except RuntimeError:
-            with self._lock:
-                self._pending.pop(loop, None)
-            raise
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self._lock:
-            items = self._pending.pop(loop)
-        for queue, item in items:
-            queue.put_nowait(item)
-
-
-_HANDOFF = Handoff()  # one for the process: it keys what it holds by event loop
 
 
 async def _watch_disconnect(receive, left: asyncio.Event, cancel: threading.Event) -> None:
@@ -181,7 +145,7 @@ class _GenerationResponse(Response):
         pieces_in: asyncio.Queue = asyncio.Queue()  # (choice, piece or None at its end)
 
         def emit(i: int, piece) -> None:
-            _HANDOFF.put(loop, pieces_in, (i, piece))
+            HANDOFF.put(loop, pieces_in, (i, piece))
 
         t0 = time.perf_counter()
         futures = service.start(job, emit, cancel)

@@ -33,6 +33,7 @@ from ..runtime.scheduler import Scheduler
 from ..settings import Settings, SettingsError
 from ..units import MiB
 from .admission import EngineGate
+from .handoff import HANDOFF
 from .memo import ResponseMemo
 from .prefix_cache import PrefixCache
 from .protocol import APIError, ParsedRequest, bad, constraint, resolve_max_tokens
@@ -97,7 +98,7 @@ class Service:
         # The engine runs off the event loop, on the scheduler's thread.
         self._open = contextlib.ExitStack()  # what close() ends
         self._open.enter_context(model.observe(self.metrics.observer()))
-        self.scheduler = Scheduler(model, settings.max_batch, settings.prefill_chunk)
+        self.scheduler = Scheduler(model, settings.max_batch, settings.prefill_chunk, hand_out=HANDOFF.deferred)
         # Chat templates and tokenizers run here, so a slow one never holds up the event loop.
         self.renderer = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltafin-render")
 
