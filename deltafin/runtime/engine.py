@@ -162,9 +162,10 @@ class Engine:
         with self.pass_threads(stats.tokens):
             logits = finish()
         c0 = time.perf_counter()
-        if all(s.on_device for s in seqs) or logits.numel() == 0:
+        on_device = all(s.on_device for s in seqs)
+        if on_device or logits.numel() == 0:
             _wait_for(self.device)  # the pass's time includes the device's work (an empty read-back waits for none)
-        if not all(s.on_device for s in seqs):
+        if not on_device:
             logits = logits.cpu()
         stats.compute_seconds += time.perf_counter() - c0
         stats.seconds = time.perf_counter() - pending.started
