@@ -444,6 +444,75 @@ def test_scheduler_takes_a_prefilled_state_and_cancels(model, alone):
         sched.close()
 
 
+class _Starts(_Shapes):
+    """The model, counting the passes begun."""
+
+    def start_batch(self, seqs):
+        self.passes.append(len(seqs))
+        return self.model.start_batch(seqs)
+
+
+def test_tokens_go_out_while_the_next_pass_computes(model, alone):
+    """With ``overlap`` (automatic on CUDA) a pass's tokens are handed out once the next pass has begun,
+    so the device computes while the host makes and sends the text; the outputs stay each alone's."""
+    got = _run_all(Scheduler(model, 8, PREFILL_CHUNK, overlap=True), model, alone)
+    for g, want in zip(got, alone):
+        assert (g.tokens, g.finish_reason, g.generated) == (want.tokens, want.finish_reason, want.generated)
+        assert g.state.num_tokens == want.state.num_tokens
+    # One request alone, one token a pass: each on_token call notes the passes begun by then. With
+    # overlap every call comes one pass later (the next one has begun), but for those at the end.
+    p, params = _requests(model)[2]
+    params = dataclasses.replace(params, speculate=False)
+    begun = {}
+    for overlap in (False, True):
+        one, seen = _Starts(model), []
+        sched = Scheduler(one, 4, 64, overlap=overlap)
+        try:
+            g = sched.submit(p, params, on_token=lambda t, text: seen.append(len(one.passes))).result(timeout=300)
+        finally:
+            sched.close()
+        assert g.tokens == alone[2].tokens and len(one.passes) == params.max_new_tokens
+        begun[overlap] = seen
+    n = params.max_new_tokens
+    assert begun[False][0] == 1 and begun[False][-1] == n  # the first token right after the prompt's pass
+    assert begun[True] == [min(k + 1, n) for k in begun[False]]
+
+
+def test_a_request_cancelled_by_its_callback_while_its_next_pass_runs(model, alone):
+    """A callback that stops its request when the request's next pass has already begun (overlap): the
+    request ends with what its callback saw, and its state is a plain prefill of the prompt and
+    ``generated[:-1]``, so a prefix cache may keep it; a request with a stop string beside it and the
+    others get what they get alone."""
+    starts = _Starts(model)
+    sched = Scheduler(starts, 8, PREFILL_CHUNK, overlap=True)
+    seen = []
+
+    def stop_at_third(token, text):
+        seen.append(token)
+        return len(seen) < 3
+
+    p, params = _requests(model)[2]  # greedy, 20 tokens
+    text = model.decode(alone[4].tokens)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    q, q_params = _requests(model)[4]
+    stopped_alone = generate(model, q, dataclasses.replace(q_params, stop=(stop,)), prefill_chunk=PREFILL_CHUNK)
+    try:
+        cancelled = sched.submit(p, params, on_token=stop_at_third)
+        stopped = sched.submit(q, dataclasses.replace(q_params, stop=(stop,)))
+        others = [sched.submit(r, rp) for r, rp in _requests(model)[:2]]
+        g, s = cancelled.result(timeout=300), stopped.result(timeout=300)
+        assert [o.result(timeout=300).tokens for o in others] == [a.tokens for a in alone[:2]]
+    finally:
+        sched.close()
+    assert (g.finish_reason, g.tokens, seen) == ("cancelled", alone[2].tokens[:3], alone[2].tokens[:3])
+    assert g.generated == alone[2].generated[:len(g.generated)] and len(g.generated) in (3, 4)
+    assert g.state.num_tokens == len(p) + len(g.generated) - 1
+    fresh = model.new_state()
+    model.forward(p + g.generated[:-1], fresh)
+    assert g.state.max_abs_diff(fresh) <= ROUNDING
+    assert (s.tokens, s.text, s.finish_reason) == (stopped_alone.tokens, stopped_alone.text, "stop")
+
+
 def test_scheduler_settings_are_checked(model):
     with pytest.raises(ValueError, match="max_batch and prefill_chunk must be >= 1"):
         Scheduler(model, 0, 8)

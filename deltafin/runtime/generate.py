@@ -203,6 +203,10 @@ class Decoding:
         self.fed = 0  # prompt tokens fed so far
         self.finish: str | None = None  # set once generation has ended
         self._pass: tuple[int, list[int]] | None = None  # (state length before, draft) of the pass in flight
+        self._held: list[int] = []  # produced by advance(), not handed out yet (deliver)
+        self._ending: str | None = None  # the reason generation ended, while tokens are held
+        self._muted = False  # cancelled by deliver() with a pass in flight: advance() hands nothing out
+        self._defer = False  # whether advance() holds its token for deliver()
         self._times: list[float] = []  # start, end of prefill, end
         if max_new == 0:  # nothing to produce: the prompt is not even fed
             self.finish = "length"
@@ -262,10 +266,29 @@ class Decoding:
     def take(self, logits: torch.Tensor | None, argmax: list[int] | None = None) -> None:
         """The logits of the pass ``next_pass()`` asked for; ``argmax``, when given, their rows' argmax
         ids, read back for the whole pass (used where ``picks_argmax``)."""
+        self.advance(logits, argmax)
+        self.deliver()
+
+    def advance(self, logits: torch.Tensor | None, argmax: list[int] | None = None) -> None:
+        """``take`` less handing the new token out, where the pass produced one (no draft) whose text
+        cannot end the generation (no stop strings): afterwards ``done`` and ``next_pass`` are as after
+        ``take``, and ``deliver`` hands the token out (``on_token``) and settles the output. A scheduler starts its next pass
+        in between, so the device computes while the text is made and sent. A generation that
+        ``deliver`` cancelled while its next pass was already under way takes that pass's tokens
+        without handing them out, so its state still holds exactly the prompt and ``generated[:-1]``."""
         if self._pass is None:
             raise RuntimeError("take() without a pass in flight: call next_pass() first")
         before, draft = self._pass
         self._pass = None
+        if self._muted:  # cancelled by deliver() after this pass began: its tokens go nowhere
+            preds, ok, _ = self._pick(logits, draft, argmax)
+            self.generated += preds[:ok + 1]
+            if draft:
+                self.state.rollback(before + ok + 1)
+            return
+        # One token, whose text cannot end the generation (no stop strings), may wait for deliver(); a
+        # burst's tokens go out one by one, as a callback may stop it at any of them.
+        self._defer = not draft and not self.out.stops
         if self.prefilling:
             self.fed += self.state.num_tokens - before
             if self.on_prefill is not None:
@@ -295,16 +318,34 @@ class Decoding:
             self.state.rollback(before + used)
         self._end(reason)
 
+    def deliver(self) -> None:
+        """Hand out what ``advance`` held back (``on_token``), then settle the output if the generation
+        has ended. A callback asking to stop ends it as "cancelled" (see ``advance`` for the pass it
+        may already be in)."""
+        held, self._held = self._held, []
+        for token in held:
+            if self.out.add(token) is not None:  # "cancelled": stop strings never defer their tokens
+                self.finish, self._ending = "cancelled", None
+                self._muted = self._pass is not None
+                self._mark_end()
+                return
+        if self._ending is not None:
+            self.finish, self._ending = self.out.finish(self._ending), None
+            self._mark_end()
+
     def cancel(self) -> None:
         """Stop between passes: finish_reason "cancelled", keeping what was passed to on_token."""
         if not self.done:
             self._pass = None
+            self._held, self._ending = [], None
             self.out.pending, self.out.done = [], "cancelled"
             self._end("cancelled")
 
     def result(self) -> Generation:
         if not self.done:
             raise RuntimeError("result() before the generation ended")
+        if self._held or self._ending is not None:
+            raise RuntimeError("result() before deliver() handed out the last tokens")
         stats, t = self.stats, self._times
         stats.update(tokens=len(self.out.tokens), generated_tokens=len(self.generated))
         if len(t) == 3:
@@ -364,7 +405,11 @@ class Decoding:
             return "stop"
         if self.matcher is not None:
             self.matcher.advance(token)
-        reason = self.out.add(token)
+        if self._defer:
+            self._held.append(token)
+            reason = None
+        else:
+            reason = self.out.add(token)
         if reason is None and self.matcher is not None and self.matcher.done:
             reason = self.matcher.finish_reason
         if reason is None and len(self.generated) >= self.max_new:
@@ -379,7 +424,13 @@ class Decoding:
     def _end(self, reason: str | None) -> None:
         if reason is None:
             return
+        if self._held:  # ended: deliver() settles the output once the held tokens are out
+            self.finish, self._ending = reason, reason
+            return
         self.finish = self.out.finish(reason)
+        self._mark_end()
+
+    def _mark_end(self) -> None:
         if len(self._times) == 2:
             self._times.append(time.perf_counter())
 

@@ -34,6 +34,12 @@ passes in flight, each over a share of the active requests not already in one: w
 group's layers, rank 0 runs the next group's, and a group's next pass starts as soon as its last one
 ended. A request is in one pass at a time, so its tokens are those it gets in one pass at a time.
 
+Where a pass computes on a CUDA device while the host goes on, a pass's tokens go out (each request's
+``on_token``: the text made, stop strings looked for, the HTTP side handed its pieces) once the next
+pass has begun, so the device does not wait for that: each request only takes its token first
+(``Decoding.advance``), which is all the next pass needs; a request with stop strings, whose text may
+end it, or with a draft, whose callback may stop it inside the burst, hands its tokens out at once.
+
 The engine thread tallies what its passes carried and where their time went (``PassTally``;
 the server's /metrics and /health show it).
 
@@ -256,9 +262,13 @@ class Scheduler:
     """Runs generations on one engine thread, up to ``max_batch`` of them in each pass."""
 
     def __init__(self, model, max_batch: int, prefill_chunk: int,
-                 hand_out: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 hand_out: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 overlap: bool | None = None):
         """hand_out: entered around handing a pass's tokens to its requests (their callbacks run inside
-        it; the server defers waking its event loop to its end, serve.handoff)."""
+        it; the server defers waking its event loop to its end, serve.handoff). overlap: whether a
+        pass's tokens go out once the next pass has begun (None: where passes run on a CUDA device,
+        which computes while the host goes on; elsewhere a pass computes as it begins, so its tokens
+        would only go out later)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {max_batch} and {prefill_chunk}")
         self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
@@ -271,6 +281,11 @@ class Scheduler:
         self._depth = max(1, getattr(model, "pipeline_depth", 1))
         self._flight: collections.deque[_Flight] = collections.deque()
         self._flying: set[int] = set()
+        # The requests of the pass ended last, while their tokens wait to go out. Where a pass computes
+        # on a device while the host goes on, they go out once the next pass has begun.
+        self._ended: list | None = None
+        self._overlap = (getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
+                         if overlap is None else overlap)
         self._closed = False
         self.tally = PassTally()
         self.costs = PassCosts()
@@ -361,18 +376,24 @@ class Scheduler:
 
     def _step(self) -> None:
         """Start passes until ``pipeline_depth`` are in flight (each over a share of the active requests
-        not in one), then end the oldest: one pass over every active request in one process."""
+        not in one), hand out the tokens of the pass that ended last where the device computes the new
+        pass meanwhile (``_overlap``), then end the oldest pass: one pass over every active request in
+        one process."""
         for r in self._active:
             if r.cancel.is_set() and id(r) not in self._flying:
                 r.decoding.cancel()
-        self._retire()
+        if self._ended is None:
+            self._retire()
         while len(self._flight) < self._depth:
-            idle = [r for r in self._active if id(r) not in self._flying]
+            idle = [r for r in self._active
+                    if id(r) not in self._flying and not r.decoding.done and not r.future.done()]
             if not idle:
                 break
             share = -(-len(idle) // (self._depth - len(self._flight)))  # the rest split over the free places
             if not self._start(idle[:share]):
-                return
+                break
+        if self._ended is not None:
+            self._hand_out_tokens(self._ended)
         if self._flight:
             self._end(self._flight.popleft())
 
@@ -400,7 +421,8 @@ class Scheduler:
         return True
 
     def _end(self, flight: "_Flight") -> None:
-        """Hand each request of a pass its logits, once the pass has ended."""
+        """Hand each request of a pass its tokens (``Decoding.advance``), once the pass has ended; their
+        text goes out now, or (``_overlap``) in the next ``_step``, once the next pass has begun."""
         batch = flight.batch
         self._flying.difference_update(id(r) for r, _ in batch)
         t2 = time.perf_counter()
@@ -415,21 +437,39 @@ class Scheduler:
         t3 = time.perf_counter()
         rows = sum(len(seq.ids) for _, seq in batch)
         self.costs.record(rows, t3 - flight.t1)
-        prompt_rows = sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
-        decoding = sum(1 for r, _ in batch if not r.decoding.prefilling)
+        t = self.tally
+        t.sequences, t.rows, t.in_flight = t.sequences + len(batch), t.rows + rows, t.in_flight + flight.in_flight
+        t.prompt_rows += sum(len(seq.ids) for r, seq in batch if r.decoding.prefilling)
+        t.decoding += sum(1 for r, _ in batch if not r.decoding.prefilling)
+        t.plan_seconds += flight.t1 - flight.t0
+        t.forward_seconds += flight.forward_seconds + t3 - t2
+        for (r, _), out, ids in zip(batch, logits, picks):
+            if r.future.done():  # failed while its pass ran (its callback): nothing more to do
+                continue
+            try:
+                r.decoding.advance(out, ids)
+            except Exception as e:  # this request's own checks: only it fails
+                r.future.set_exception(e)
+        t.take_seconds += time.perf_counter() - t3
+        self._ended = batch
+        if not self._overlap:
+            self._hand_out_tokens(batch)
+
+    def _hand_out_tokens(self, batch: list) -> None:
+        """The tokens a pass gave its requests go out (their ``on_token``); the finished requests are
+        resolved. Counts the pass."""
+        self._ended = None
+        t0 = time.perf_counter()
         with self._hand_out():
-            for (r, _), out, ids in zip(batch, logits, picks):
+            for r, _ in batch:
+                if r.future.done():
+                    continue
                 try:
-                    r.decoding.take(out, ids)
-                except Exception as e:  # this request's own callback or checks: only it fails
+                    r.decoding.deliver()
+                except Exception as e:  # this request's own callback: only it fails
                     r.future.set_exception(e)
             t = self.tally  # counted before the finished requests are resolved, so their callers see it
-            t.sequences, t.decoding, t.rows, t.prompt_rows = (t.sequences + len(batch), t.decoding + decoding,
-                                                              t.rows + rows, t.prompt_rows + prompt_rows)
-            t.in_flight += flight.in_flight
-            t.plan_seconds += flight.t1 - flight.t0
-            t.forward_seconds += flight.forward_seconds + t3 - t2
-            t.take_seconds += time.perf_counter() - t3
+            t.take_seconds += time.perf_counter() - t0
             t.passes += 1
             self._retire()
 
@@ -509,11 +549,13 @@ class Scheduler:
         return [(r, r.decoding.next_pass(max_prompt=piece)) for r in group[:max(1, self.model.replayed_rows // piece)]]
 
     def _retire(self) -> None:
+        """Resolve the finished requests, and drop them and the failed ones. One still in a pass (its
+        callback stopped it once that pass had begun, see ``Decoding.advance``) stays until it ends."""
         still = []
         for r in self._active:
             if r.future.done():
                 continue
-            if r.decoding.done:
+            if r.decoding.done and id(r) not in self._flying:
                 r.future.set_result(r.decoding.result())
             else:
                 still.append(r)
