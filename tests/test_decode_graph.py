@@ -527,6 +527,49 @@ def test_cuda_batch_of_eight_decodes_the_cpu_reference_tokens(request, fixture):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_scheduler_hands_tokens_out_while_the_next_pass_runs(tiny_k3_path):
+    """The server's scheduler on CUDA hands a pass's tokens out once the next (replayed) pass has begun:
+    greedy, seeded, stop-string and callback-cancelled requests sharing passes get what each gets alone,
+    and the cancelled one's state is a plain prefill of its prompt and ``generated[:-1]``."""
+    from deltafin.runtime.generate import generate
+    from deltafin.runtime.sampling import SamplingParams
+    from deltafin.runtime.scheduler import Scheduler
+    m = deltafin.load(tiny_k3_path, device="cuda", stream="off")
+    prompts = [_tokens(4 + 3 * i, 60 + i) for i in range(6)]
+    params = [SamplingParams(max_new_tokens=16 + i, **({"temperature": 0.8, "seed": i} if i % 2 else {}))
+              for i in range(6)]
+    alone = [generate(m, p, q) for p, q in zip(prompts, params)]
+    text = m.decode(alone[2].tokens)
+    params[2] = params[2].replace(stop=(text[len(text) // 2:len(text) // 2 + 2],))
+    stopped_alone = generate(m, prompts[2], params[2])
+    seen = []
+
+    def stop_at_third(token, text):
+        seen.append(token)
+        return len(seen) < 3
+
+    sched = Scheduler(m, 8, 8)
+    try:
+        futures = [sched.submit(p, q, **({"on_token": stop_at_third} if i == 4 else {}))
+                   for i, (p, q) in enumerate(zip(prompts, params))]
+        got = [f.result(timeout=300) for f in futures]
+    finally:
+        sched.close()
+    for i, (g, want) in enumerate(zip(got, alone)):
+        if i == 2:
+            assert (g.tokens, g.text, g.finish_reason) == (stopped_alone.tokens, stopped_alone.text, "stop")
+        elif i == 4:
+            assert (g.finish_reason, g.tokens, seen) == ("cancelled", want.tokens[:3], want.tokens[:3])
+            assert g.generated == want.generated[:len(g.generated)]
+            fresh = m.new_state()
+            m.forward(prompts[4] + g.generated[:-1], fresh)
+            assert g.state.num_tokens == fresh.num_tokens and g.state.max_abs_diff(fresh) < 1e-4
+        else:
+            assert (g.tokens, g.finish_reason) == (want.tokens, want.finish_reason)
+    assert m.graph_stats()["replayed_by_kind"]["decode"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_recorded_sorted_mxfp4_tiles_decode_the_cpu_reference_tokens(tiny_k3_path):
     """float32 on CUDA, 64 sequences of tiny-k3 decoded together: 256 (token, expert) pairs a pass, 16 an
     expert, so the MXFP4 experts take the sorted 16-row tiles inside the recorded graph (and wider ones in
