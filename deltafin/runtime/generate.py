@@ -272,10 +272,11 @@ class Decoding:
     def advance(self, logits: torch.Tensor | None, argmax: list[int] | None = None) -> None:
         """``take`` less handing the new token out, where the pass produced one (no draft) whose text
         cannot end the generation (no stop strings): afterwards ``done`` and ``next_pass`` are as after
-        ``take``, and ``deliver`` hands the token out (``on_token``) and settles the output. A scheduler starts its next pass
-        in between, so the device computes while the text is made and sent. A generation that
-        ``deliver`` cancelled while its next pass was already under way takes that pass's tokens
-        without handing them out, so its state still holds exactly the prompt and ``generated[:-1]``."""
+        ``take``, and ``deliver`` hands the token out (``on_token``) and settles the output. A scheduler
+        starts its next pass in between, so the device computes while the text is made and sent. A
+        generation that ``deliver`` cancelled while its next pass was already under way takes that
+        pass's tokens without handing them out, so its state still holds exactly the prompt and
+        ``generated[:-1]``."""
         if self._pass is None:
             raise RuntimeError("take() without a pass in flight: call next_pass() first")
         before, draft = self._pass
