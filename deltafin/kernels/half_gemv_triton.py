@@ -15,9 +15,10 @@ loads carry no masks, so each thread reads 16 contiguous bytes of a row at once.
 more: the same walk, the rows padded to 16 on the tensor cores, each weight read once for all of them.
 
 The same two kernels run fp32 rows against a bf16 weight unrounded (``float_gemv``, ``ops.linear``'s
-path for a float32 model over bf16 weights): one row multiplies the weight, widened in registers (exactly),
-by the fp32 row as torch's fp32 product does; several go to the tensor cores as three bf16 parts each. Torch would widen the weight to fp32 first, a launch that writes twice
-the weight's bytes and a product that reads them (a small-k3 fp32 pass: 99 widenings, a quarter of it).
+path for a float32 model over bf16 weights): one row multiplies the weight, widened in registers
+(exactly), by the fp32 row as torch's fp32 product does; several go to the tensor cores as three bf16
+parts each. Torch would widen the weight to fp32 first, a launch that writes twice the weight's bytes
+and a product that reads them (a small-k3 fp32 pass: 99 widenings, a quarter of it).
 """
 from __future__ import annotations
 
