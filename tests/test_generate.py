@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from deltafin.runtime.sampling import SamplingParams
-from deltafin.runtime.generate import NgramDrafter, generate
+from deltafin.runtime.generate import Decoding, DraftLengths, NgramDrafter, generate
+from deltafin.settings import drafts_per_pass
+
+from conftest import KL_CODE_TINY
 
 STATE_TOL = 1e-4
 MAX_NEW = 24
@@ -123,8 +126,7 @@ def test_speculation_equals_plain_greedy(model, truths, name):
 def test_draft_rejected_at_every_position(model, truths, wrong_at):
     prompt, truth = truths["code"]
     n = 16
-    draft_len = model.settings.draft_len
-    assert draft_len == 4
+    assert drafts_per_pass(model.settings, model.device) == 8  # every wrong_at lies inside the drafts
     oracle = Oracle(prompt, truth, model.config.vocab_size, wrong_at=wrong_at)
     g = generate(model, prompt, SamplingParams(max_new_tokens=n), drafter=oracle)
     assert g.tokens == truth[:n]
@@ -150,7 +152,7 @@ def test_full_acceptance_and_longer_drafts_are_trimmed(model, truths):
         assert g.tokens == truth[:n] and g.finish_reason == "length"
         assert_state_is_prefill(model, prompt, g)
         # bursts of draft_len + 1 tokens; the last one shortened to what may still be produced
-        assert g.stats["passes"] == -(-(n - 1) // (model.settings.draft_len + 1))
+        assert g.stats["passes"] == -(-(n - 1) // (drafts_per_pass(model.settings, model.device) + 1))
         assert g.stats["accepted_draft_tokens"] == n - 1 - g.stats["passes"]
 
 
@@ -158,10 +160,10 @@ def test_full_acceptance_and_longer_drafts_are_trimmed(model, truths):
 
 def test_eos_inside_an_accepted_burst(model, truths):
     prompt, truth = truths["code"]
-    span = model.settings.draft_len + 1
+    span = drafts_per_pass(model.settings, model.device) + 1
     # bursts cover truth[1:6], truth[6:11], ...; pick a drafted (not the bonus) position whose
     # token has not occurred before, and call it EOS
-    i = next(j for j in range(3 * span, 1, -1) if (j - 1) % span != span - 1 and truth[j] not in truth[:j])
+    i = next(j for j in range(min(3 * span, len(truth) - 1), 1, -1) if (j - 1) % span != span - 1 and truth[j] not in truth[:j])
     eos = [truth[i]]
     oracle = Oracle(prompt, truth, model.config.vocab_size)
     seen = []
@@ -336,6 +338,53 @@ def test_ngram_drafter_indexes_a_growing_context():
     assert drafter(context, 2) == [3, 1]
     context += [4, 1, 2]
     assert drafter(context, 2) == [4, 1]  # the newest occurrence of "1 2" wins
+
+
+def test_ngram_drafter_says_the_length_of_its_match():
+    context = [1, 2, 3, 9, 8, 2, 3, 7, 6, 1, 2, 3]
+    assert NgramDrafter(3).propose(context, 4) == ([9, 8, 2, 3], 3)
+    assert NgramDrafter(2).propose(context, 3) == ([7, 6, 1], 2)
+    assert NgramDrafter(3, min_n=2).propose([1, 2, 3, 9, 3], 2) == ([], 0)
+    assert NgramDrafter(3).propose(context, 0) == ([], 0)
+
+
+def test_draft_lengths_follow_how_each_match_lengths_drafts_fared():
+    lengths = DraftLengths(least=0.3)
+    assert lengths.length(2, 8) == 8 and lengths.length(4, 3) == 3  # untried: the whole draft
+    lengths.record(2, 8, 0)  # rejected at its first token: 0 of 1 tried position
+    assert lengths.tries[2] == (0, 1) and lengths.length(2, 8) == 1  # p = 1/2: 0.5 >= 0.3 > 0.25
+    lengths.record(2, 1, 0)
+    assert lengths.length(2, 8) == 1  # p = 1/3
+    lengths.record(2, 1, 0)
+    assert lengths.length(2, 8) == 0  # p = 1/4: not worth a row
+    lengths.record(4, 8, 8)  # all accepted: 8 of 8 tried positions
+    lengths.record(4, 8, 3)  # rejected at its fourth: 3 of 4
+    assert lengths.tries[4] == (11, 12) and lengths.length(4, 8) == 8  # (12/13) ** 8 = 0.53
+    assert lengths.length(4, 16) == 15  # (12/13) ** 15 = 0.30, ** 16 = 0.28
+    lengths.record(3, 0, 0)  # nothing drafted: nothing learned
+    assert 3 not in lengths.tries
+    assert DraftLengths(least=0.0).length(2, 8) == 8
+
+
+@pytest.mark.skipif(not (KL_CODE_TINY / "config.json").exists(), reason="kl-code-tiny is not on this machine")
+def test_drafts_of_the_trained_model_are_cut_where_they_miss():
+    """kl-code-tiny writing Python: the same tokens as plain greedy decoding, and with drafts cut by how
+    their match length's drafts fared fewer draft tokens verified in vain than with every draft whole."""
+    import deltafin
+    model = deltafin.load(KL_CODE_TINY, stream="off", ram_budget="0", dtype="float32")
+    prompt = model.encode("def fibonacci(n):")
+    want = plain_greedy(model, prompt, 128)
+
+    def run(least):
+        d = Decoding(model, prompt, SamplingParams(max_new_tokens=128), eos_token_ids=[])
+        d.draft_lengths = DraftLengths(least)
+        while not d.done:
+            d.take(model.forward_batch([d.next_pass()])[0])
+        return d.result()
+    cut, whole = run(0.3), run(0.0)
+    assert cut.tokens == whole.tokens == want
+    wasted = {k: g.stats["drafted_tokens"] - g.stats["accepted_draft_tokens"] for k, g in (("cut", cut), ("whole", whole))}
+    assert wasted["cut"] < wasted["whole"] / 2 and cut.stats["accepted_draft_tokens"] > 0
 
 
 def test_prompt_pieces_follow_the_room(tiny_k3_path, capsys):

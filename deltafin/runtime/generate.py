@@ -26,6 +26,7 @@ import torch
 from .engine import Seq
 from .grammar import Matcher, special_ids
 from .sampling import SamplingParams
+from ..settings import drafts_per_pass
 from ..tokenizer import stream_decoder
 
 if TYPE_CHECKING:
@@ -39,6 +40,12 @@ OnToken = Callable[[int, str], "bool | None"]
 # Shortest n-gram that may draft. A verified draft token costs its own routed experts (top-k reads
 # per MoE layer), so drafts must be likely to be accepted; single-token matches rarely are.
 MIN_NGRAM = 2
+# An n-gram draft is verified up to its last token whose chance of being used (all the tokens before it
+# accepted too) is at least this, as the generation's own drafts of that match length have gone so far
+# (DraftLengths). Greedy kl-code-tiny, six code prompts of 256 tokens replayed offline against the costs
+# of a pass by rows (an H200's replayed passes, kl_medium q8 and kl-code-tiny in RAM): 0.2-0.4 within 7 %
+# of each other, every draft whole 4-9 % slower than at 0.3 (docs/benchmarks.md).
+DRAFT_KEEP_CHANCE = 0.3
 
 
 @dataclass
@@ -185,7 +192,9 @@ class Decoding:
         self.drafter = drafter
         if self.spec and drafter is None:
             self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
-        self.draft_len = settings.draft_len
+        self.draft_len = drafts_per_pass(settings, getattr(model, "device", None))
+        self.draft_lengths = DraftLengths()
+        self._draft_n: int | None = None  # the match length of the n-gram draft in flight (None: no such draft)
         self.matcher: Matcher | None = None
         if p.constraint is not None:
             self.matcher = Matcher(p.constraint, model.tokenizer, self.vocab, self.eos, history + prompt)
@@ -250,7 +259,13 @@ class Decoding:
                 # Tokens the grammar forces are the likeliest draft there is (the model may still
                 # write them in other pieces: they are verified like any draft).
                 forced = self.matcher.forced() if self.matcher is not None else []
-                draft = forced[:room] or list(self.drafter(self.context, room))[:room]
+                if forced:
+                    draft = forced[:room]
+                elif isinstance(self.drafter, NgramDrafter):
+                    offered, self._draft_n = self.drafter.propose(self.context, room)
+                    draft = offered[:self.draft_lengths.length(self._draft_n, len(offered))]
+                else:
+                    draft = list(self.drafter(self.context, room))[:room]
                 draft = _check_ids(draft, self.vocab, "draft")
                 if self.matcher is not None:
                     draft = draft[:self.matcher.legal_prefix(draft)]
@@ -281,6 +296,7 @@ class Decoding:
             raise RuntimeError("take() without a pass in flight: call next_pass() first")
         before, draft = self._pass
         self._pass = None
+        n, self._draft_n = self._draft_n, None
         if self._muted:  # cancelled by deliver() after this pass began: its tokens go nowhere
             preds, ok, _ = self._pick(logits, draft, argmax)
             self.generated += preds[:ok + 1]
@@ -304,6 +320,8 @@ class Decoding:
         self.stats["passes"] += 1
         self.stats["drafted_tokens"] += len(draft)
         preds, ok, logprobs = self._pick(logits, draft, argmax)
+        if n is not None:
+            self.draft_lengths.record(n, len(draft), ok)
         used = 0  # tokens of this burst (preds[:ok + 1]) that generation actually took
         reason = None
         for i, t in enumerate(preds[:ok + 1]):
@@ -438,12 +456,13 @@ class Decoding:
 
 class NgramDrafter:
     """Drafts by prompt lookup: find the most recent earlier occurrence of the context's last
-    n tokens (n = max_n down to 1, longest match first) and propose the tokens that followed it.
+    n tokens (n = max_n down to min_n, longest match first) and propose the tokens that followed it.
 
     When the match is so recent that the text after it runs into the end of the context, the
     context is periodic with period (length - match end) and the draft continues that period
     (``a b a b`` -> ``a b a b``...). One instance serves one growing context: it indexes the
-    new tail on each call and assumes earlier tokens never change.
+    new tail on each call and assumes earlier tokens never change. ``propose`` also says the length
+    of the match the draft came from (how far to trust it: ``DraftLengths``).
     """
 
     def __init__(self, max_n: int, min_n: int = 1):
@@ -456,19 +475,53 @@ class NgramDrafter:
         self._indexed = 1  # n-grams ending at positions < _indexed are in the index
 
     def __call__(self, context: Sequence[int], max_len: int) -> list[int]:
+        return self.propose(context, max_len)[0]
+
+    def propose(self, context: Sequence[int], max_len: int) -> tuple[list[int], int]:
+        """(up to max_len draft tokens, the length of the n-gram they follow; 0 with no draft)."""
         length = len(context)
         for end in range(self._indexed, length):
             for n in range(1, min(self.max_n, end) + 1):
                 self._last_end[n][tuple(context[end - n:end])] = end
         self._indexed = max(self._indexed, length)
         if max_len <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self._last_end[n].get(tuple(context[length - n:]))
             if end is not None:
                 period = length - end
-                return [context[end + i % period] for i in range(max_len)]
-        return []
+                return [context[end + i % period] for i in range(max_len)], n
+        return [], 0
+
+
+class DraftLengths:
+    """How many tokens of an n-gram draft one generation verifies, from how its earlier drafts of the
+    same match length fared: a draft token is used only if every draft token before it was accepted,
+    so per match length the chance p that a drafted position is accepted once the ones before it were
+    (accepted positions over tried ones, a draft's first rejection ending its tries; one accepted try
+    assumed before any is made, so the first drafts go at full length), and the draft is cut after its
+    last position whose chance of being used, p ** position, is at least ``least``. A long match that
+    keeps being right drafts up to the limit; a short one that misses shrinks to a token or none, whose
+    verifying rows would cost more than they give back."""
+
+    def __init__(self, least: float = DRAFT_KEEP_CHANCE):
+        self.least = least
+        self.tries: dict[int, tuple[int, int]] = {}  # match length -> (accepted positions, tried positions)
+
+    def length(self, n: int, offered: int) -> int:
+        accepted, tried = self.tries.get(n, (0, 0))
+        p = (accepted + 1) / (tried + 1)
+        d = 0
+        while d < offered and p ** (d + 1) >= self.least:
+            d += 1
+        return d
+
+    def record(self, n: int, drafted: int, accepted: int) -> None:
+        """A pass verified `drafted` tokens of a draft from a match of length n and accepted the first
+        `accepted`."""
+        if drafted:
+            a, t = self.tries.get(n, (0, 0))
+            self.tries[n] = (a + accepted, t + min(accepted + 1, drafted))
 
 
 def _check_ids(ids: Sequence[int], vocab: int, what: str) -> list[int]:
