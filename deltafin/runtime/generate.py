@@ -42,9 +42,9 @@ OnToken = Callable[[int, str], "bool | None"]
 MIN_NGRAM = 2
 # An n-gram draft is verified up to its last token whose chance of being used (all the tokens before it
 # accepted too) is at least this, as the generation's own drafts of that match length have gone so far
-# (DraftLengths). Greedy kl-code-tiny, six code prompts of 256 tokens replayed offline against the costs
-# of a pass by rows (an H200's replayed passes, kl_medium q8 and kl-code-tiny in RAM): 0.2-0.4 within 7 %
-# of each other, every draft whole 4-9 % slower than at 0.3 (docs/benchmarks.md).
+# (DraftLengths). Greedy kl-code-tiny, six code prompts of 256 tokens, replayed against the costs of a
+# pass by rows (tools/draft_replay.py; an H200's replayed passes, kl_medium q8 and kl-code-tiny in RAM):
+# 0.2-0.4 within 7 % of each other, every draft whole 4-9 % slower than at 0.3 (docs/benchmarks.md).
 DRAFT_KEEP_CHANCE = 0.3
 
 
