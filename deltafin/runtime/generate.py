@@ -7,7 +7,8 @@ token, stop strings never shown, text released only once it is safe, cancellatio
 ``on_token`` callback, and a decode state that is exactly a plain prefill of what was produced.
 
 Speculation (greedy only): the drafter proposes up to ``draft_len`` tokens by matching the most
-recent n-gram of prompt + output against earlier text. One forward pass over
+recent n-gram of prompt + output against earlier text, cut shorter where drafts from matches of that
+length have been missing (``DraftLengths``). One forward pass over
 ``[last token, d1..dk]`` scores every draft position; the longest prefix of the draft that equals
 the verifier's argmax is accepted together with the verifier's own next token, and the state is
 rolled back to the last accepted position. Every emitted token is therefore the argmax the model
