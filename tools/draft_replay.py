@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """How drafting policies would fare on a model's own greedy text, against what a pass costs by rows.
 
-    tools/draft_replay.py MODEL [--prompt TEXT ...] [--tokens 256] [--cost 1:0.8,5:1.8] [--cost ...]
+    tools/draft_replay.py MODEL [--prompt TEXT ...] [--tokens 256] [--keep-chance 0.3] [--cost 1:0.8,5:1.8] ...
 
-Greedy decoding's output does not depend on the drafts (each is verified), so the model runs once per
-prompt without drafts; then each policy is replayed against those tokens: the n-gram drafter proposes
-from the context, the policy cuts the draft, and the verifier accepts the draft's longest prefix that
-equals the known continuation, as a real pass would. Policies: the n-gram drafts as generation makes
-them (``--ngram``, ``--draft-len``: drafts cut by ``DraftLengths``), the same drafts whole, and whole
-drafts of n-grams up to 3 and 4 tokens (the drafting before draft lengths). Each ``--cost`` is a table
-of a pass's cost by rows ("rows:cost" pairs, straight lines between and past them), e.g. measured one-
-and five-row passes; the speed-up is the cost of one-row passes for every token over the policy's.
-Prints one JSON record.
+Greedy decoding's output with float32 products does not depend on the drafts (each is verified), so
+the model runs once per prompt without drafts; then each policy is replayed against those tokens: the
+n-gram drafter proposes from the context, the policy cuts the draft, and the verifier accepts the
+draft's longest prefix that equals the known continuation, as a real pass would. Policies: drafts as
+generation makes them (n-grams up to ``--ngram``, drafts up to ``--draft-len``, cut by ``DraftLengths``
+at ``--keep-chance``), the same drafts whole, and the drafting before draft lengths (n-grams up to 3,
+drafts of 4, whole). Each ``--cost`` is a table of a pass's cost by rows ("rows:cost" pairs, straight
+lines between and past them), e.g. measured one- and five-row passes; the speed-up is the cost of
+one-row passes for every token over the policy's. Prints one JSON record.
 """
 import argparse
 import json
@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
     p.add_argument("--ngram", type=int, default=4)
     p.add_argument("--draft-len", type=int, default=8)
+    p.add_argument("--keep-chance", type=float, default=DraftLengths().least,
+                   help="where drafts are cut (default: what generation uses)")
     p.add_argument("--cost", action="append", default=[], help="a pass's cost by rows, e.g. 1:0.8,5:1.8")
     p.add_argument("--dtype", default="float32")
     a = p.parse_args(argv)
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
         g = generate(model, ids, SamplingParams(max_new_tokens=a.tokens, speculate=False), eos_token_ids=[])
         runs.append((ids, g.generated))
     tokens = sum(len(t) - 1 for _, t in runs)
-    policies = {f"cut (ngram {a.ngram}, up to {a.draft_len})": (a.ngram, a.draft_len, DraftLengths().least),
+    policies = {f"cut (ngram {a.ngram}, up to {a.draft_len})": (a.ngram, a.draft_len, a.keep_chance),
                 f"whole (ngram {a.ngram}, up to {a.draft_len})": (a.ngram, a.draft_len, 0.0),
                 "whole (ngram 3, up to 4)": (3, 4, 0.0)}
     out = {"prompts": len(runs), "tokens": tokens, "policies": {}}
