@@ -104,9 +104,8 @@ class Settings:
                           "per rank, or one in all where two ranks share a host's cores (they gain nothing from it)")
     speculate: bool = _knob(True, "n-gram speculation for greedy decoding (output is unchanged)", group="generate")
     ngram: int = _knob(4, "longest n-gram matched when drafting", group="generate")
-    draft_len: int = _knob(0, "maximum drafted tokens verified per pass (a draft is cut shorter as its match "
-                           "length's drafts have fared); 0 = 8, or 4 on a CUDA device, where each length is one "
-                           "more recorded graph", group="generate")
+    draft_len: int = _knob(8, "maximum drafted tokens verified per pass (a draft is cut shorter as its match "
+                           "length's drafts have fared)", group="generate")
     max_new_tokens: int = _knob(128, "default number of tokens to generate", group="generate")
     profile: bool = _knob(False, "print where time and bytes went, per token and in total", group="generate")
     prompt_cache: str = _knob("", "file holding the decode state after a fixed prompt prefix (run, chat: restored "
@@ -224,7 +223,7 @@ class Settings:
 MAX_THREADS = 1024
 RANGES = {
     "pin_layers": (0, None), "io_workers": (1, 256), "threads": (0, MAX_THREADS), "kda_chunk": (1, 4096),
-    "ngram": (1, 64), "draft_len": (0, 64), "max_new_tokens": (0, None), "port": (0, 65535),
+    "ngram": (1, 64), "draft_len": (1, 64), "max_new_tokens": (0, None), "port": (0, 65535),
     "queue_size": (0, None), "queue_timeout": (0, None), "memo_size": (0, None), "max_tokens_cap": (0, None),
     "max_model_len": (0, None), "header_timeout": (0.1, None), "body_timeout": (0.1, None),
     "render_timeout": (0.1, None), "max_batch": (1, 256), "prefill_chunk": (1, None),
@@ -311,14 +310,6 @@ def parse_placement(spec: str) -> list[range] | None:
                                 f"at {start}, got {r.start}-{r.stop - 1})")
         start = r.stop
     return ranges
-
-
-def drafts_per_pass(settings: Settings, device=None) -> int:
-    """The most drafted tokens a pass verifies: ``draft_len``, or for 0 its default for the device."""
-    if settings.draft_len:
-        return settings.draft_len
-    on_cuda = device is not None and str(getattr(device, "type", device)).split(":")[0] == "cuda"
-    return 4 if on_cuda else 8
 
 
 def resolve_device(spec: str) -> str:

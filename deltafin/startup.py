@@ -11,7 +11,7 @@ from .api import Model, load
 from .checkpoint import expert_codec
 from .checkpoint.synthetic import make_checkpoint
 from .files import writer_lock
-from .settings import Settings, drafts_per_pass
+from .settings import Settings
 from .units import MiB
 
 DEFAULT_PRESET = "small-k3"
@@ -127,8 +127,7 @@ def record_passes_announced(model, params, reach: int) -> None:
         return
     t0 = time.perf_counter()
     n = model.record_passes(min(reach, model.config.max_position_embeddings),
-                            drafts_per_pass(model.settings, model.device)
-                            if params.speculates(model.settings.speculate) else 0)
+                            model.settings.draft_len if params.speculates(model.settings.speculate) else 0)
     if n:
         print(f"deltafin: recorded {n} decode graph(s) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 

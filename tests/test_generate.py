@@ -10,7 +10,6 @@ import torch
 
 from deltafin.runtime.sampling import SamplingParams
 from deltafin.runtime.generate import Decoding, DraftLengths, NgramDrafter, generate
-from deltafin.settings import drafts_per_pass
 
 from conftest import KL_CODE_TINY
 
@@ -126,7 +125,7 @@ def test_speculation_equals_plain_greedy(model, truths, name):
 def test_draft_rejected_at_every_position(model, truths, wrong_at):
     prompt, truth = truths["code"]
     n = 16
-    assert drafts_per_pass(model.settings, model.device) == 8  # every wrong_at lies inside the drafts
+    assert model.settings.draft_len == 8  # every wrong_at lies inside the drafts
     oracle = Oracle(prompt, truth, model.config.vocab_size, wrong_at=wrong_at)
     g = generate(model, prompt, SamplingParams(max_new_tokens=n), drafter=oracle)
     assert g.tokens == truth[:n]
@@ -152,7 +151,7 @@ def test_full_acceptance_and_longer_drafts_are_trimmed(model, truths):
         assert g.tokens == truth[:n] and g.finish_reason == "length"
         assert_state_is_prefill(model, prompt, g)
         # bursts of draft_len + 1 tokens; the last one shortened to what may still be produced
-        assert g.stats["passes"] == -(-(n - 1) // (drafts_per_pass(model.settings, model.device) + 1))
+        assert g.stats["passes"] == -(-(n - 1) // (model.settings.draft_len + 1))
         assert g.stats["accepted_draft_tokens"] == n - 1 - g.stats["passes"]
 
 
@@ -160,7 +159,7 @@ def test_full_acceptance_and_longer_drafts_are_trimmed(model, truths):
 
 def test_eos_inside_an_accepted_burst(model, truths):
     prompt, truth = truths["code"]
-    span = drafts_per_pass(model.settings, model.device) + 1
+    span = model.settings.draft_len + 1
     # bursts cover truth[1:6], truth[6:11], ...; pick a drafted (not the bonus) position whose
     # token has not occurred before, and call it EOS
     i = next(j for j in range(min(3 * span, len(truth) - 1), 1, -1) if (j - 1) % span != span - 1 and truth[j] not in truth[:j])

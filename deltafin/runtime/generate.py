@@ -27,7 +27,6 @@ import torch
 from .engine import Seq
 from .grammar import Matcher, special_ids
 from .sampling import SamplingParams
-from ..settings import drafts_per_pass
 from ..tokenizer import stream_decoder
 
 if TYPE_CHECKING:
@@ -193,7 +192,7 @@ class Decoding:
         self.drafter = drafter
         if self.spec and drafter is None:
             self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
-        self.draft_len = drafts_per_pass(settings, getattr(model, "device", None))
+        self.draft_len = settings.draft_len
         self.draft_lengths = DraftLengths()
         self._draft_n: int | None = None  # the match length of the n-gram draft in flight (None: no such draft)
         self.matcher: Matcher | None = None
