@@ -162,7 +162,8 @@ def test_eos_inside_an_accepted_burst(model, truths):
     span = model.settings.draft_len + 1
     # bursts cover truth[1:6], truth[6:11], ...; pick a drafted (not the bonus) position whose
     # token has not occurred before, and call it EOS
-    i = next(j for j in range(min(3 * span, len(truth) - 1), 1, -1) if (j - 1) % span != span - 1 and truth[j] not in truth[:j])
+    i = next(j for j in range(min(3 * span, len(truth) - 1), 1, -1)
+             if (j - 1) % span != span - 1 and truth[j] not in truth[:j])
     eos = [truth[i]]
     oracle = Oracle(prompt, truth, model.config.vocab_size)
     seen = []
@@ -382,8 +383,9 @@ def test_drafts_of_the_trained_model_are_cut_where_they_miss():
         return d.result()
     cut, whole = run(0.3), run(0.0)
     assert cut.tokens == whole.tokens == want
-    wasted = {k: g.stats["drafted_tokens"] - g.stats["accepted_draft_tokens"] for k, g in (("cut", cut), ("whole", whole))}
-    assert wasted["cut"] < wasted["whole"] / 2 and cut.stats["accepted_draft_tokens"] > 0
+    def wasted(g):
+        return g.stats["drafted_tokens"] - g.stats["accepted_draft_tokens"]
+    assert wasted(cut) < wasted(whole) / 2 and cut.stats["accepted_draft_tokens"] > 0
 
 
 def test_prompt_pieces_follow_the_room(tiny_k3_path, capsys):

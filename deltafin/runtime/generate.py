@@ -194,7 +194,6 @@ class Decoding:
             self.drafter = NgramDrafter(settings.ngram, min(MIN_NGRAM, settings.ngram))
         self.draft_len = settings.draft_len
         self.draft_lengths = DraftLengths()
-        self._draft_n: int | None = None  # the match length of the n-gram draft in flight (None: no such draft)
         self.matcher: Matcher | None = None
         if p.constraint is not None:
             self.matcher = Matcher(p.constraint, model.tokenizer, self.vocab, self.eos, history + prompt)
@@ -211,7 +210,9 @@ class Decoding:
         self.context = history + prompt  # what the drafter matches against; grows with the output
         self.fed = 0  # prompt tokens fed so far
         self.finish: str | None = None  # set once generation has ended
-        self._pass: tuple[int, list[int]] | None = None  # (state length before, draft) of the pass in flight
+        # The pass in flight: (state length before, draft, the length of the n-gram match the draft came
+        # from; None for no n-gram draft)
+        self._pass: tuple[int, list[int], int | None] | None = None
         self._held: list[int] = []  # produced by advance(), not handed out yet (deliver)
         self._ending: str | None = None  # the reason generation ended, while tokens are held
         self._muted = False  # cancelled by deliver() with a pass in flight: advance() hands nothing out
@@ -247,9 +248,10 @@ class Decoding:
             n = self.prefill_chunk if max_prompt is None else max(1, min(self.prefill_chunk, max_prompt))
             piece = self.prompt[self.fed:self.fed + n]
             last = self.fed + len(piece) == len(self.prompt)
-            self._pass = (self.state.num_tokens, [])
+            self._pass = (self.state.num_tokens, [], None)
             return Seq(piece, self.state, False, "last" if last else "none", on_device=True, reach=self.reach)
         draft: list[int] = []
+        match: int | None = None
         if self.spec:
             # No point verifying more tokens than may still be produced (the bonus token is one).
             room = min(self.draft_len, self.max_new - len(self.generated) - 1)
@@ -262,14 +264,14 @@ class Decoding:
                 if forced:
                     draft = forced[:room]
                 elif isinstance(self.drafter, NgramDrafter):
-                    offered, self._draft_n = self.drafter.propose(self.context, room)
-                    draft = offered[:self.draft_lengths.length(self._draft_n, len(offered))]
+                    offered, match = self.drafter.propose(self.context, room)
+                    draft = offered[:self.draft_lengths.length(match, len(offered))]
                 else:
                     draft = list(self.drafter(self.context, room))[:room]
                 draft = _check_ids(draft, self.vocab, "draft")
                 if self.matcher is not None:
                     draft = draft[:self.matcher.legal_prefix(draft)]
-        self._pass = (self.state.num_tokens, draft)
+        self._pass = (self.state.num_tokens, draft, match)
         return Seq([self.generated[-1]] + draft, self.state, bool(draft), "all", on_device=True, reach=self.reach)
 
     @property
@@ -294,9 +296,8 @@ class Decoding:
         ``generated[:-1]``."""
         if self._pass is None:
             raise RuntimeError("take() without a pass in flight: call next_pass() first")
-        before, draft = self._pass
+        before, draft, match = self._pass
         self._pass = None
-        n, self._draft_n = self._draft_n, None
         if self._muted:  # cancelled by deliver() after this pass began: its tokens go nowhere
             preds, ok, _ = self._pick(logits, draft, argmax)
             self.generated += preds[:ok + 1]
@@ -320,8 +321,8 @@ class Decoding:
         self.stats["passes"] += 1
         self.stats["drafted_tokens"] += len(draft)
         preds, ok, logprobs = self._pick(logits, draft, argmax)
-        if n is not None:
-            self.draft_lengths.record(n, len(draft), ok)
+        if match is not None:
+            self.draft_lengths.record(match, len(draft), ok)
         used = 0  # tokens of this burst (preds[:ok + 1]) that generation actually took
         reason = None
         for i, t in enumerate(preds[:ok + 1]):
