@@ -21,9 +21,18 @@ def test_cost_tables_are_straight_lines_through_their_points():
     assert cost(1) == pytest.approx(0.8) and cost(3) == pytest.approx(1.3) and cost(9) == pytest.approx(2.8)
     three = draft_replay.parse_cost("1:1,2:4.6,3:4.8")
     assert three(2) == pytest.approx(4.6) and three(5) == pytest.approx(5.2)
-    for bad in ("2:1,3:2", "1:1"):
-        with pytest.raises(SystemExit):
+    for bad in ("2:1,3:2", "1:1", "1:1,1:2", "1:0,2:1", "1:1,2", "one:1,2:2", ""):
+        with pytest.raises(SystemExit, match="--cost"):
             draft_replay.parse_cost(bad)
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
+    for args, says in (([str(tmp_path), "--tokens", "1"], "--tokens"),
+                       ([str(tmp_path), "--draft-len", "0"], "--draft-len"),
+                       ([str(tmp_path / "none")], "no such checkpoint")):
+        with pytest.raises(SystemExit):
+            draft_replay.main(args)
+        assert says in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not (KL_CODE_TINY / "config.json").exists(), reason="kl-code-tiny is not on this machine")

@@ -26,12 +26,16 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main():", "class S
 
 def parse_cost(spec: str):
     """'1:0.8,5:1.8' -> cost(rows), straight lines through the points (and past the last two)."""
-    points = sorted((int(r), float(c)) for r, c in (p.split(":") for p in spec.split(",")))
-    if len(points) < 2 or points[0][0] != 1:
-        raise SystemExit(f"--cost {spec!r}: give the cost of 1 row and of at least one more row count")
+    try:
+        points = sorted((int(r), float(c)) for r, c in (p.split(":") for p in spec.split(",")))
+    except ValueError:
+        raise SystemExit(f"--cost {spec!r}: give rows:cost pairs separated by commas, e.g. 1:0.8,5:1.8") from None
+    rows = [r for r, _ in points]
+    if len(points) < 2 or rows[0] != 1 or len(set(rows)) < len(rows) or any(c <= 0 for _, c in points):
+        raise SystemExit(f"--cost {spec!r}: give a positive cost for 1 row and for at least one more row count, "
+                         f"each row count once")
 
     def cost(rows: int) -> float:
-        lo, hi = points[0], points[1]
         for a, b in zip(points, points[1:]):
             lo, hi = a, b
             if rows <= b[0]:
@@ -72,8 +76,13 @@ def main(argv=None) -> int:
     p.add_argument("--cost", action="append", default=[], help="a pass's cost by rows, e.g. 1:0.8,5:1.8")
     p.add_argument("--dtype", default="float32")
     a = p.parse_args(argv)
+    if a.tokens < 2 or a.ngram < 1 or a.draft_len < 1:
+        p.error("--tokens must be at least 2, --ngram and --draft-len at least 1")
     costs = {spec: parse_cost(spec) for spec in a.cost}
-    model = deltafin.load(a.model, stream="off", dtype=a.dtype)
+    try:
+        model = deltafin.load(a.model, stream="off", dtype=a.dtype)
+    except (OSError, ValueError) as e:  # a missing folder, a checkpoint deltafin refuses (DeltafinError)
+        p.error(str(e))
     runs = []
     for text in a.prompt or PROMPTS:
         ids = model.encode(text)
