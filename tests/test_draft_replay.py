@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import draft_replay  # noqa: E402
 
 import deltafin  # noqa: E402
-from deltafin.runtime.generate import DraftLengths, generate  # noqa: E402
+from deltafin.runtime.generate import DRAFT_KEEP_CHANCE, generate  # noqa: E402
 from deltafin.runtime.sampling import SamplingParams  # noqa: E402
 from conftest import KL_CODE_TINY  # noqa: E402
 
@@ -50,7 +50,7 @@ def test_the_replay_makes_the_passes_generation_makes(capsys):
         runs.append((ids, plain.generated))
         passes += drafted.stats["passes"]
         rows += drafted.stats["passes"] + drafted.stats["drafted_tokens"]
-    replayed = draft_replay.replay(runs, ngram=4, most=8, least=DraftLengths().least)
+    replayed = draft_replay.replay(runs, ngram=4, most=8, least=DRAFT_KEEP_CHANCE)
     assert (len(replayed), sum(replayed)) == (passes, rows) and rows > passes
     assert draft_replay.main([str(KL_CODE_TINY), "--tokens", "96", "--cost", "1:1,5:2"] +
                              [a for t in prompts for a in ("--prompt", t)]) == 0

@@ -17,7 +17,7 @@ import argparse
 import json
 
 import deltafin
-from deltafin.runtime.generate import MIN_NGRAM, DraftLengths, NgramDrafter, generate
+from deltafin.runtime.generate import DRAFT_KEEP_CHANCE, MIN_NGRAM, DraftLengths, NgramDrafter, generate
 from deltafin.runtime.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main():", "class Stack:\n    def __init__(self):",
@@ -36,10 +36,8 @@ def parse_cost(spec: str):
                          f"each row count once")
 
     def cost(rows: int) -> float:
-        for a, b in zip(points, points[1:]):
-            lo, hi = a, b
-            if rows <= b[0]:
-                break
+        # the segment that holds `rows`, or the last one past the last point
+        lo, hi = next(((a, b) for a, b in zip(points, points[1:]) if rows <= b[0]), points[-2:])
         return lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0])
     return cost
 
@@ -71,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
     p.add_argument("--ngram", type=int, default=4)
     p.add_argument("--draft-len", type=int, default=8)
-    p.add_argument("--keep-chance", type=float, default=DraftLengths().least,
+    p.add_argument("--keep-chance", type=float, default=DRAFT_KEEP_CHANCE,
                    help="where drafts are cut (default: what generation uses)")
     p.add_argument("--cost", action="append", default=[], help="a pass's cost by rows, e.g. 1:0.8,5:1.8")
     p.add_argument("--dtype", default="float32")
