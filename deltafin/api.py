@@ -317,6 +317,14 @@ class Model:
                 "shapes": [list(shape) for shape in sorted(g.graphs)], "failed": g.failed,
                 "record_seconds": g.record_seconds, "states_moved_in": g.moved_in}
 
+    def cpu_replay_stats(self) -> dict | None:
+        """One-token CPU passes replayed as the native calls they make (runtime/cpu_replay.py): how many
+        were, how many recorded, and the shapes that cannot be and why (None: not on this model)."""
+        r = self.engine.cpu_replay
+        if r is None:
+            return None
+        return {"recorded": r.recorded, "replayed": r.replayed, "failed": {str(k): v for k, v in r.failed.items()}}
+
     def global_weights(self) -> dict:
         """The weights outside the layers (embedding, head, final norm) as the provider holds them."""
         return self.engine.provider.globals()

@@ -326,6 +326,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
 
     started = prefills - 1 + groups * untimed  # the pass after which the timed decode starts
     paused = [0.0]  # seconds of the timed decode spent in probes between its passes
+    replay_before: list[dict | None] = []  # the CPU replay's counts as the timed decode starts
 
     def on_pass(index: int, stats) -> None:
         if index == prefills - 1:
@@ -344,6 +345,7 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
             if split:
                 ranks_before.extend(model.ranks_report())
             marks["decode_start"] = time.perf_counter()
+            replay_before.append(model.cpu_replay_stats())
             if routings is not None:
                 routings.on = True
 
@@ -393,6 +395,10 @@ def run_bench(path: str | Path, tokens: int = 32, prompt_tokens: int = 64, setti
         # One-token passes of a streamed model: the products' threads as the run ended, and how often
         # the count changed (every core once the passes stopped waiting on the disk).
         "one_token_threads": model.one_token_threads(),
+        # Of the timed decode's passes on the CPU, those replayed as their native calls and those
+        # recorded (None: no replay on this model; a streamed one replays once its cache holds it all).
+        "cpu_replay": _replay_counts(replay_before[0] if replay_before else None, model.cpu_replay_stats(),
+                                     len(decode)),
         "prompt_tokens": prompt_tokens,
         "batch": batch,
         "prefill_passes": prefills,
@@ -508,7 +514,7 @@ class _RoutingCounter(PassObserver):
         self.on = False
         self.counts = {i: [0] * cfg.num_experts for i in range(cfg.num_layers) if cfg.is_moe(i)}
 
-    def on_route(self, layer: int, ids, x) -> None:
+    def on_choice(self, layer: int, ids) -> None:
         if self.on:
             counts = self.counts[layer]
             for e in ids.flatten().tolist():
@@ -578,6 +584,13 @@ def device_figures(model, d: dict, s_per_tok: float, raw: dict | None, settings:
         # One-token passes replayed as a recorded CUDA graph (None: every kernel launched per pass).
         "decode_graph": model.graph_stats(),
     }
+
+
+def _replay_counts(before: dict | None, after: dict | None, passes: int) -> dict | None:
+    if before is None or after is None:
+        return None
+    return {"passes": passes, "replayed": after["replayed"] - before["replayed"],
+            "recorded": after["recorded"] - before["recorded"], "failed": after["failed"]}
 
 
 def resident_pass_figures(model, prompts: list[list[int]], piece: int, prefills: int, prefill_tok_s: float) -> dict:
@@ -791,6 +804,10 @@ def format_table(r: dict) -> str:
                                   f"{(r['expert_cache_hit_rate'] or 0) * 100:.0f}%; holds {c['held_bytes'] / GB:.2f} "
                                   f"GB (spines {c['spine_layers_held']}/{c['streamed_layers']} layers, "
                                   f"{c['experts_held']} experts), budget {r['ram_budget_bytes'] / GB:.2f} GB"))
+    if r.get("cpu_replay"):
+        x = r["cpu_replay"]
+        rows.append(("cpu replay", f"{x['replayed']} of {x['passes']} decode passes replayed, {x['recorded']} recorded"
+                                   + (f" (failed: {x['failed']})" if x["failed"] else "")))
     if r.get("dist"):
         x = r["dist"]
         for rank, place in zip(x["ranks"], x["placement"]):

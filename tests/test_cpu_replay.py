@@ -189,3 +189,81 @@ def test_long_caches_replay_where_the_blocked_attention_runs(monkeypatch):
                 want = _plain(model, lambda: model.forward([int(want.argmax())], plain)[-1])
             assert torch.equal(got, want)
             assert (replay.replayed - before >= 4) == replays
+
+
+def _decode_logits(model, prompt, tokens):
+    """The prompt's last logits row and those of `tokens` greedy steps after it, stacked."""
+    st = model.new_state()
+    rows = [model.forward(prompt, st)[-1]]
+    for _ in range(tokens):
+        rows.append(model.forward([int(rows[-1].argmax())], st)[-1])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("which", ["bf16", "q8"])
+def test_a_streamed_model_replays_once_its_cache_holds_all_of_it(which, tiny_kl_path, wide_q8_path):
+    """Streamed with a RAM cache that takes the whole model: the experts no token routed to are read
+    in behind the passes, after which its MoE layers compute in one native call and its passes replay;
+    the logits stay the resident model's. When the cache gives anything up, the recordings go with it
+    and the passes run as before."""
+    path = tiny_kl_path if which == "bf16" else wide_q8_path
+    resident = _decode_logits(deltafin.load(path, device="cpu", stream="off"), [3, 4, 5], 24)
+    m = deltafin.load(path, device="cpu", stream="on", ram_budget="8")
+    provider, replay, cfg = m.engine.provider, m.engine.cpu_replay, m.config
+    assert replay is not None and provider.held() is None  # nothing read yet
+    streamed = _decode_logits(m, [3, 4, 5], 24)
+    assert (streamed - resident).abs().max() <= 1e-5 * resident.abs().max()
+    assert torch.equal(streamed.argmax(-1), resident.argmax(-1))
+    assert all(not provider.cache.missing_experts(i) for i in range(cfg.num_layers))
+    assert provider.held() is not None and replay.replayed >= 10 and not replay.failed
+    # the same again, every pass replayed but the few that record (new states, grown caches), now with
+    # the weights in the resident model's layout and calls: its logits, bit for bit
+    before = replay.replayed
+    assert torch.equal(_decode_logits(m, [3, 4, 5], 24), resident)
+    assert replay.replayed - before >= 18
+    provider.watcher.close()  # the target is the test's from here on
+    provider.cache.set_target(0, "a test")  # memory wanted elsewhere: everything goes
+    assert provider.held() is None and not replay.recordings
+    replayed = replay.replayed
+    again = _decode_logits(m, [3, 4, 5], 24)
+    assert replay.replayed == replayed
+    # read per pass in the store's layout (grouped int8 not interleaved: the products sum in another order)
+    assert (again - resident).abs().max() <= 1e-3 * resident.abs().max()
+    assert torch.equal(again.argmax(-1), resident.argmax(-1))
+    provider.cache.set_target(8 * 10**9, "a test")  # and back: read again, whole again, replayed again
+    _decode_logits(m, [3, 4, 5], 24)
+    assert provider.held() is not None and replay.replayed > replayed
+
+
+def test_a_bench_counts_the_routing_of_replayed_passes(wide_q8_path):
+    """The bench's routing counter is told each MoE layer's choice after the fact (on_choice), so a
+    streamed model it measures replays as it would unwatched, and the counts are all there."""
+    from deltafin.bench import run_bench
+    r = run_bench(wide_q8_path, tokens=12, prompt_tokens=4, warmup_tokens=16,
+                  settings=Settings.resolve({"device": "cpu", "stream": "on", "ram_budget": "8"}))
+    cfg = deltafin.load(wide_q8_path, device="cpu", stream="off").config
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_layers))
+    assert r["cpu_replay"]["passes"] == 11 and r["cpu_replay"]["replayed"] >= 9
+    assert r["expert_routing"]["routings"] == 11 * moe_layers * cfg.experts_per_token
+
+
+def test_experts_kept_before_the_cache_held_whole_layers_are_laid_out_once_it_does(wide_q8_path):
+    """A cache that held half of each layer's experts keeps them in the store's layout; once it may hold
+    them all (memory freed), what it kept before is laid out for the CPU, so the layers take their one
+    native call and the passes replay, with the resident model's logits."""
+    resident = _decode_logits(deltafin.load(wide_q8_path, device="cpu", stream="off"), [3, 4, 5], 12)
+    m = deltafin.load(wide_q8_path, device="cpu", stream="on", ram_budget="8")
+    provider, replay = m.engine.provider, m.engine.cpu_replay
+    cache = provider.cache
+    provider.watcher.close()  # the target is the test's
+    half = m.config.num_experts // 2
+    cache.set_target(sum(cache._sizes.spine_bytes) + half * cache.residency()["slot_bytes"], "a test")
+    _decode_logits(m, [3, 4, 5], 12)
+    kept = [ws for layer in cache._experts.held.values() for _, ws in layer.values()]
+    assert kept and all(w.tensors["weight_scale"].dim() == 2 for ws in kept for w in ws)  # the store's layout
+    assert provider.held() is None and replay.replayed == 0
+    cache.set_target(8 * 10**9, "a test")
+    _decode_logits(m, [3, 4, 5], 12)  # the rest read in; what was kept laid out
+    before = replay.replayed
+    assert torch.equal(_decode_logits(m, [3, 4, 5], 12), resident)
+    assert provider.held() is not None and replay.replayed - before >= 8

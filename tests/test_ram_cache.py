@@ -461,6 +461,29 @@ def test_a_pass_is_admitted_no_more_experts_than_slots_and_keeps_its_hits():
     assert c.admit_expert(1, 2, page) is got[0] and c.expert(1, 0) is None and c.expert(1, 1) == "w1"
 
 
+def test_a_whole_layer_what_is_missing_and_what_is_dropped():
+    """``whole_layer`` hands out a layer's experts only once all of them are held; ``missing_experts``
+    names what a reader may fetch only while the plan holds every expert and spine (never a dense layer's);
+    every drop (a slot taken by another, a shrink) is told to ``on_drop``, additions only bump the version."""
+    c = RamCache([10, 10], [0, 4], 2)
+    drops = []
+    c.on_drop.append(lambda: drops.append(c.held_version))
+    c.set_target(40)  # both spines (on the way, the read-ahead buffers of the second) and both experts
+    assert c.missing_experts(1) == []  # a spine is still missing: nothing is fetched ahead yet
+    assert c.put_spine(0, Buf(10), {}) and c.put_spine(1, Buf(10), {})
+    assert c.missing_experts(0) == [] and c.missing_experts(1) == [0, 1] and c.whole_layer(1) is None
+    version = c.held_version
+    c.put_expert(1, 0, c.admit_expert(1, 0, 4, Buf(4)), "w0")
+    assert c.held_version > version and c.whole_layer(1) is None and c.missing_experts(1) == [1]
+    c.put_expert(1, 1, c.admit_expert(1, 1, 4, Buf(4)), "w1")
+    assert c.whole_layer(1) == {0: "w0", 1: "w1"} and c.missing_experts(1) == [] and not drops
+    c.set_target(20 + 4)  # one slot: an expert goes
+    assert len(drops) == 1 and c.whole_layer(1) is None and c.missing_experts(1) == []  # the plan: not all
+    c.set_target(0)
+    assert len(drops) == 4  # then the other expert and both spines, a notice each
+    assert drops == sorted(drops) and c.held_bytes() == 0
+
+
 def test_a_cache_in_the_cpu_layout_keeps_the_logits_through_shrink_and_grow(tmp_path, wide_q8_path):
     """A streamed model computing on the CPU keeps its spines and experts interleaved (grouped int8): a
     pass served from the cache, one after it gave everything back (weights read per pass, stored layout)

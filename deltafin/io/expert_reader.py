@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 
 from .origin import ReadOrigin, count
-from .reader import EXPERT_CHUNK, URGENT, AlignedBuffer, Batch, Layout, ReadPool, chunked, expert_layout, views
+from .reader import AHEAD, EXPERT_CHUNK, URGENT, AlignedBuffer, Batch, Layout, ReadPool, chunked, expert_layout, views
 
 
 class _TimedFuture(Future):
@@ -54,6 +54,7 @@ class ExpertReader:
         self._slots: list[AlignedBuffer] = []
         self._slots_used = 0  # the most slots one layer of this pass needed
         self._batch: Batch | None = None  # the last layer's reads
+        self._fill_batch: Batch | None = None  # the last ``fill``'s reads
 
     def layout(self, i: int, e: int) -> Layout:
         lay = self._layouts.get((i, e))
@@ -139,6 +140,42 @@ class ExpertReader:
             _when_all(waits, finish)
         return fut
 
+    def fill(self, i: int, experts: list[int], stats) -> int:
+        """Read experts of layer i that no pass asked for into the cache, behind every urgent read,
+        where it admits them (each into a buffer of its own: the slots are not touched); how many
+        were queued (none while the last fill is still reading). Their bytes count in `stats` now,
+        as a demand read's do."""
+        cache = self._cache
+        if cache is None or (self._fill_batch is not None and not self._fill_batch.done()):
+            return 0
+        queued = []
+        for e in experts:
+            if cache.expert(i, e) is not None:
+                continue
+            lay = self.layout(i, e)
+            buf = cache.admit_expert(i, e, lay.capacity)
+            if buf is None:
+                break  # no room: the cache's plan changed since the caller looked
+            queued.append((e, lay, buf))
+            count(stats, self._origin.of(lay), lay.nbytes)
+        if not queued:
+            return 0
+        decode = self._source.decode_expert
+
+        def keep(error):
+            if error is not None:
+                return  # a failed fill costs nothing but the slot's promise: a demand read tries again
+            for e, lay, buf in queued:
+                try:
+                    weights = cache.expert_to_keep(decode(i, e, views(buf.mem, lay)))
+                except Exception:  # noqa: BLE001 -- a demand read of it raises the error where it is seen
+                    continue
+                cache.put_expert(i, e, buf, weights)
+
+        jobs = [(run, buf.mem, s) for _, lay, buf in queued for run, s in zip(lay.runs, lay.starts)]
+        self._fill_batch = self._pool.submit(chunked(jobs, EXPERT_CHUNK), AHEAD, keep)
+        return len(queued)
+
     def end_pass(self) -> int:
         """Give back the slots beyond what this pass needed (and beyond a decode pass's); the
         bytes freed."""
@@ -161,11 +198,12 @@ class ExpertReader:
         return sum(s.nbytes for s in self._slots[self._decode_slots:])
 
     def close(self) -> None:
-        if self._batch is not None:
-            try:
-                self._batch.wait()
-            except Exception:
-                pass
+        for batch in (self._batch, self._fill_batch):
+            if batch is not None:
+                try:
+                    batch.wait()
+                except Exception:
+                    pass
 
 
 def _when_all(batches: list[Batch], fn) -> None:

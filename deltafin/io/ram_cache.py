@@ -81,6 +81,10 @@ class RamCache:
         self._clock = time.monotonic
         self._last_verb, self._last_line = "", float("-inf")
         self.version = 0  # bumped when the set of held spines changes (the streamer re-plans its reads)
+        self.held_version = 0  # bumped when anything held comes or goes (``whole_layer`` views follow it)
+        # Called (under the lock: they must only drop references) when anything held goes, so that
+        # whoever keeps views of held weights lets them go with it (``StreamProvider.held``).
+        self.on_drop: list = []
 
     # -- sizing ------------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -165,8 +169,16 @@ class RamCache:
                 self._set_target(self.target + back, "a long pass's expert read buffers given back")
 
     def _set_slots(self, slots: int) -> None:
-        for buf, _ in self._experts.resize(slots):
+        dropped = self._experts.resize(slots)
+        for buf, _ in dropped:
             self._expert_held -= buf.nbytes
+        if dropped:
+            self._dropped()
+
+    def _dropped(self) -> None:
+        self.held_version += 1
+        for drop in self.on_drop:
+            drop()
 
     def _shrink_to(self, p: Placement) -> None:
         self._set_slots(p.expert_slots)
@@ -174,6 +186,7 @@ class RamCache:
             if i not in p.spine_layers:
                 self._spine_held -= self._spines.pop(i)[0].nbytes
                 self.version += 1
+                self._dropped()
 
     def _over(self, more: int, spines=None) -> bool:
         """Whether holding `more` bytes (and the spines `spines`, default those held) passes the target."""
@@ -221,6 +234,7 @@ class RamCache:
             self._spines[i] = (buf, weights)
             self._spine_held += buf.nbytes
             self.version += 1
+            self.held_version += 1
             return True
 
     # -- experts -----------------------------------------------------------------------------
@@ -236,6 +250,44 @@ class RamCache:
         with self._lock:
             got = self._experts.get(i, e)
             return got[1] if got is not None else None
+
+    def missing_experts(self, i: int) -> list[int]:
+        """Layer i's experts not held, where the plan holds every expert of every layer (and every
+        spine); else none: what a reader may fetch before any pass asks (``StreamProvider.end_pass``)."""
+        with self._lock:
+            n = self._sizes.num_experts
+            if not n or not self._sizes.expert_bytes[i] or self._plan.expert_slots < n \
+                    or len(self._spines) < len(self._cacheable):
+                return []
+            layer = self._experts.held.get(i, {})
+            return [e for e in range(n) if e not in layer]
+
+    def whole_layer(self, i: int) -> dict | None:
+        """Every expert of layer i, {expert: weights} in expert order, where the cache holds them all;
+        else None."""
+        with self._lock:
+            layer = self._experts.held.get(i, {})
+            n = self._sizes.num_experts
+            return {e: layer[e][1] for e in range(n)} if n and len(layer) >= n else None
+
+    def lay_out_experts(self, i: int) -> bool:
+        """Lay out for the CPU the experts of layer i kept before the cache held all of a layer's (in
+        the store's layout then, see ``expert_to_keep``), now that it holds every one; whether any was.
+        Their codes are permuted in place, so the old weight objects must not be used again: the change
+        is told as a drop (``on_drop``), and it is made between passes, by the thread that runs them."""
+        with self._lock:
+            n = self._sizes.num_experts
+            if not (self.cpu_layout and n and self._plan.expert_slots >= n):
+                return False
+            layer = self._experts.held.get(i, {})
+            changed = False
+            for e, (buf, weights) in list(layer.items()):
+                laid = expert_in_cpu_layout(weights)
+                if any(a is not b for a, b in zip(laid, weights)):
+                    layer[e], changed = (buf, laid), True
+            if changed:
+                self._dropped()
+            return changed
 
     def admit_expert(self, i: int, e: int, capacity: int, buf=None):
         """The buffer to read expert e of layer i into, to keep it; None: not admitted. `buf`: the
@@ -259,6 +311,7 @@ class RamCache:
             self._pending[i] = (n + 1, promised + capacity)
             if old is not None and victim not in layer:
                 self._expert_held -= old.nbytes
+                self._dropped()
                 if buf is None and old.nbytes >= capacity:
                     return old
             return buf if buf is not None else self._new_buffer(capacity)
@@ -277,10 +330,15 @@ class RamCache:
                 self._pending[i] = (n - 1, max(0, promised - buf.nbytes))
             if self._over(buf.nbytes):
                 return
-            before = len(self._experts.held.get(i, {}))
+            layer = self._experts.held.get(i, {})
+            before, replaced = len(layer), layer.get(e)
             self._experts.put(i, e, (buf, weights))
             if len(self._experts.held.get(i, {})) > before:
                 self._expert_held += buf.nbytes
+                self.held_version += 1
+            elif replaced is not None and self._experts.get(i, e) is not replaced:
+                self._expert_held += buf.nbytes - replaced[0].nbytes
+                self._dropped()
 
     def above(self, i: int, e: int, held: bool) -> None:
         """Whether a tier above (the device) holds expert e of layer i now: while it does, the copy

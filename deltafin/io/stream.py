@@ -35,13 +35,15 @@ from __future__ import annotations
 import weakref
 from concurrent.futures import Future
 
+from ..kernels import cpu_native
+from ..kernels.experts_cpu import held_table
 from ..model.moe import chosen_experts
 from ..settings import Settings
 from .expert_reader import ExpertReader
 from .memory import WATCH_INTERVAL_S, MemoryBudget, Watcher
 from .origin import ReadOrigin
 from .prefetch import Guesses, Prefetcher
-from .ram import spine_in_cpu_layout
+from .ram import HeldExperts, spine_in_cpu_layout
 from .ram_cache import RamCache
 from .reader import AlignedBuffer, Files, ReadPool, align_up, expert_layout, globals_layout, read_now, \
     spine_layout, views
@@ -91,6 +93,8 @@ class StreamProvider:
             # Per pass the whole of every global but the embedding is used; of the embedding, one row per token.
             self._global_pass_bytes = glayout.nbytes - embed.numel() * embed.element_size()
 
+        self._layers = layers
+        self.cpu_layout = cpu_layout
         pin_layers = min(settings.pin_layers, layers.stop) if layers.start == 0 else 0
         # the layers whose spine is read
         self.streamable = [i for i in layers if i >= pin_layers and i not in held]
@@ -115,8 +119,15 @@ class StreamProvider:
                                          guesses=cfg.experts_per_token, new_buffer=new_buffer)
             self._guesses = Guesses(cfg, settings.prefetch, self.prefetcher, self._spines.in_memory)
 
+        # Views of what the cache holds for good, for the CPU's one-call layers and replayed passes
+        # (``held``), made again when it changes; ``on_drop`` callbacks let go of theirs when it drops any.
+        self._held_version = -1
+        self._held_all: tuple | None = None
+        self._held_layers: dict[int, HeldExperts | bool] = {}  # False: held, not as one table
+        self.on_drop: list = []
         self.watcher: Watcher | None = None
         if self.cache is not None:
+            self.cache.on_drop.append(self._forget_held)
             self._note_fixed()
             budget = MemoryBudget(ceiling, memory_root)
             self.budget_line = budget.describe(self.cache.fixed_bytes)
@@ -143,6 +154,8 @@ class StreamProvider:
             freed = self._experts.end_pass()
             self._note_fixed()
             self.cache.repay(freed)
+            if self.cpu_layout:
+                self._fill(stats)
 
     def spine(self, i: int, stats) -> dict:
         self._spines.release()  # layer i-1 is done with its buffer
@@ -174,6 +187,57 @@ class StreamProvider:
             self._guesses.after_experts(i, residual, stats)
         self._note_fixed()
         return fut
+
+    def held_experts(self, i: int) -> HeldExperts | None:
+        """Every expert of layer i while the cache holds them all, laid out for the CPU's products
+        (``io.ram.RAMProvider.held_experts``; the caller tells the choice with ``count_experts``); else
+        None (they are asked for with ``experts``)."""
+        if not self.cpu_layout or self.cache is None or not cpu_native.available():
+            return None
+        self._follow_held()
+        got = self._held_layers.get(i)
+        if got is None:
+            whole = self.cache.whole_layer(i)
+            if whole is None:
+                return None
+            got = HeldExperts(whole)
+            # Only as one native table. A layer whose experts were kept before the cache held them all is
+            # partly in the store's layout: laid out now, once (else its products go expert by expert).
+            if held_table(got) is None and self.cache.lay_out_experts(i):
+                self._follow_held()  # the cache changed: every view made before is gone
+                whole = self.cache.whole_layer(i)
+                got = HeldExperts(whole) if whole is not None else None
+            self._held_layers[i] = got = got if got is not None and held_table(got) is not None else False
+        return got or None
+
+    def held(self) -> tuple[dict, list[dict], list[dict]] | None:
+        """The weights themselves while RAM holds all of them (the cache every streamed spine and every
+        expert: a model that fits once the cache is warm), as ``io.ram.RAMProvider.held`` hands them
+        out; else None. They stay valid until the cache drops any (``on_drop`` says when)."""
+        if not self.cpu_layout or self.cache is None:
+            return None
+        self._follow_held()
+        if self._held_all is None:
+            cfg = self.config
+            spines, experts = [{} for _ in range(cfg.num_layers)], [{} for _ in range(cfg.num_layers)]
+            for i in self._layers:
+                spines[i] = self._spines.in_ram(i)
+                if spines[i] is None:
+                    return None
+                if cfg.is_moe(i):
+                    experts[i] = self.held_experts(i)
+                    if experts[i] is None:
+                        return None
+            self._held_all = (self._globals, spines, experts)
+        return self._held_all
+
+    def count_experts(self, i: int, ids, stats) -> None:
+        """Account the experts of layer i that a routing over ``held_experts`` chose, as ``experts``
+        accounts cache hits (the cache's scores learn the choice too)."""
+        chosen = chosen_experts(ids)
+        stats.experts_loaded += len(chosen)
+        stats.experts_streamed += len(chosen)
+        self._experts.cached(i, chosen, stats)
 
     def above(self, i: int, e: int, held: bool) -> None:
         """Whether a tier above (the device) holds expert e of layer i now (see ``RamCache.above``)."""
@@ -228,6 +292,32 @@ class StreamProvider:
         self._finalizer()
 
     # -- internals ---------------------------------------------------------------------------
+    def _fill(self, stats) -> None:
+        """Once the cache's plan holds the whole model, read the experts no pass has chosen yet, one
+        layer's at a time behind the passes' own reads: a layer computes in one native call, and a
+        pass replays, only while every expert of the model is held (``held``), and an expert the
+        routers seldom choose may take thousands of tokens to come by itself."""
+        for i in self._layers:
+            missing = self.cache.missing_experts(i)
+            if missing:
+                self._experts.fill(i, missing, stats)
+                return
+
+    def _follow_held(self) -> None:
+        """Drop the views of ``held`` made before the cache last changed (what it took in since
+        may complete them)."""
+        version = self.cache.held_version
+        if version != self._held_version:
+            self._held_version = version
+            self._held_all, self._held_layers = None, {}
+
+    def _forget_held(self) -> None:
+        """The cache dropped something (under its lock, maybe on the watcher's thread): let go of
+        every view of what it held, here and wherever ``on_drop`` says, so its memory goes back."""
+        self._held_all, self._held_layers = None, {}
+        for drop in self.on_drop:
+            drop()
+
     def _note_fixed(self) -> None:
         """Tell the cache what the streamer's own buffers take now (the budget follows their
         recent peak), without the extra expert slots of a long pass (a prefill), which

@@ -1,4 +1,4 @@
-"""One-token CPU passes of a resident model replayed as the native calls they make.
+"""One-token CPU passes of a model held in RAM replayed as the native calls they make.
 
 With every weight in RAM, a decode pass on the CPU is one native call per layer half (``kda_block``,
 ``mla_block``, ``moe_block_silu``, ``mlp_block_silu``) and two for the head (``rms_norm``,
@@ -17,8 +17,10 @@ What makes the same arguments right for a later pass:
   recorded again.
 - The lengths: the MLA calls' arrays of cache lengths are rewritten before each replay.
 - The weights: the provider's weight objects are those of the recording (the sensitivity tool swaps
-  weights in place; such a pass is recorded again). The recording holds them, and every intermediate
-  tensor, so no address in it can be freed under it.
+  weights in place; a streamed model's cache may drop weights and read them again; such a pass is
+  recorded again). The recording holds them, and every intermediate tensor, so no address in it can be
+  freed under it. A streamed model replays only while its cache holds every weight (its ``held`` is None
+  else), and a drop clears the recordings at once (``forget``), so they do not keep dropped memory.
 - The calls are all there is: the recording is used only when each call read exactly what the previous
   one wrote (the first the input rows, the last wrote the logits). A pass with anything else between
   its calls (a torch op, a layer that does not take its one native call) is not replayed, ever, for
@@ -64,11 +66,16 @@ class CpuReplay:
         self.failed: dict[tuple, str] = {}  # shapes whose passes are not calls alone, and why
         self.recorded = 0
         self.replayed = 0
+        # A provider whose RAM may give weights up (a streamed model's cache) says when it does: the
+        # recordings hold them, and let them go with it.
+        if hasattr(engine.provider, "on_drop"):
+            engine.provider.on_drop.append(self.forget)
 
     @staticmethod
     def possible(engine) -> bool:
-        """The CPU, switched on, float32 products, every weight held in RAM (a provider that hands its
-        weights out: ``held``), and layers without attention residuals (whose depth mix runs in torch)."""
+        """The CPU, switched on, float32 products, a provider that may hold every weight in RAM and hand
+        them out (``held``: the resident one always, a streamed one once its cache holds the whole
+        model), and layers without attention residuals (whose depth mix runs in torch)."""
         provider = engine.provider
         return (engine.device.type == "cpu" and engine.settings.cpu_replay and engine.matmul_dtype == torch.float32
                 and callable(getattr(provider, "held", None)) and callable(getattr(provider, "held_experts", None))
@@ -77,7 +84,8 @@ class CpuReplay:
     def applies(self, seqs) -> bool:
         """One new row of each sequence, its logits wanted, no rollback kept, every MLA cache within
         what the native attention takes (past it the layer attends in torch)."""
-        if (len(seqs), cpu_native.pass_threads()) in self.failed or len(seqs) > cpu_native.GEMV_MAX_ROWS:
+        if (len(seqs), cpu_native.pass_threads()) in self.failed or len(seqs) > cpu_native.GEMV_MAX_ROWS \
+                or self.engine.provider.held() is None:
             return False
         return all(len(s.ids) == 1 and not s.keep_states and s.logits in ("all", "last")
                    and all(native_attend_reaches(self.engine.cfg, st.length + 1)
@@ -112,6 +120,8 @@ class CpuReplay:
                 if isinstance(st, MLAState):
                     st.length += 1
         for i, ids in rec.ids:
+            for on_choice in engine.choices:
+                on_choice(i, ids)
             provider.count_experts(i, ids, stats)
         provider.end_pass(stats)
         self.replayed += 1
@@ -135,6 +145,12 @@ class CpuReplay:
             self.recorded += 1
             logits = logits.clone()  # the recorded logits are the next replay's
         return logits
+
+    def forget(self) -> None:
+        """The provider gave up weights (maybe from another thread): drop the recordings holding them,
+        and what failed with them (a layer kept partly in the store's layout may be whole again)."""
+        self.recordings.clear()
+        self.failed.clear()
 
     def _weights(self) -> list:
         """Every weight object the provider holds, in a fixed order."""

@@ -61,6 +61,7 @@ class Engine:
         # The native threads of one-token CPU passes, chosen from where their bytes come from
         # (thread_policy.py); the loader sets it for a streamed model with automatic threads.
         self.thread_policy: ThreadPolicy | None = None
+        self.choices: list = []  # the observers' on_choice callbacks, for the pass under way
         # Decode and check passes replayed as CUDA graphs where everything they read is resident: the
         # whole pass, or a rank's layers of a model split across processes (the rank hands its rows
         # on between its replays; dist.worker, dist.pipeline).
@@ -141,7 +142,9 @@ class Engine:
         for s in seqs:
             s.state.begin_pass(s.keep_states)
         routes = [o.on_route for o in self.observers if o.on_route is not None]
-        if self.graphs is not None and self.graphs.whole and not routes and self.graphs.applies(seqs):
+        self.choices = [o.on_choice for o in self.observers if o.on_choice is not None]
+        if self.graphs is not None and self.graphs.whole and not routes and not self.choices \
+                and self.graphs.applies(seqs):
             logits = self.graphs.run(seqs, ids_t, stats)
             finish = lambda: logits  # noqa: E731
         else:
@@ -196,7 +199,7 @@ class Engine:
 
     def _fetch(self, i: int, stats: PassStats, routes) -> "LayerExperts":
         """Layer i's expert fetch (model.moe.ExpertFetch): the provider's read, seen by the observers."""
-        return LayerExperts(self.provider, i, stats, routes)
+        return LayerExperts(self.provider, i, stats, routes, self.choices)
 
     def embed(self, ids_t: torch.Tensor) -> torch.Tensor:
         """The rows of the residual stream for token ids (the table stays on the host). They cross to
@@ -284,14 +287,17 @@ class LayerExperts:
     the provider's read of the chosen ones, seen first by the observers (``routes``: their on_route
     callbacks). ``held()`` offers every expert of the layer at once where the provider holds them all in
     memory and no observer watches the routing (a routing computed inside a native call is not seen);
-    whoever computes with them tells the choice afterwards (``count``)."""
+    whoever computes with them tells the choice afterwards (``count``). Either way the choice goes to
+    ``choices`` (the observers' on_choice callbacks)."""
 
-    def __init__(self, provider, i: int, stats: PassStats, routes):
-        self.provider, self.i, self.stats, self.routes = provider, i, stats, routes
+    def __init__(self, provider, i: int, stats: PassStats, routes, choices=()):
+        self.provider, self.i, self.stats, self.routes, self.choices = provider, i, stats, routes, choices
 
     def __call__(self, ids, x, residual):
         for on_route in self.routes:
             on_route(self.i, ids, x)
+        for on_choice in self.choices:
+            on_choice(self.i, ids)
         return self.provider.experts(self.i, ids, self.stats, residual)
 
     def held(self):
@@ -299,6 +305,8 @@ class LayerExperts:
         return get(self.i) if get is not None and not self.routes else None
 
     def count(self, ids) -> None:
+        for on_choice in self.choices:
+            on_choice(self.i, ids)
         self.provider.count_experts(self.i, ids, self.stats)
 
 

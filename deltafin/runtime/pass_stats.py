@@ -43,6 +43,10 @@ class PassObserver:
     routing, so the passes it watches run eagerly (a replayed CUDA graph routes without the host)."""
 
     on_route = None  # (layer, ids [rows, k], router input x [rows, H]) -> None, during the pass
+    # (layer, ids [rows, k]) -> None: what a MoE layer chose, told once it did (ids are valid during the
+    # call only). Unlike on_route it lets a CPU layer route inside its one native call, and a CPU pass
+    # replay (runtime/cpu_replay.py); CUDA graphs still give way to it.
+    on_choice = None
 
     def on_pass(self, stats: PassStats) -> None:
         """After each pass, with its stats (also the engine's ``last_pass``)."""
