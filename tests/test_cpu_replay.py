@@ -102,6 +102,29 @@ def test_a_restored_state_is_not_replayed_over_its_old_tensors(model):
     assert replay.recorded > recorded
 
 
+def test_the_passes_after_a_draft_check_replay_at_once(model):
+    """A pass of several rows whose later rows are then given back (a draft check, half accepted) leaves
+    the states in the tensors the recording read: the one-token passes after it replay without recording
+    again, with the plain pass's logits."""
+    replay = model.engine.cpu_replay
+    mine, plain = model.new_state(), model.new_state()
+    model.forward([4, 5, 6], mine)
+    _plain(model, lambda: model.forward([4, 5, 6], plain))
+    for t in (7, 8):  # recorded, then replayed
+        model.forward([t], mine)
+        _plain(model, lambda: model.forward([t], plain))
+    for state, run in ((mine, lambda f: f()), (plain, lambda f: _plain(model, f))):
+        kept = state.num_tokens + 2
+        run(lambda: model.forward([9, 10, 11, 12], state, keep_states=True))
+        state.rollback(kept)
+    recorded, replayed = replay.recorded, replay.replayed
+    for t in (10, 13, 14, 15):
+        got = model.forward([t], mine)[-1]
+        want = _plain(model, lambda: model.forward([t], plain)[-1])
+        assert torch.equal(got, want)
+    assert replay.recorded == recorded and replay.replayed == replayed + 4
+
+
 def test_a_swapped_weight_is_computed_with(model):
     """A weight swapped in the provider's dicts (as the sensitivity tool does) takes effect on the next
     pass: the recording made with the old one is not replayed."""
@@ -233,6 +256,43 @@ def test_a_streamed_model_replays_once_its_cache_holds_all_of_it(which, tiny_kl_
     provider.cache.set_target(8 * 10**9, "a test")  # and back: read again, whole again, replayed again
     _decode_logits(m, [3, 4, 5], 24)
     assert provider.held() is not None and replay.replayed > replayed
+
+
+class _Chosen(PassObserver):
+    def __init__(self):
+        self.chosen: set[tuple[int, int]] = set()
+
+    def on_choice(self, layer, ids):
+        self.chosen.update((layer, e) for e in ids.flatten().tolist())
+
+
+def test_an_expert_that_fails_to_fill_is_read_once(wide_q8_path):
+    """An expert no token routes to whose read-ahead fails (its decode raises) is not read again at every
+    pass's end, and the other layers still fill: the rest of the model is read in and the logits are the
+    resident model's."""
+    resident = deltafin.load(wide_q8_path, device="cpu", stream="off")
+    with resident.engine.observe(_Chosen()) as seen:
+        want = _decode_logits(resident, [3, 4, 5], 16)
+    cfg = resident.config
+    bad = next((i, e) for i in range(cfg.num_layers) if cfg.is_moe(i) for e in range(cfg.num_experts)
+               if (i, e) not in seen.chosen)
+    m = deltafin.load(wide_q8_path, device="cpu", stream="on", ram_budget="8")
+    source, calls = m.engine.provider.source, []
+    decode = source.decode_expert
+
+    def failing(i, e, *args, **kwargs):
+        if (i, e) == bad:
+            calls.append(e)
+            raise ValueError("a damaged expert")
+        return decode(i, e, *args, **kwargs)
+
+    source.decode_expert = failing
+    got = _decode_logits(m, [3, 4, 5], 16)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert len(calls) == 1
+    cache = m.engine.provider.cache
+    assert cache.missing_experts(bad[0]) == [bad[1]]
+    assert all(not cache.missing_experts(i) for i in range(cfg.num_layers) if i != bad[0])
 
 
 def test_a_bench_counts_the_routing_of_replayed_passes(wide_q8_path):

@@ -55,6 +55,9 @@ class ExpertReader:
         self._slots_used = 0  # the most slots one layer of this pass needed
         self._batch: Batch | None = None  # the last layer's reads
         self._fill_batch: Batch | None = None  # the last ``fill``'s reads
+        # (layer, expert) whose fill failed (its read or its decode): never read ahead again, so a bad
+        # range of the store costs one read, not one a pass; a demand read raises its error where seen.
+        self.unfillable: set[tuple[int, int]] = set()
 
     def layout(self, i: int, e: int) -> Layout:
         lay = self._layouts.get((i, e))
@@ -163,12 +166,14 @@ class ExpertReader:
         decode = self._source.decode_expert
 
         def keep(error):
-            if error is not None:
-                return  # a failed fill costs nothing but the slot's promise: a demand read tries again
+            if error is not None:  # the slots' promises are settled at the layer's next routing
+                self.unfillable.update((i, e) for e, _, _ in queued)
+                return
             for e, lay, buf in queued:
                 try:
                     weights = cache.expert_to_keep(decode(i, e, views(buf.mem, lay)))
                 except Exception:  # noqa: BLE001 -- a demand read of it raises the error where it is seen
+                    self.unfillable.add((i, e))
                     continue
                 cache.put_expert(i, e, buf, weights)
 

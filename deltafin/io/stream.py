@@ -297,8 +297,9 @@ class StreamProvider:
         layer's at a time behind the passes' own reads: a layer computes in one native call, and a
         pass replays, only while every expert of the model is held (``held``), and an expert the
         routers seldom choose may take thousands of tokens to come by itself."""
+        failed = self._experts.unfillable
         for i in self._layers:
-            missing = self.cache.missing_experts(i)
+            missing = [e for e in self.cache.missing_experts(i) if (i, e) not in failed]
             if missing:
                 self._experts.fill(i, missing, stats)
                 return

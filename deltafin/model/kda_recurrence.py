@@ -210,9 +210,12 @@ def kda_rollback(st, keep: int) -> None:
 def native_rollback(st, keep: int) -> None:
     """Back to the state after the first ``keep`` rows of the last native pass (its pending record):
     the saved start state stepped over those rows again, the same call on the same inputs as a pass
-    of only those rows, so the same bits."""
+    of only those rows, so the same bits. In the state's own tensors: a one-token pass replayed as its
+    recorded native calls (runtime/cpu_replay.py) reads them where the recording saw them, so the
+    passes after a check replay at once instead of recording again."""
     p = st.pending
-    st.S, st.conv = p["S0"], p["conv0"]
+    st.S.copy_(p["S0"])
+    st.conv.copy_(p["conv0"])
     if keep:
         w = p["native"]
         D = p["r"].shape[1]
