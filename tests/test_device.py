@@ -401,7 +401,7 @@ def test_cuda_half_gemv_matches_torch_products():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_float_gemv_is_the_float32_product_of_the_stored_bf16_weight():
     """fp32 rows against a bf16 weight, unrounded: one row and 2 to MAX_ROWS rows (three bf16 parts on the
-    tensor cores), narrow weights included, through ``ops.linear``, against the float64 product. The bound
+    tensor cores, or up to FMA_MAX_ROWS on the CUDA cores), narrow weights included, through ``ops.linear``, against the float64 product. The bound
     is float32 summation error, which torch's own widened product meets too; rows rounded to bf16 would
     miss it by ~10x (the products' rounding is 2**-9 of each term)."""
     from deltafin.kernels import half_gemv_triton
@@ -418,7 +418,11 @@ def test_cuda_float_gemv_is_the_float32_product_of_the_stored_bf16_weight():
             widened = torch.nn.functional.linear(x, w.float())
             assert ((widened.double() - want).abs() <= bound).all(), (N, K, lead)  # the bound is fair
             fixed = {"BN": 4, "BK": 128} if x.numel() == K else {"BN": 16, "BK": 64, "num_stages": 2}
-            for got in (linear(x, w), half_gemv_triton.float_gemv(x, w), half_gemv_triton.float_gemv(x, w, fixed)):
+            rows = x.numel() // K
+            fma = ((half_gemv_triton.float_gemv(x, w, half_gemv_triton.fma_config(rows, K)),)
+                   if 1 < rows <= half_gemv_triton.FMA_MAX_ROWS else ())  # the CUDA-core kernel, on any weight
+            for got in (linear(x, w), half_gemv_triton.float_gemv(x, w), half_gemv_triton.float_gemv(x, w, fixed),
+                        *fma):
                 assert got.shape == want.shape and got.dtype == torch.float32
                 assert ((got.double() - want).abs() <= bound).all(), (N, K, lead)
             rounded = half_gemv_triton.half_gemv(x, w) if half_gemv_triton.applies(x, w) else None
@@ -427,6 +431,24 @@ def test_cuda_float_gemv_is_the_float32_product_of_the_stored_bf16_weight():
     w = torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda")
     assert not half_gemv_triton.applies(torch.zeros(half_gemv_triton.MAX_ROWS + 1, 32, device="cuda"), w, False)
     assert half_gemv_triton.applies(torch.zeros(2, 32, device="cuda"), w, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_row_products_tool(capsys):
+    """tools/bench_row_products.py: a record per shape with every kernel's time and the CUDA-core kernel's
+    error within float32 summation error; bad shapes or rows refused by the parser."""
+    import json
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_row_products
+    assert bench_row_products.main(["--shapes", "64x300,512x512", "--rows", "2,8"]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["N"], r["K"]) for r in recs] == [(64, 300), (512, 512)]
+    for r in recs:
+        for rows in ("2", "8"):
+            assert r[rows]["cuda_cores"] > 0 and r[rows]["tensor_cores"] > 0 and r[rows]["cuda_cores_error"] < 2 ** -17
+    for bad in (["--rows", "9"], ["--shapes", "0x4"], ["--shapes", "ax4"]):
+        with pytest.raises(SystemExit):
+            bench_row_products.main(bad)
 
 
 def _expert_reads(source, budget: int, ram_budget: str, ids):

@@ -13,6 +13,8 @@ time; enough rows give enough programs for the device. Where BN and BK divide th
 loads carry no masks, so each thread reads 16 contiguous bytes of a row at once. Two to MAX_ROWS rows
 (``_rows_kernel``, a batch of decodes or a draft check) against a weight of ROWS_MIN_OUT outputs or
 more: the same walk, the rows padded to 16 on the tensor cores, each weight read once for all of them.
+Up to FMA_MAX_ROWS unrounded rows against a small weight (``_rows_fma_kernel``): the one-row walk with
+every row beside the weight's, on the CUDA cores, so a small weight gives as many programs as one row.
 
 The same two kernels run fp32 rows against a bf16 weight unrounded (``float_gemv``, ``ops.linear``'s
 path for a float32 model over bf16 weights): one row multiplies the weight, widened in registers
@@ -56,6 +58,20 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BN: tl.constexpr, BK: tl.c
     tl.store(y_ptr + n, y, mask=nmask)
 
 
+@triton.jit
+def _step_tiles(rows, xs, k, K, nmask, mmask, EVEN: tl.constexpr):
+    """One step's tiles of the rows kernels: the weight's rows [BN, BK] and x's rows [BM, BK] at inputs k
+    (x's rows past M, and with EVEN false inputs past K, read as zeros)."""
+    if EVEN:
+        w = tl.load(rows + k[None, :])
+        x = tl.load(xs + k[None, :], mask=mmask[:, None], other=0.0)
+    else:
+        kmask = k < K
+        w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(xs + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+    return w, x
+
+
 @_even
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -70,14 +86,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: t
     xs = x_ptr + m[:, None] * K
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        if EVEN:
-            w = tl.load(rows + k[None, :])
-            x = tl.load(xs + k[None, :], mask=mmask[:, None], other=0.0)
-        else:
-            kmask = k < K
-            w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x = tl.load(xs + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w, x = _step_tiles(rows, xs, k0 + tl.arange(0, BK), K, nmask, mmask, EVEN)
         wt = tl.trans(w)
         hi = x.to(w.dtype)
         if not ROUND:
@@ -92,12 +101,52 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: t
     tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
+@_even
+@triton.jit
+def _rows_fma_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     EVEN: tl.constexpr):
+    """M fp32 rows (M <= BM), unrounded, on the CUDA cores: ``_gemv_kernel``'s walk with every row of x
+    beside the weight's BN rows, which are read and widened once for all of them; each row's products
+    summed in fp32 lanes of BK and the lanes at the end, as one row's are."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    nmask, mmask = n < N, m < M
+    rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+    xs = x_ptr + m[:, None] * K
+    acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w, x = _step_tiles(rows, xs, k0 + tl.arange(0, BK), K, nmask, mmask, EVEN)
+        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+    y = tl.sum(acc, 2)
+    tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+
+
 # Rows of a pass that take _rows_kernel (a batch of 8 decodes, a one-sequence draft check); also the kernel's
 # padded block of rows, so at least 16, tl.dot's smallest.
 MAX_ROWS = 16
 # Several rows take the kernel only for weights of at least this many outputs: narrower ones leave it too
 # few programs, where torch's product splits the inputs (8 rows x [1536, 7168]: 17.4 us against 13.5).
 ROWS_MIN_OUT = 3072
+
+
+# Up to FMA_MAX_ROWS unrounded rows against a weight of at most FMA_MAX_OUT outputs take _rows_fma_kernel:
+# there the tensor-core kernel's few programs (N / 32) walk the inputs in turn, waiting on each step's
+# loads, and its fp32 rows go through the tensor cores in three passes. Timed at 2, 4 and 8 rows on an
+# H100 (docs/benchmarks.md, "A CUDA-core kernel for a few rows"): 8 rows against 512 x 512 2.7 us a launch
+# against 6.8, 2304 x 2304 16.4 against 24.8, 4096 x 512 8.6 against 7.0. Rounded rows keep the
+# tensor-core kernel, which only takes weights of ROWS_MIN_OUT outputs or more and is faster there.
+FMA_MAX_ROWS = 8
+FMA_MAX_OUT = 2304
+# Registers of a _rows_fma_kernel program: BM x BN x BK float32 lanes over its threads.
+FMA_LANES = 8192
+
+
+def fma_config(M: int, K: int) -> dict:
+    """_rows_fma_kernel's launch for M rows of K inputs: BM the rows padded to a power of two, steps of
+    up to 256 inputs, and as many weight rows a program as FMA_LANES allow."""
+    bm = max(2, triton.next_power_of_2(M))
+    bk = min(256, max(16, triton.next_power_of_2(K)))
+    return {"BM": bm, "BN": max(1, FMA_LANES // (bm * bk)), "BK": bk, "num_warps": 4}
 
 
 def rows_config(N: int) -> dict:
@@ -160,7 +209,8 @@ def half_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> t
 def float_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (up to MAX_ROWS fp32 rows) @ w[N, K]^T in fp32 arithmetic, the bf16 weight read once as
     stored: the product torch computes after widening the weight to fp32 (``ops.linear``), up to
-    summation order, without writing and reading the widened copy. config as ``half_gemv``'s."""
+    summation order, without writing and reading the widened copy. config as ``half_gemv``'s, or
+    ``fma_config``'s (with "BM") for the CUDA-core kernel of a few rows."""
     return _product(x, w, config, rounded=False)
 
 
@@ -172,6 +222,9 @@ def _product(x: torch.Tensor, w: torch.Tensor, config: dict | None, rounded: boo
     if M == 1:
         launch = config or config_for(N, K)
         _gemv_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, N, K, w.stride(0), ROUND=rounded, **launch)
+    elif not rounded and ("BM" in (config or {}) or (config is None and M <= FMA_MAX_ROWS and N <= FMA_MAX_OUT)):
+        launch = config or fma_config(M, K)
+        _rows_fma_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), **launch)
     else:
         launch = config or rows_config(N)
         _rows_kernel[(triton.cdiv(N, launch["BN"]),)](xr, w, y, M, N, K, w.stride(0), BM=MAX_ROWS, ROUND=rounded,
