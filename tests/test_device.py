@@ -401,9 +401,10 @@ def test_cuda_half_gemv_matches_torch_products():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_float_gemv_is_the_float32_product_of_the_stored_bf16_weight():
     """fp32 rows against a bf16 weight, unrounded: one row and 2 to MAX_ROWS rows (three bf16 parts on the
-    tensor cores, or up to FMA_MAX_ROWS on the CUDA cores), narrow weights included, through ``ops.linear``, against the float64 product. The bound
-    is float32 summation error, which torch's own widened product meets too; rows rounded to bf16 would
-    miss it by ~10x (the products' rounding is 2**-9 of each term)."""
+    tensor cores, or up to FMA_MAX_ROWS on the CUDA cores), narrow weights included, through
+    ``ops.linear``, against the float64 product. The bound is float32 summation error, which torch's own
+    widened product meets too; rows rounded to bf16 would miss it by ~10x (the products' rounding is
+    2**-9 of each term)."""
     from deltafin.kernels import half_gemv_triton
     from deltafin.model.ops import linear
     gen = torch.Generator().manual_seed(6)
