@@ -176,6 +176,37 @@ def test_batched_recorded_mode_matches_each_sequence_alone(request, fixture, mon
     assert graphs.capacity == 32 and len(graphs.slots) == 4  # 6 + 12 tokens: 8 -> 16 -> 32
 
 
+def test_sequences_stay_in_their_slots_as_others_leave_join_and_reorder(tiny_k3_path):
+    """A pass of B sequences runs over slots 0..B-1, each sequence where it already lives whatever order
+    they come in: one leaving from the front moves only the one in the last slot into its place, another
+    order moves no one, a newcomer takes the free slot (each move copies every layer state of a
+    sequence). The logits are each sequence's alone, in the order given."""
+    plain = deltafin.load(tiny_k3_path, device="cpu", stream="off")
+    m = _recorded(tiny_k3_path)
+    graphs = m.engine.graphs
+    prompts = [PROMPT[:3], PROMPT[:5], PROMPT, PROMPT + [8], PROMPT[:3] + [4, 4]]  # no piece size: plain passes
+    plan = [[0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3], [3, 1, 2], [1, 2, 3, 4], [4, 3, 2, 1], [2, 4]]
+    moves = []
+    forward_batch = m.forward_batch
+
+    def counted(seqs):
+        before = graphs.moved_in
+        out = forward_batch(seqs)
+        moves.append(graphs.moved_in - before)
+        return out
+
+    m.forward_batch = counted
+    tokens = [_tokens(len(plan), 50 + j) for j in range(len(prompts))]
+    got, states = _batched(m, plan, prompts, tokens)
+    assert moves == [4, 0, 1, 0, 1, 0, 2]
+    for j, prompt in enumerate(prompts):
+        st = plain.new_state()
+        plain.forward(prompt, st)
+        want = _decode(plain, st, tokens[j][:sum(j in members for members in plan)])
+        assert (got[j] - want).abs().max().item() < 1e-4
+        assert states[j].max_abs_diff(st) < 1e-4
+
+
 def _pieces(plain, m, tol):
     """Two prompts (23 and 22 tokens) read by `m` in the pieces a graph takes (16, 4, 2, 1 rows; both
     sharing each pass, one wanting the last row's logits where the other wants none), against each read

@@ -14,10 +14,13 @@ and a batch of B sequences costs B times the launches of one.
 What recording needs, and how it gets it:
 - Fixed addresses: state slots. The recorder owns ``slots``, each one sequence's set of state
   buffers (every KDA layer's conv tail and S, every MLA layer's latent cache of ``capacity`` rows).
-  The pass's i-th sequence lives in slot i: its layer states point at that slot's buffers, so
-  decoding token after token copies nothing. A sequence that is not where the pass needs it (a
-  newcomer, another order, a state whose tensors a plain pass, a rollback or a restore replaced)
-  is copied in, after the slot's previous owner got copies of its tensors back.
+  A pass of B sequences runs over slots 0..B-1 (from ``base``), each sequence in the one it already
+  lives in where that is among them, whatever order the sequences come in (the rows go in and the
+  logits come back in their order): its layer states point at that slot's buffers, so decoding
+  token after token copies nothing, and one sequence leaving moves at most the one in the last slot.
+  A sequence that is not among those slots (a newcomer, one past them, a state whose tensors a plain
+  pass, a rollback or a restore replaced) is copied into a free one, after the slot's previous owner
+  got copies of its tensors back.
 - No host reads. Each sequence's MLA rows to write and its causal mask come from device positions
   (``MLAState.at``, n elements of the pass's position tensor) instead of the host's length; KDA
   states are updated in place (``KDAState.in_place``); the embedding rows are copied into a fixed
@@ -155,17 +158,27 @@ class DecodeGraphs:
         """The whole pass of B sequences' n new rows each, queued; float32 logits of the rows they want
         on the device ([B * n, vocab] for a check pass)."""
         t0 = time.perf_counter()
-        rows = self._seat(seqs, 0)
+        B, n = len(seqs), len(seqs[0].ids)
+        # The pass runs over the sequences as they sit in the slots; `at[b]`: where the b-th given one ran.
+        order = self._placement(seqs, 0)
+        at = list(range(B))
+        if order is not None:
+            for j, b in enumerate(order):
+                at[b] = j
+            ids_t = ids_t.view(B, n)[order].reshape(-1)
+        ran = seqs if order is None else [seqs[b] for b in order]
+        rows = self._seat(ran, 0)
         self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
         self.x[0, :rows].copy_(self.x_host[:rows], non_blocking=True)
         self._mark_copied()
-        wanted = [b for b, s in enumerate(seqs) if s.logits != "none"]
-        if len(wanted) == len(seqs):  # a check pass (every row), or one row or the last of each
-            return self._pass(seqs, stats, 0, t0)
+        wanted = [at[b] for b, s in enumerate(seqs) if s.logits != "none"]
+        if len(wanted) == B:  # a check pass (every row), or one row or the last of each
+            out = self._pass(ran, stats, 0, t0)
+            return out if order is None else out.view(B, -1, out.shape[-1])[at].reshape(out.shape)
         # Without rollback states a pass records every sequence's last row's logits (one shape, whatever
         # they asked), and hands on those of the sequences that want them.
-        out = self._pass([dataclasses.replace(s, logits="last") for s in seqs], stats, 0, t0)
-        return torch.cat([out[b:b + 1] for b in wanted]) if wanted else out[:0]
+        out = self._pass([dataclasses.replace(s, logits="last") for s in ran], stats, 0, t0)
+        return out[wanted] if wanted else out[:0]
 
     def run_rows(self, seqs, x: torch.Tensor, stats: PassStats, base: int = 0) -> torch.Tensor:
         """This rank's layers over the pass's rows x [summaries + 1, B * n, H] (on the device, as
@@ -180,6 +193,33 @@ class DecodeGraphs:
         self._mark_copied()
         self.x[:, :rows].copy_(x)
         return self._pass(seqs, stats, base, t0)
+
+    def _placement(self, seqs, base: int) -> list[int] | None:
+        """The order to run a pass's sequences in over slots base..base+B-1 so that each one already
+        living in one of them stays there (the others take the free ones, in turn): indices into seqs,
+        or None where that is their own order. Sequences come and go in any order, and a pass over
+        slots in its own order would move every sequence after one that left (a move is two copies a
+        layer, and two more giving the slot's previous owner its own tensors back)."""
+        B = len(seqs)
+        if base + B > len(self.slots):
+            return None  # the slots are made again for this pass: none holds a sequence
+        where = {}
+        for j in range(B):
+            owner = self._owner(base + j)
+            if owner is not None:
+                where[id(owner)] = j
+        order: list[int | None] = [None] * B
+        rest = []
+        for b, s in enumerate(seqs):
+            j = where.get(id(s.state))
+            if j is None:
+                rest.append(b)
+            else:
+                order[j] = b
+        free = (j for j in range(B) if order[j] is None)
+        for b in rest:
+            order[next(free)] = b
+        return None if order == list(range(B)) else order
 
     def _seat(self, seqs, base: int) -> int:
         """Slots for the pass's sequences (each moved into its own, from `base` on) and its rows'
