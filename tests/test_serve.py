@@ -5,6 +5,7 @@ model, so the server is checked against the engine, not against itself.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import http.client
 import json
@@ -513,6 +514,14 @@ def test_server_prompt_cache_is_restored_or_refused(model, tiny_kl_path, tmp_pat
         create_app(model, dataclasses.replace(settings, prompt_cache=str(tmp_path / "missing")))
 
 
+def _metrics(srv) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
 def test_long_prompts_leave_block_states_for_prompts_that_share_a_beginning(model):
     settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=64, prefill_chunk=8,
                                    prefix_cache_block=16)
@@ -526,10 +535,7 @@ def test_long_prompts_leave_block_states_for_prompts_that_share_a_beginning(mode
         first = complete(base + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # 50 tokens, fed 8 at a time
         # kept: after 16, 32 and 48 tokens (the pieces crossing each block) and after all 50
         second = complete(base + [11, 12])
-        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-        conn.request("GET", "/metrics")
-        metrics = conn.getresponse().read().decode()
-        conn.close()
+        metrics = _metrics(srv)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 32
     assert second.choices[0].text == generate(model, base + [11, 12], SamplingParams(max_new_tokens=3)).text
@@ -537,6 +543,26 @@ def test_long_prompts_leave_block_states_for_prompts_that_share_a_beginning(mode
                  'deltafin_prefix_cache_lookups_total{result="miss"} 1', "deltafin_prefix_cache_tokens_total 32",
                  "deltafin_prefix_cache_entries 7"):  # 16, 32, 48, 50, 52 (its end); 42, 44
         assert line in metrics
+
+
+def test_metrics_count_recorded_passes_and_states_moved_into_their_slots(tiny_k3_path, server):
+    """A server whose passes run in state slots (recorded passes; on the CPU their code runs eagerly) shows
+    the passes replayed by kind and the states copied into the slots; one without them shows neither."""
+    import deltafin
+    from deltafin.runtime.decode_graph import DecodeGraphs
+    m = deltafin.load(tiny_k3_path, device="cpu", stream="off", threads=1)
+    m.engine.graphs = DecodeGraphs(m.engine, record=False)
+    settings = dataclasses.replace(m.settings, memo_size=0, prefix_cache_mb=0)
+    with RunningServer(create_app(m, settings)) as srv:
+        client = srv.client()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda p: client.completions.create(model=m.name, prompt=p, max_tokens=4, temperature=0),
+                          [[5, 6, 7], [8, 9, 10, 11, 12]]))
+        text = _metrics(srv)
+    assert 'deltafin_passes_replayed_total{kind="decode"} 0' in text  # eager here: nothing recorded
+    moved = next(line for line in text.splitlines() if line.startswith("deltafin_pass_states_moved_total "))
+    assert int(float(moved.split()[1])) >= 2  # each sequence into a slot at least once
+    assert "deltafin_pass_states_moved_total" not in _metrics(server)
 
 
 def test_prefix_cache_settings_are_range_checked():

@@ -19,8 +19,9 @@ the first configuration's speed.
 The record also says how the server batched the run (``passes``, from its /metrics before and
 after): the forward passes it ran, the requests they carried on average (all, and those past their
 prompt), the passes in flight at once (above 1: a split model's groups pipelined), their rows, the
-engine thread's milliseconds per pass in planning, the model, and taking the tokens, and the share
-of the run it was busy. Another client using the server at the same time shows in these too.
+engine thread's milliseconds per pass in planning, the model, and taking the tokens, the share
+of the run it was busy, and where passes replay CUDA graphs the share replayed and the decode states
+moved into their slots per pass. Another client using the server at the same time shows in these too.
 """
 from __future__ import annotations
 
@@ -115,6 +116,11 @@ def batching(before: dict | None, after: dict | None, wall: float) -> dict | Non
         "forward_ms_per_pass": 1e3 * per('deltafin_pass_seconds_total{part="forward"}'),
         "take_ms_per_pass": 1e3 * per('deltafin_pass_seconds_total{part="take"}'),
         "busy": sum(v for k, v in d.items() if k.startswith("deltafin_pass_seconds_total")) / wall,
+        # a server whose passes replay CUDA graphs: the share replayed, and states moved into their slots
+        "replayed_share": (sum(v for k, v in d.items() if k.startswith("deltafin_passes_replayed_total")) / n
+                           if "deltafin_pass_states_moved_total" in d else None),
+        "states_moved_per_pass": per("deltafin_pass_states_moved_total") if "deltafin_pass_states_moved_total" in d
+        else None,
     }
 
 

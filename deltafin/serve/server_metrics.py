@@ -31,10 +31,12 @@ class _CountBytes(PassObserver):
 
 class ServerMetrics:
     """The server's metrics. ``tally`` returns the scheduler's running sums (a function: the
-    scheduler is made after the metrics, once the weight-byte observer watches the model)."""
+    scheduler is made after the metrics, once the weight-byte observer watches the model); ``graphs``
+    the model's recorded passes (``Model.graph_stats``: None where passes replay none, and then they
+    are not shown)."""
 
     def __init__(self, gate: EngineGate, memo: ResponseMemo, prefix_cache: PrefixCache,
-                 tally: Callable[[], PassTally]):
+                 tally: Callable[[], PassTally], graphs: Callable[[], dict | None] = lambda: None):
         self.registry = m = Registry()
         self.requests = m.counter("deltafin_requests_total", "HTTP requests answered, by route and status",
                                   ("route", "status"))
@@ -77,6 +79,13 @@ class ServerMetrics:
                        "feed; forward: the model; take: picking tokens, detokenizing, handing text on)",
                        lambda: {("plan",): tally().plan_seconds, ("forward",): tally().forward_seconds,
                                 ("take",): tally().take_seconds}, ("part",))
+        if graphs() is not None:
+            m.read_counter("deltafin_passes_replayed_total", "forward passes replayed as a recorded CUDA graph, by "
+                           "kind (decode: one token of each sequence; check: drafts; prompt: prompt pieces)",
+                           lambda: {(k,): v for k, v in graphs()["replayed_by_kind"].items()}, ("kind",))
+            m.read_counter("deltafin_pass_states_moved_total", "decode states copied into the recorded passes' "
+                           "state slots (a sequence not already in one of its pass's slots)",
+                           lambda: graphs()["states_moved_in"])
 
     def observer(self) -> PassObserver:
         """The engine observer that counts every pass's weight bytes (give it to ``model.observe``)."""

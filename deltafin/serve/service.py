@@ -94,7 +94,8 @@ class Service:
         self._render_ids = iter(range(1 << 62))
         root = getattr(model, "path", None)
         self._roots = sorted({str(root), os.path.realpath(root)}, key=len, reverse=True) if root else []
-        self.metrics = ServerMetrics(self.gate, self.memo, self.prefix_cache, lambda: self.scheduler.tally)
+        self.metrics = ServerMetrics(self.gate, self.memo, self.prefix_cache, lambda: self.scheduler.tally,
+                                     model.graph_stats)
         # The engine runs off the event loop, on the scheduler's thread.
         self._open = contextlib.ExitStack()  # what close() ends
         self._open.enter_context(model.observe(self.metrics.observer()))
