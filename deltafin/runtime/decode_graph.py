@@ -171,14 +171,19 @@ class DecodeGraphs:
         self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
         self.x[0, :rows].copy_(self.x_host[:rows], non_blocking=True)
         self._mark_copied()
+        # Rows picked by slices joined in one kernel: indexing a device tensor with a host list copies the
+        # list from pageable memory, which waits for the pass queued before it.
         wanted = [at[b] for b, s in enumerate(seqs) if s.logits != "none"]
         if len(wanted) == B:  # a check pass (every row), or one row or the last of each
             out = self._pass(ran, stats, 0, t0)
-            return out if order is None else out.view(B, -1, out.shape[-1])[at].reshape(out.shape)
+            if order is None:
+                return out
+            each = out.view(B, -1, out.shape[-1])
+            return torch.cat([each[j] for j in at])
         # Without rollback states a pass records every sequence's last row's logits (one shape, whatever
         # they asked), and hands on those of the sequences that want them.
         out = self._pass([dataclasses.replace(s, logits="last") for s in ran], stats, 0, t0)
-        return out[wanted] if wanted else out[:0]
+        return torch.cat([out[j:j + 1] for j in wanted]) if wanted else out[:0]
 
     def run_rows(self, seqs, x: torch.Tensor, stats: PassStats, base: int = 0) -> torch.Tensor:
         """This rank's layers over the pass's rows x [summaries + 1, B * n, H] (on the device, as
