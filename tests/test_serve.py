@@ -565,6 +565,30 @@ def test_metrics_count_recorded_passes_and_states_moved_into_their_slots(tiny_k3
     assert "deltafin_pass_states_moved_total" not in _metrics(server)
 
 
+def test_metrics_split_a_streamed_requests_first_token_by_phase(model):
+    """Each streamed request's way to its first text is counted by phase (rendering, waiting for a slot,
+    the engine, writing it); the phases add up to no more than the client waited. A request answered in
+    one body is not counted."""
+    import time
+    settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=0)
+    with RunningServer(create_app(model, settings)) as srv:
+        client = srv.client()
+        client.completions.create(model=model.name, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+        t0 = time.perf_counter()
+        stream = client.completions.create(model=model.name, prompt=[8, 9, 10], max_tokens=3, temperature=0,
+                                           stream=True)
+        next(c for c in stream if c.choices and c.choices[0].text)
+        waited = time.perf_counter() - t0
+        list(stream)
+        text = _metrics(srv)
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("deltafin_first_token")}
+    assert values["deltafin_first_tokens_total"] == 1
+    phases = {k.split('"')[1]: v for k, v in values.items() if "phase=" in k}
+    assert set(phases) == {"prepare", "queue", "engine", "send"} and min(phases.values()) >= 0
+    assert 0 < sum(phases.values()) <= waited and phases["engine"] > 0
+
+
 def test_prefix_cache_settings_are_range_checked():
     from deltafin.settings import Settings, SettingsError
     for name in ("prefix_cache_mb", "prefix_cache_block"):

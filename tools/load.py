@@ -20,8 +20,10 @@ The record also says how the server batched the run (``passes``, from its /metri
 after): the forward passes it ran, the requests they carried on average (all, and those past their
 prompt), the passes in flight at once (above 1: a split model's groups pipelined), their rows, the
 engine thread's milliseconds per pass in planning, the model, and taking the tokens, the share
-of the run it was busy, and where passes replay CUDA graphs the share replayed and the decode states
-moved into their slots per pass. Another client using the server at the same time shows in these too.
+of the run it was busy, where passes replay CUDA graphs the share replayed and the decode states
+moved into their slots per pass, and ``first_token_ms``: the server's own mean time from a request
+parsed to its first text written, by phase (what the client's ``ttft`` adds to it is the client and
+the connection). Another client using the server at the same time shows in these too.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def server_counts(url: str) -> dict[str, float] | None:
     counts = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name.startswith("deltafin_pass"):
+        if name.startswith(("deltafin_pass", "deltafin_first_token")):
             counts[name] = float(value)
     return counts or None
 
@@ -121,7 +123,22 @@ def batching(before: dict | None, after: dict | None, wall: float) -> dict | Non
                            if "deltafin_pass_states_moved_total" in d else None),
         "states_moved_per_pass": per("deltafin_pass_states_moved_total") if "deltafin_pass_states_moved_total" in d
         else None,
+        "first_token_ms": first_token_phases(d),
     }
+
+
+def first_token_phases(d: dict[str, float]) -> dict | None:
+    """The server's own mean milliseconds from a streamed request parsed to its first text written, by
+    phase (its /metrics counters over the run), and their sum; None when it counted none."""
+    n = d.get("deltafin_first_tokens_total", 0.0)
+    if n <= 0:
+        return None
+    out = {}
+    for k, v in d.items():
+        if k.startswith('deltafin_first_token_seconds_total{phase="'):
+            out[k.split('"')[1]] = 1e3 * v / n
+    out["total"] = sum(out.values())
+    return out
 
 
 def percentiles(xs: list[float]) -> dict:

@@ -40,6 +40,7 @@ from .handoff import HANDOFF
 from .memo import MemoChoice, MemoEntry
 from .protocol import (MAX_BODY_BYTES, SSE_DONE, APIError, ParsedRequest, Shaper, bad, decode_body, parse_chat,
                        parse_completion, sse)
+from .server_metrics import FirstToken
 from .service import Job, Service
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 
 
 async def _respond(service: Service, req: ParsedRequest) -> Response:
+    received = time.perf_counter()
     service.check_model(req.model)
     job = await service.prepare(req)
     prompt_n = len(job.prompt_ids)
@@ -61,7 +63,7 @@ async def _respond(service: Service, req: ParsedRequest) -> Response:
     if entry is not None:
         log.info("memo hit: %s %d prompt tokens -> %d completion tokens", shaper.id, prompt_n, entry.completion_tokens)
         return memo_response(shaper, req.stream, entry, prompt_n)
-    return _GenerationResponse(service, req, job, key, shaper)
+    return _GenerationResponse(service, req, job, key, shaper, FirstToken(received, time.perf_counter()))
 
 
 def memo_response(shaper: Shaper, stream: bool, entry: MemoEntry, prompt_tokens: int) -> Response:
@@ -105,9 +107,11 @@ class _GenerationResponse(Response):
     whatever happens (a 429, a client leaving while queued or mid-stream, an engine error) the
     generations are stopped and the engine handed on."""
 
-    def __init__(self, service: Service, req: ParsedRequest, job: Job, memo_key: tuple | None, shaper: Shaper):
+    def __init__(self, service: Service, req: ParsedRequest, job: Job, memo_key: tuple | None, shaper: Shaper,
+                 first: FirstToken):
         super().__init__()
         self.service, self.req, self.job, self.memo_key, self.shaper = service, req, job, memo_key, shaper
+        self.first = first
 
     async def __call__(self, scope, receive, send) -> None:
         left = asyncio.Event()  # the client went away
@@ -143,11 +147,14 @@ class _GenerationResponse(Response):
 
         loop = asyncio.get_running_loop()
         pieces_in: asyncio.Queue = asyncio.Queue()  # (choice, piece or None at its end)
+        first = self.first
 
         def emit(i: int, piece) -> None:
+            if piece is not None and not first.made:
+                first.made = time.perf_counter()
             HANDOFF.put(loop, pieces_in, (i, piece))
 
-        t0 = time.perf_counter()
+        t0 = first.started = time.perf_counter()
         futures = service.start(job, emit, cancel)
         if req.stream:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -180,6 +187,9 @@ class _GenerationResponse(Response):
                     chunks += shaper.final_chunks(i, gens[i].finish_reason)
             if req.stream and chunks and error is None and not left.is_set():
                 await _send_body(send, b"".join(sse(c) for c in chunks))
+                if first.made and not first.sent:
+                    first.sent = time.perf_counter()
+                    service.metrics.first_token(first)
         if error is not None:
             if isinstance(error, DeviceOutOfMemory):  # this request's pass did not fit: the server goes on
                 log.warning("%s: %s", shaper.id, error)

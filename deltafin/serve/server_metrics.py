@@ -9,6 +9,7 @@ scheduler's ``PassTally``). It only reads what it is given; it changes nothing i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..runtime.pass_stats import PassObserver
 from ..runtime.scheduler import PassTally
@@ -29,6 +30,19 @@ class _CountBytes(PassObserver):
         self.counter.inc(stats.bytes_from_ram, source="ram")
 
 
+@dataclass
+class FirstToken:
+    """When a streamed request reached each step on the way to its first token's text going out: the
+    request parsed (``received``), its prompt rendered and tokenized (``prepared``), an engine slot
+    granted (``started``), the engine thread's first text (``made``), that text written (``sent``)."""
+    received: float
+    prepared: float
+    started: float = 0.0
+    made: float = 0.0
+    sent: float = 0.0
+
+
+
 class ServerMetrics:
     """The server's metrics. ``tally`` returns the scheduler's running sums (a function: the
     scheduler is made after the metrics, once the weight-byte observer watches the model); ``graphs``
@@ -47,6 +61,13 @@ class ServerMetrics:
                                       "(ram: a cache hit, disk: read)", ("source",))
         self.memo_lookups = m.counter("deltafin_memo_lookups_total",
                                       "deterministic requests looked up in the response memo", ("result",))
+        # Where a streamed request's time to its first token went, summed over requests (divide by the count).
+        self._first_phases = m.counter("deltafin_first_token_seconds_total", "seconds from a streamed request "
+                                       "parsed to its first text written, by phase (prepare: rendering and "
+                                       "tokenizing; queue: waiting for an engine slot; engine: until the engine "
+                                       "thread made the text; send: until it was written), summed over requests",
+                                       ("phase",))
+        self._firsts = m.counter("deltafin_first_tokens_total", "streamed requests whose first text was written")
         self.faults = m.counter("deltafin_engine_faults_total", "generations ended by a fault (reading the "
                                 "weights, or a lost rank of a model split across processes)")
         m.gauge("deltafin_queue_depth", "requests waiting for the engine", lambda: gate.waiting)
@@ -86,6 +107,13 @@ class ServerMetrics:
             m.read_counter("deltafin_pass_states_moved_total", "decode states copied into the recorded passes' "
                            "state slots (a sequence not already in one of its pass's slots)",
                            lambda: graphs()["states_moved_in"])
+
+    def first_token(self, f: FirstToken) -> None:
+        """Count a streamed request's way to its first token (its text written)."""
+        for phase, seconds in (("prepare", f.prepared - f.received), ("queue", f.started - f.prepared),
+                               ("engine", f.made - f.started), ("send", f.sent - f.made)):
+            self._first_phases.inc(seconds, phase=phase)
+        self._firsts.inc()
 
     def observer(self) -> PassObserver:
         """The engine observer that counts every pass's weight bytes (give it to ``model.observe``)."""
