@@ -587,6 +587,12 @@ def test_metrics_split_a_streamed_requests_first_token_by_phase(model):
     phases = {k.split('"')[1]: v for k, v in values.items() if "phase=" in k}
     assert set(phases) == {"prepare", "queue", "engine", "send"} and min(phases.values()) >= 0
     assert 0 < sum(phases.values()) <= waited and phases["engine"] > 0
+    # both requests reached a first pass, each after a wait counted apart (part of the engine's phase)
+    started = next(float(line.split()[1]) for line in text.splitlines()
+                   if line.startswith("deltafin_requests_started_total "))
+    wait = next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("deltafin_request_wait_seconds_total "))
+    assert started == 2 and 0 < wait
 
 
 def test_prefix_cache_settings_are_range_checked():

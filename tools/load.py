@@ -21,9 +21,10 @@ after): the forward passes it ran, the requests they carried on average (all, an
 prompt), the passes in flight at once (above 1: a split model's groups pipelined), their rows, the
 engine thread's milliseconds per pass in planning, the model, and taking the tokens, the share
 of the run it was busy, where passes replay CUDA graphs the share replayed and the decode states
-moved into their slots per pass, and ``first_token_ms``: the server's own mean time from a request
+moved into their slots per pass, ``first_token_ms``: the server's own mean time from a request
 parsed to its first text written, by phase (what the client's ``ttft`` adds to it is the client and
-the connection). Another client using the server at the same time shows in these too.
+the connection), and ``wait_ms_per_request``: of its "engine" phase, the wait for the request's first
+pass. Another client using the server at the same time shows in these too.
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def server_counts(url: str) -> dict[str, float] | None:
     counts = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name.startswith(("deltafin_pass", "deltafin_first_token")):
+        if name.startswith(("deltafin_pass", "deltafin_first_token", "deltafin_request_wait",
+                            "deltafin_requests_started")):
             counts[name] = float(value)
     return counts or None
 
@@ -124,6 +126,10 @@ def batching(before: dict | None, after: dict | None, wall: float) -> dict | Non
         "states_moved_per_pass": per("deltafin_pass_states_moved_total") if "deltafin_pass_states_moved_total" in d
         else None,
         "first_token_ms": first_token_phases(d),
+        # from handed to the engine thread to the request's first pass (within first_token_ms' "engine")
+        "wait_ms_per_request": (1e3 * d.get("deltafin_request_wait_seconds_total", 0.0)
+                                / d["deltafin_requests_started_total"]
+                                if d.get("deltafin_requests_started_total") else None),
     }
 
 

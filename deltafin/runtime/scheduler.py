@@ -218,13 +218,17 @@ class PassTally:
     their prompt, ``in_flight / passes`` how many passes were in flight at once (more than one: a
     model split across ranks, its groups pipelined). The seconds split each pass's time: ``plan``
     (what to feed: drafts, prompt pieces), ``forward`` (the model: starting and ending it), ``take``
-    (picking tokens, detokenizing, handing text to the HTTP side)."""
+    (picking tokens, detokenizing, handing text to the HTTP side). ``wait_seconds / started``: how long
+    a request waited from being submitted to its first pass (an idle engine gathering the requests
+    that come with it, the passes of others before it was let in)."""
     passes: int = 0
     sequences: int = 0
     decoding: int = 0
     rows: int = 0
     prompt_rows: int = 0
     in_flight: int = 0  # passes in flight as each began, itself included (several: pipelined)
+    started: int = 0  # requests whose first pass has begun
+    wait_seconds: float = 0.0  # their seconds from being submitted to their first pass, summed
     plan_seconds: float = 0.0
     forward_seconds: float = 0.0
     take_seconds: float = 0.0
@@ -235,7 +239,8 @@ class PassTally:
                 "decoding_per_pass": self.decoding / n, "rows_per_pass": self.rows / n,
                 "prompt_rows_per_pass": self.prompt_rows / n, "in_flight_per_pass": self.in_flight / n,
                 "plan_ms_per_pass": 1e3 * self.plan_seconds / n,
-                "forward_ms_per_pass": 1e3 * self.forward_seconds / n, "take_ms_per_pass": 1e3 * self.take_seconds / n}
+                "forward_ms_per_pass": 1e3 * self.forward_seconds / n, "take_ms_per_pass": 1e3 * self.take_seconds / n,
+                "wait_ms_per_request": 1e3 * self.wait_seconds / max(self.started, 1)}
 
 
 @dataclass
@@ -256,6 +261,8 @@ class _Request:
     decoding: Decoding
     future: Future
     cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: bool = False  # its first pass has begun
 
 
 class Scheduler:
@@ -418,6 +425,11 @@ class Scheduler:
         flight.forward_seconds = time.perf_counter() - flight.t1
         self._flight.append(flight)
         self._flying.update(id(r) for r, _ in batch)
+        for r, _ in batch:
+            if not r.started:
+                r.started = True
+                self.tally.started += 1
+                self.tally.wait_seconds += flight.t1 - r.submitted
         return True
 
     def _end(self, flight: "_Flight") -> None:

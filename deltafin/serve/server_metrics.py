@@ -100,6 +100,11 @@ class ServerMetrics:
                        "feed; forward: the model; take: picking tokens, detokenizing, handing text on)",
                        lambda: {("plan",): tally().plan_seconds, ("forward",): tally().forward_seconds,
                                 ("take",): tally().take_seconds}, ("part",))
+        m.read_counter("deltafin_requests_started_total", "generations whose first forward pass has begun",
+                       lambda: tally().started)
+        m.read_counter("deltafin_request_wait_seconds_total", "seconds generations waited from being handed to the "
+                       "engine thread to their first forward pass, summed (an idle engine gathering those sent "
+                       "together, passes of others before one is let in)", lambda: tally().wait_seconds)
         if graphs() is not None:
             m.read_counter("deltafin_passes_replayed_total", "forward passes replayed as a recorded CUDA graph, by "
                            "kind (decode: one token of each sequence; check: drafts; prompt: prompt pieces)",
