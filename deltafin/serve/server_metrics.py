@@ -42,7 +42,6 @@ class FirstToken:
     sent: float = 0.0
 
 
-
 class ServerMetrics:
     """The server's metrics. ``tally`` returns the scheduler's running sums (a function: the
     scheduler is made after the metrics, once the weight-byte observer watches the model); ``graphs``
@@ -50,7 +49,7 @@ class ServerMetrics:
     are not shown)."""
 
     def __init__(self, gate: EngineGate, memo: ResponseMemo, prefix_cache: PrefixCache,
-                 tally: Callable[[], PassTally], graphs: Callable[[], dict | None] = lambda: None):
+                 tally: Callable[[], PassTally], graphs: Callable[[], dict | None]):
         self.registry = m = Registry()
         self.requests = m.counter("deltafin_requests_total", "HTTP requests answered, by route and status",
                                   ("route", "status"))
