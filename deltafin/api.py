@@ -44,9 +44,17 @@ def _with_generation_eos(cfg, path: Path):
     return dataclasses.replace(cfg, eos_token_ids=ids)
 
 
-def compute_threads(settings: Settings, streaming: bool) -> int:
+def compute_threads(settings: Settings, streaming: bool, host_computes: bool = True) -> int:
+    """Threads of torch's host ops (auto unless --threads): every core for a model in RAM, one fewer
+    while streaming, one where a device holds the whole model (``host_computes`` False)."""
     if settings.threads:
         return settings.threads
+    if not host_computes:
+        # The host only feeds the device a pass's token rows and positions, ops too small to share
+        # out; torch's idle workers spin on the cores the server's event loop and the clients need
+        # (small-k3 served on an H100, eight clients: 15-20 % more tok/s on one thread, and the first
+        # token written 0.2-0.5 ms after it was made in place of 1.1-1.6; docs/benchmarks.md#compute-threads).
+        return 1
     cores = os.cpu_count() or 1
     # Oversubscribed intra-op threads stall on every small op (measured on 2 cores while streaming:
     # 42 s per token with 2 threads, 11 s with 1), so streaming leaves a core to the readers.
@@ -119,7 +127,9 @@ class Model:
             self.streaming = False
             from .io.ram import RAMProvider
             provider = RAMProvider(self.source, layers=layers, with_globals=with_globals)
-        self.threads = compute_threads(settings, self.streaming)
+        # A device holding every weight leaves the host nothing of the model to compute.
+        self.host_computes = device.type == "cpu" or self.streaming
+        self.threads = compute_threads(settings, self.streaming, self.host_computes)
         # Process-wide, like the device: the user's setting (or its auto value) for this run.
         torch.set_num_threads(self.threads)
         self.row_threads = row_threads(settings, self.streaming)
@@ -133,6 +143,8 @@ class Model:
             # Streaming with automatic threads: one-token passes leave the readers a core while they
             # wait on the disk, and take every core once the RAM tiers serve them.
             self.engine.thread_policy = ThreadPolicy(self.threads, self.row_threads)
+        if not self.host_computes and not settings.threads:
+            self.engine.gather_threads = os.cpu_count() or 1
         self.device = self.engine.device
         self.tokenizer = load_tokenizer(self.path)
         self.last_generation_stats: dict = {}

@@ -89,7 +89,7 @@ class Settings:
                          "streaming: 1 thread measured faster than 2); passes of several rows (a batch, "
                          "drafts, a prompt piece) run their products on every core, and one-token passes too "
                          "once they stop reading from disk while they compute (the RAM cache serves their "
-                         "spines)")
+                         "spines); one where a GPU holds the whole model (the host only feeds it)")
     kda_chunk: int = _knob(64, "chunk length of the chunked KDA prefill (deltafin's own form; "
                            "flash-linear-attention's kernel, used on CUDA with bf16 products where installed, "
                            "picks its own)")

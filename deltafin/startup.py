@@ -75,6 +75,9 @@ def products_message(settings: Settings) -> str:
 def threads_message(model) -> str:
     if model.settings.threads:
         return f"{model.threads} compute threads (set)"
+    if not model.host_computes:
+        return (f"1 compute thread (auto, the device holds the whole model: the host only feeds it; "
+                f"{model.engine.gather_threads} for a long prompt's embedding rows)")
     why = "model in RAM: every core" if not model.streaming else "streaming: one core left to the readers"
     rows = model.row_threads
     if rows is not None and rows != model.threads:

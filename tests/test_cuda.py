@@ -47,6 +47,40 @@ def _decoded_logits(model, ids, prompt: int = 6):
     return torch.cat(out), stats
 
 
+def test_cuda_resident_model_feeds_the_device_from_one_host_thread(tiny_k3_path, monkeypatch):
+    import os
+
+    from deltafin.runtime import engine
+    from deltafin.startup import threads_message
+    gathers = []
+    real = engine.torch_threads
+
+    def spy(n):
+        gathers.append(n)
+        return real(n)
+
+    monkeypatch.setattr(engine, "torch_threads", spy)
+    monkeypatch.setattr(engine, "GATHER_SHARED_ROWS", 32)
+    ids = torch.randint(5, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    try:
+        cpu = deltafin.load(tiny_k3_path, device="cpu", stream="off").logits(ids)
+        m = deltafin.load(tiny_k3_path, device="cuda", stream="off", threads=0)
+        assert m.threads == 1 and torch.get_num_threads() == 1
+        cores = os.cpu_count() or 1
+        assert threads_message(m) == (f"1 compute thread (auto, the device holds the whole model: the host only "
+                                      f"feeds it; {cores} for a long prompt's embedding rows)")
+        # a prompt of at least GATHER_SHARED_ROWS rows: its rows gathered on every core, the run's one after
+        assert (m.logits(ids) - cpu).abs().max().item() <= 1e-3
+        assert gathers == [cores] and torch.get_num_threads() == 1
+        # streamed through the host, or threads set: as on the CPU
+        sizes = ModelSizes.of(m.source)
+        budget = (sizes.globals_bytes + sizes.spine_bytes[0]) / 1e9
+        assert deltafin.load(tiny_k3_path, device="cuda", stream="on", gpu_budget=str(budget)).threads == max(1, cores - 1)
+        assert deltafin.load(tiny_k3_path, device="cuda", stream="off", threads=3).engine.gather_threads is None
+    finally:
+        torch.set_num_threads(1)  # process-wide; the other tests run with one
+
+
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
 def test_cuda_spines_from_ram_are_copied_ahead(request, fixture):
     """The device holds the first spine only, the host-RAM cache the others: once cached, each

@@ -119,6 +119,17 @@ def test_help_says_what_auto_threads_and_16_bit_products_do(capsys):
     assert "On the CPU decoding runs the same native kernels for every dtype, at the same speed" in out
 
 
+def test_auto_threads_follow_where_the_model_is_computed():
+    from deltafin.api import compute_threads
+    from deltafin.settings import Settings
+    auto, three = Settings.resolve({"threads": 0}), Settings.resolve({"threads": 3})
+    cores = os.cpu_count() or 1
+    assert compute_threads(auto, streaming=False) == cores
+    assert compute_threads(auto, streaming=True) == max(1, cores - 1)
+    assert compute_threads(auto, streaming=False, host_computes=False) == 1  # a device holds the whole model
+    assert compute_threads(three, streaming=False, host_computes=False) == 3
+
+
 def test_start_up_line_says_what_auto_threads_chose(tiny_k3_path):
     import torch
     from deltafin.startup import threads_message
@@ -134,5 +145,6 @@ def test_start_up_line_says_what_auto_threads_chose(tiny_k3_path):
         assert threads_message(m).endswith(f"(auto, streaming: one core left to the readers{rows})")
         m = deltafin.load(tiny_k3_path, device="cpu", stream="off", threads=3)
         assert threads_message(m) == "3 compute threads (set)"
+        assert m.host_computes and m.engine.gather_threads is None
     finally:
         torch.set_num_threads(1)  # process-wide; the other tests run with one
