@@ -232,10 +232,12 @@ class _Shapes:
     """The model, noting each pass's rows and wanted logits per sequence ("all": a decoding sequence)."""
 
     def __init__(self, model):
-        self.model, self.passes = model, []
+        self.model, self.passes, self.replayable = model, [], []
 
     def start_batch(self, seqs):
         self.passes.append(([len(s.ids) for s in seqs], [s.logits for s in seqs]))
+        graphs = self.model.engine.graphs
+        self.replayable.append(graphs is not None and graphs.applies(seqs))
         return self.model.start_batch(seqs)
 
     def __getattr__(self, name):
@@ -243,9 +245,9 @@ class _Shapes:
 
 
 def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_path, alone):
-    """With recorded passes (on the CPU their code runs eagerly), prompt pieces go in passes of their own
-    and a pass of several decoding sequences carries one row of each, so one graph per batch size
-    replays them; the outputs stay each alone's."""
+    """With recorded passes (on the CPU their code runs eagerly) a pass of several decoding sequences
+    carries one row of each, and newcomers' short prompts go beside them in pieces a graph replays, so a
+    few graphs replay every pass; the outputs stay each alone's."""
     from deltafin.runtime.decode_graph import DecodeGraphs, piece_size
     m = deltafin.load(tiny_k3_path, device="cpu", stream="off")
     m.engine.graphs = DecodeGraphs(m.engine, record=False)
@@ -253,13 +255,16 @@ def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_pa
     shapes = _Shapes(m)
     got = _run_all(Scheduler(shapes, 8, PREFILL_CHUNK), m, alone)
     assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in alone]
-    decode = [rows for rows, kinds in shapes.passes if set(kinds) == {"all"}]
+    # decoding sequences (every row's logits wanted) feed one row each where there are several
+    decode = [[n for n, k in zip(rows, kinds) if k == "all"] for rows, kinds in shapes.passes]
     assert any(len(rows) > 1 for rows in decode) and all(set(rows) == {1} for rows in decode if len(rows) > 1)
-    assert all("all" not in kinds for _, kinds in shapes.passes if set(kinds) != {"all"})  # none mixed
-    # prompts in pieces a graph replays (8, 4, 2, 1 tokens here), newcomers with as many to go together
-    prompt = [rows for rows, kinds in shapes.passes if "all" not in kinds]
-    assert all(len(set(rows)) == 1 and piece_size(rows[0]) == rows[0] for rows in prompt)
+    # prompts in pieces a graph replays (8, 4, 2, 1 tokens here), newcomers with as many to go together,
+    # beside the decoding sequences' rows
+    prompt = [[n for n, k in zip(rows, kinds) if k != "all"] for rows, kinds in shapes.passes]
+    assert all(len(set(rows)) <= 1 and piece_size(rows[0]) == rows[0] for rows in prompt if rows)
     assert any(len(rows) > 1 for rows in prompt)
+    assert any(d and p and p[0] > 1 for d, p in zip(decode, prompt))  # decode rows and a prompt piece together
+    assert all(shapes.replayable)  # every pass one that a graph records
 
 
 class _SmallDevice(_Shapes):

@@ -237,6 +237,65 @@ def _pieces(plain, m, tol):
         assert (_decode(m, states[j], tokens) - _decode(plain, refs[j], tokens)).abs().max().item() < tol
 
 
+def _mixed(plain, m, tol):
+    """Two sequences decode while a newcomer's prompt (23 tokens) is read beside them in the pieces a graph
+    takes (16, 4 and 2 rows, then its last token a row like theirs), the newcomer given first; then the
+    three decode together. Against each alone in plain passes (`plain`): every logit and state within
+    `tol`. Returns the slot moves of each pass."""
+    prompts, newcomer = [PROMPT, PROMPT[:5]], _tokens(23, 60)
+    tokens = [_tokens(8, 61 + j) for j in range(3)]
+    want, refs = [], []
+    for prompt, toks in zip(prompts, tokens):
+        st = plain.new_state()
+        plain.forward(prompt, st)
+        want.append(_decode(plain, st, toks))
+        refs.append(st)
+    st = plain.new_state()
+    want_first = plain.forward(newcomer, st, last_only=True)
+    want.append(_decode(plain, st, tokens[2][:4]))
+    refs.append(st)
+    states = [m.new_state() for _ in range(3)]
+    for prompt, st in zip(prompts, states):
+        m.forward(prompt, st)
+    graphs, got, fed, moves = m.engine.graphs, [[], [], []], 0, []
+    for i in range(8):
+        seqs = [Seq([tokens[j][i]], states[j]) for j in (0, 1)]
+        if fed < len(newcomer):
+            n = {0: 16, 1: 4, 2: 2, 3: 1}[i]
+            piece, fed = newcomer[fed:fed + n], fed + n
+            seqs.insert(0, Seq(piece, states[2], logits="last" if fed == len(newcomer) else "none"))
+        else:
+            seqs.insert(0, Seq([tokens[2][i - 4]], states[2]))
+        assert graphs.applies(seqs)
+        before = graphs.moved_in
+        out = m.engine.forward_batch(seqs)
+        moves.append(graphs.moved_in - before)
+        if i == 3:
+            got_first = out[0]
+        elif i > 3:
+            got[2].append(out[0])
+        got[0].append(out[1])
+        got[1].append(out[2])
+    assert (got_first - want_first).abs().max().item() < tol
+    for j in range(3):
+        assert (torch.cat(got[j]) - want[j]).abs().max().item() < tol
+        assert states[j].max_abs_diff(refs[j]) < tol
+    return moves
+
+
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_decode_rows_and_a_prompt_piece_share_a_pass_in_slots(request, fixture):
+    """A newcomer's prompt pieces ride in the decoding sequences' passes (decode rows first, then the
+    piece, whatever order they come in): each sequence is moved into a slot once and stays there, the
+    newcomer too when it starts decoding; every logit and state is each sequence's alone."""
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cpu", stream="off")
+    m = _recorded(path)
+    assert _mixed(plain, m, 1e-4) == [3, 0, 0, 0, 0, 0, 0, 0]
+    assert m.engine.graphs._pieces_seen == {(3, (1, 1, 16), False, 0), (3, (1, 1, 4), False, 0),
+                                            (3, (1, 1, 2), False, 0)}  # the fourth pass a decode's shape
+
+
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
 def test_prompt_pieces_in_slots_read_the_prompt_as_one_plain_pass_does(request, fixture):
     """Prompt pieces of the sizes a graph takes in recorded mode read a prompt as one plain pass does
@@ -405,6 +464,21 @@ def test_cuda_prompt_pieces_replay_as_one_plain_pass_reads_the_prompt(request, f
         _pieces(plain, m, 1e-4)
     assert graphs.failed is None and graphs.replayed_by_kind["prompt"] == 3
     assert {(2, 16, False, 0), (2, 4, False, 0), (2, 2, False, 0)} <= set(graphs.graphs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
+def test_cuda_decode_rows_and_prompt_pieces_replay_together(request, fixture):
+    """fp32 on the device: passes of decode rows beside a prompt piece run in recorded mode, are recorded
+    the second time their shapes come and replayed the third, each time against plain passes (_mixed)."""
+    path = request.getfixturevalue(fixture)
+    plain = deltafin.load(path, device="cuda", stream="off", cuda_graphs=False)
+    m = deltafin.load(path, device="cuda", stream="off")
+    graphs = m.engine.graphs
+    for _ in range(3):
+        _mixed(plain, m, 1e-4)
+    assert graphs.failed is None and graphs.replayed_by_kind["mixed"] == 3
+    assert {(3, (1, 1, 16), False, 0), (3, (1, 1, 4), False, 0), (3, (1, 1, 2), False, 0)} <= set(graphs.graphs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

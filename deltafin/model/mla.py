@@ -70,18 +70,21 @@ class MLAttention(Bindable):
         every = len(latent_rows) == T
         if latent_rows:
             q_lat = kv_b.absorb_query(q[:, :, :nope] if every else q[latent_rows, :, :nope])  # [nh, R, r]
-        slots = _slots_of(parts)
-        if slots is not None:  # a decode graph's slots: every sequence's new rows written in one go
-            ckv_all, krot_all, at = slots
-            B, cap = ckv_all.shape[:2]
-            index = at + torch.arange(T, device=at.device) // parts[0].n * cap  # row j is sequence j // n
-            ckv_all.view(B * cap, -1).index_copy_(0, index, ckv_new.to(ckv_all.dtype))
-            krot_all.view(B * cap, -1).index_copy_(0, index, kv[:, r:].to(krot_all.dtype))
+        groups = _slot_groups(parts)
+        if groups is not None:  # a decode graph's slots: each group's new rows written in one go
+            for rows, ckv_all, krot_all, at, n in groups:
+                B, cap = ckv_all.shape[:2]
+                # row j of the group is its sequence j // n's
+                index = at + torch.arange(at.shape[0], device=at.device) // n * cap
+                ckv_all.view(B * cap, -1).index_copy_(0, index, ckv_new[rows].to(ckv_all.dtype))
+                krot_all.view(B * cap, -1).index_copy_(0, index, kv[rows, r:].to(krot_all.dtype))
         else:
             for (st, n, _), s in zip(parts, starts):  # MLA rolls back by length: nothing extra to keep
                 st.append(ckv_new[s:s + n], kv[s:s + n, r:])
-        if slots is not None:
-            latent, pieces, sizes = self._attend_slots(q_lat, q[:, :, nope:], *slots), [None], [T]  # one piece
+        if groups is not None:
+            lats = [self._attend_slots(q_lat[:, rows], q[rows, :, nope:], ckv_all, krot_all, at)
+                    for rows, ckv_all, krot_all, at, _ in groups]
+            latent, pieces, sizes = torch.cat(lats, dim=1) if len(lats) > 1 else lats[0], [None], [T]  # one piece
         elif not any(expand) and _native_attend_applies(x, parts, c):
             # Every sequence decodes one token: the attention of all of them in one native call.
             lat = cpu_native.mla_decode_attend(q_lat.transpose(0, 1).contiguous(), q[:, :, nope:].contiguous(),
@@ -197,17 +200,26 @@ def _block_weights(cfg, q_proj, kv_a, kv_b, o_proj, norm, latent_norm) -> cpu_na
 _kept_blocks = KeptByWeights()
 
 
-def _slots_of(parts: list[Rows]) -> tuple | None:
-    """(ckv [B, cap, r], krot [B, cap, rope], positions [B * n]) of a recorded pass (decode_graph.py):
-    its B sequences each feed n rows from consecutive slots (their caches entries of one buffer, their
-    positions one device tensor). None for any other pass."""
+def _slot_groups(parts: list[Rows]) -> list[tuple] | None:
+    """A recorded pass's sequences (decode_graph.py) in runs that feed the same number n of rows from
+    consecutive slots (decode rows, then prompt pieces): per run, (its rows of the pass, ckv [B, cap, r],
+    krot [B, cap, rope], positions [B * n], n), its caches entries of one buffer and its positions one
+    device tensor. None for any other pass."""
     if parts[0].state.at is None:
         return None
-    ckv, krot = stacked([st.ckv for st, _, _ in parts]), stacked([st.krot for st, _, _ in parts])
-    at = joined([st.at for st, _, _ in parts])
-    if ckv is None or krot is None or at is None or len({n for _, n, _ in parts}) != 1:
-        raise RuntimeError("a recorded pass's MLA caches are not consecutive decode-graph slots")
-    return ckv, krot, at
+    groups, i, start = [], 0, 0
+    while i < len(parts):
+        n, j = parts[i].n, i
+        while j < len(parts) and parts[j].n == n:
+            j += 1
+        run = parts[i:j]
+        ckv, krot = stacked([st.ckv for st, _, _ in run]), stacked([st.krot for st, _, _ in run])
+        at = joined([st.at for st, _, _ in run])
+        if ckv is None or krot is None or at is None:
+            raise RuntimeError("a recorded pass's MLA caches are not consecutive decode-graph slots")
+        groups.append((slice(start, start + (j - i) * n), ckv, krot, at, n))
+        i, start = j, start + (j - i) * n
+    return groups
 
 
 # The native decode attention takes a pass while no sequence's cache is larger than this many

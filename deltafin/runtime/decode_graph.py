@@ -1,9 +1,10 @@
 """Decode, draft-check and prompt-piece passes recorded once as CUDA graphs and replayed.
 
-A pass qualifies when every sequence in it feeds the same number n of rows: one token each (decode),
-one token and n - 1 drafts each (speculation's check, which keeps what a rollback needs and wants
-every row's logits), or a prompt piece each of a power of two rows up to PIECE_MAX_ROWS (the last
-row's logits or none; a server cuts short prompts into such pieces, see runtime.scheduler). When
+A pass qualifies when its sequences feed one token each (decode), one token and n - 1 drafts each
+(speculation's check, which keeps what a rollback needs and wants every row's logits), or prompt pieces
+of a power of two rows up to PIECE_MAX_ROWS (the last row's logits or none; a server cuts short
+prompts into such pieces, see runtime.scheduler), alone or beside decode rows: a newcomer's prompt is
+read in the passes that decode the others. When
 every weight is resident on the device and every MoE layer's experts are stacked (the grouped kernels
 read the routing on the device), such a pass of B sequences is a fixed sequence of kernels whose only
 inputs from the host are the rows' embeddings and their positions. Replaying that sequence as a CUDA
@@ -29,7 +30,10 @@ What recording needs, and how it gets it:
   (``KDAState.pending``, tensors of the graph's own memory, refilled by every replay); the recorder
   keeps the records the recording made and hands them to the states again after each replay. The
   rollback writes into the slot's tensors, so the next pass finds the state in place.
-- One graph per shape: (B, n, keep_states, base). A pass replays the graph recorded for its shape,
+- One graph per shape: (B, n, keep_states, base), n the rows each sequence feeds or, where they differ,
+  the tuple of each one's in the order they run (decode rows first, then pieces by size: each run of
+  sequences with as many rows sits in consecutive slots, so its states step as one block). A pass
+  replays the graph recorded for its shape,
   over slots base..base+B-1; a new shape records a new graph (no padding: a padded row would need a
   slot that no sequence owns, and the shapes a server or a speculating decode sees settle quickly).
   Graphs share one memory pool. One process runs a pass at a time, at base 0; a model split across
@@ -107,8 +111,8 @@ class DecodeGraphs:
         self.failed_shapes: set[tuple] = set()  # shapes whose recording failed: they run the plain pass
         self.recorded = 0  # graphs recorded so far (one per batch size and capacity reached)
         self.replayed = 0
-        # one token of each sequence | drafts checked | prompt pieces
-        self.replayed_by_kind = {"decode": 0, "check": 0, "prompt": 0}
+        # one token of each sequence | drafts checked | prompt pieces | decode rows and prompt pieces together
+        self.replayed_by_kind = {"decode": 0, "check": 0, "prompt": 0, "mixed": 0}
         self._pieces_seen: set[tuple] = set()  # prompt-piece shapes run once (recorded the next time)
         self.record_seconds = 0.0  # spent recording (not running) graphs
         self.moved_in = 0  # sequences whose states were copied into a slot (not already living there)
@@ -138,16 +142,18 @@ class DecodeGraphs:
                 and getattr(engine.provider, "graph_ready", False))
 
     def applies(self, seqs, base: int = 0) -> bool:
-        n, keep = len(seqs[0].ids), seqs[0].keep_states
-        if (len(seqs), n, keep) in self.failed_shapes or len(seqs) * n > self.max_rows or base + len(seqs) > MAX_SLOTS:
+        ns, keep = sorted(len(s.ids) for s in seqs), seqs[0].keep_states
+        if (len(seqs), rows_each(ns), keep) in self.failed_shapes or sum(ns) > self.max_rows \
+                or base + len(seqs) > MAX_SLOTS or any(s.keep_states != keep for s in seqs):
             return False
-        if keep:  # a check pass wants every row's logits
-            wanted = ("all",)
-        elif n == 1:  # a decode step or a one-token prompt piece
-            wanted = ("all", "last", "none")
-        else:  # a prompt piece, of a few sizes
-            wanted = ("last", "none") if piece_size(n) == n else ()
-        return all(len(s.ids) == n and s.keep_states == keep and s.logits in wanted for s in seqs)
+        if keep:  # a check pass: every sequence a token and as many drafts, every row's logits wanted
+            return ns[0] == ns[-1] and all(s.logits == "all" for s in seqs)
+        if ns[-1] > 1 and not self.whole:  # a rank's layers take its rows in the order they come
+            return ns[0] == ns[-1] and all(s.logits in ("last", "none") and piece_size(len(s.ids)) == len(s.ids)
+                                           for s in seqs)
+        # decode steps (or one-token prompt pieces), and prompt pieces of a few sizes beside them
+        return all(s.logits in ("all", "last", "none") if len(s.ids) == 1
+                   else s.logits in ("last", "none") and piece_size(len(s.ids)) == len(s.ids) for s in seqs)
 
     @property
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -158,14 +164,17 @@ class DecodeGraphs:
         """The whole pass of B sequences' n new rows each, queued; float32 logits of the rows they want
         on the device ([B * n, vocab] for a check pass)."""
         t0 = time.perf_counter()
-        B, n = len(seqs), len(seqs[0].ids)
+        B = len(seqs)
         # The pass runs over the sequences as they sit in the slots; `at[b]`: where the b-th given one ran.
         order = self._placement(seqs, 0)
         at = list(range(B))
         if order is not None:
             for j, b in enumerate(order):
                 at[b] = j
-            ids_t = ids_t.view(B, n)[order].reshape(-1)
+            first = [0]
+            for s in seqs:
+                first.append(first[-1] + len(s.ids))
+            ids_t = torch.cat([ids_t[first[b]:first[b + 1]] for b in order])
         ran = seqs if order is None else [seqs[b] for b in order]
         rows = self._seat(ran, 0)
         self.x_host[:rows] = self.engine.provider.globals()["embed"][ids_t]  # widened to fp32 here
@@ -200,44 +209,50 @@ class DecodeGraphs:
         return self._pass(seqs, stats, base, t0)
 
     def _placement(self, seqs, base: int) -> list[int] | None:
-        """The order to run a pass's sequences in over slots base..base+B-1 so that each one already
-        living in one of them stays there (the others take the free ones, in turn): indices into seqs,
-        or None where that is their own order. Sequences come and go in any order, and a pass over
-        slots in its own order would move every sequence after one that left (a move is two copies a
-        layer, and two more giving the slot's previous owner its own tensors back)."""
+        """The order to run a pass's sequences in over slots base..base+B-1: those feeding fewer rows
+        first (decode rows, then prompt pieces by size: each run's rows, states and positions are one
+        block), and within its run's slots each one already living in one of them stays there (the
+        others take the free ones, in turn). Indices into seqs, or None where that is their own order.
+        Sequences come and go in any order, and a pass over slots in its own order would move every
+        sequence after one that left (a move is two copies a layer, and two more giving the slot's
+        previous owner its own tensors back)."""
         B = len(seqs)
-        if base + B > len(self.slots):
-            return None  # the slots are made again for this pass: none holds a sequence
         where = {}
-        for j in range(B):
-            owner = self._owner(base + j)
-            if owner is not None:
-                where[id(owner)] = j
+        if base + B <= len(self.slots):  # else the slots are made again for this pass: none holds a sequence
+            for j in range(B):
+                owner = self._owner(base + j)
+                if owner is not None:
+                    where[id(owner)] = j
         order: list[int | None] = [None] * B
-        rest = []
-        for b, s in enumerate(seqs):
-            j = where.get(id(s.state))
-            if j is None:
-                rest.append(b)
-            else:
-                order[j] = b
-        free = (j for j in range(B) if order[j] is None)
-        for b in rest:
-            order[next(free)] = b
+        start = 0
+        for n in sorted({len(s.ids) for s in seqs}):
+            run = [b for b, s in enumerate(seqs) if len(s.ids) == n]
+            span = range(start, start + len(run))
+            rest = []
+            for b in run:
+                j = where.get(id(seqs[b].state))
+                if j in span:
+                    order[j] = b
+                else:
+                    rest.append(b)
+            free = (j for j in span if order[j] is None)
+            for b in rest:
+                order[next(free)] = b
+            start += len(run)
         return None if order == list(range(B)) else order
 
     def _seat(self, seqs, base: int) -> int:
         """Slots for the pass's sequences (each moved into its own, from `base` on) and its rows'
         positions queued; the pass's rows."""
-        B, n = len(seqs), len(seqs[0].ids)
+        B = len(seqs)
         reach = min(max(s.reach for s in seqs), REACH_MAX_CAPACITY)  # room sized once for what they will hold
-        self._fit(max(max(s.state.num_tokens for s in seqs) + n, reach), base + B)
+        self._fit(max(max(s.state.num_tokens + len(s.ids) for s in seqs), reach), base + B)
         for b, s in enumerate(seqs):
             self._adopt(s.state, base + b)
-        rows = B * n
+        rows = sum(len(s.ids) for s in seqs)
         if self._copied is not None:
             self._copied.synchronize()  # the last pass's copies out of the page-locked buffers are done
-        self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(n)])
+        self.pos_host[:rows] = torch.tensor([s.state.num_tokens + j for s in seqs for j in range(len(s.ids))])
         self.pos[:rows].copy_(self.pos_host[:rows], non_blocking=True)
         return rows
 
@@ -247,12 +262,12 @@ class DecodeGraphs:
 
     def _pass(self, seqs, stats: PassStats, base: int, t0: float) -> torch.Tensor:
         """The pass over the input in place: recorded mode (then recorded) for a new shape, else replayed."""
-        n, keep = len(seqs[0].ids), seqs[0].keep_states
-        shape = (len(seqs), n, keep, base)
+        ns, keep = [len(s.ids) for s in seqs], seqs[0].keep_states
+        shape = (len(seqs), rows_each(ns), keep, base)
         recorded = self.graphs.get(shape)
         if recorded is None:
             out = self._recorded_mode(seqs, stats, capture=False)
-            once = n > 1 and not keep and shape not in self._pieces_seen  # a prompt piece's first time
+            once = max(ns) > 1 and not keep and shape not in self._pieces_seen  # a prompt piece's first time
             if once:
                 self._pieces_seen.add(shape)
             elif self.record:
@@ -263,7 +278,8 @@ class DecodeGraphs:
             graph, recorded_out, counts, records = recorded
             graph.replay()
             self.replayed += 1
-            self.replayed_by_kind["check" if keep else "prompt" if n > 1 else "decode"] += 1
+            self.replayed_by_kind["check" if keep else "decode" if max(ns) == 1 else "prompt" if min(ns) > 1
+                                  else "mixed"] += 1
             out = recorded_out.clone()  # the recorded output buffer is the next replay's
             for k, v in counts.items():
                 setattr(stats, k, getattr(stats, k) + v)
@@ -271,20 +287,21 @@ class DecodeGraphs:
         for s in seqs:
             for st in s.state.layers:
                 if isinstance(st, MLAState):
-                    st.length += n
+                    st.length += len(s.ids)
         stats.compute_seconds = time.perf_counter() - t0  # the whole pass (device_pass counted a part)
         return out
 
     # -- recording -----------------------------------------------------------------------------
     def _recorded_mode(self, seqs, stats: PassStats, capture: bool):
-        n = len(seqs[0].ids)
-        rows = len(seqs) * n
-        for b, s in enumerate(seqs):
+        rows = 0
+        for s in seqs:
+            n = len(s.ids)
             for st in s.state.layers:
                 if isinstance(st, KDAState):
                     st.in_place = True
                 else:
-                    st.at = self.pos[b * n:(b + 1) * n]
+                    st.at = self.pos[rows:rows + n]
+            rows += n
         try:
             if not capture:
                 return self._forward(rows, seqs, stats)
@@ -319,7 +336,7 @@ class DecodeGraphs:
 
     def _capture(self, seqs, base: int) -> None:
         stats = PassStats()
-        shape = (len(seqs), len(seqs[0].ids), seqs[0].keep_states, base)
+        shape = (len(seqs), rows_each([len(s.ids) for s in seqs]), seqs[0].keep_states, base)
         # Recording runs the pass's Python again: the rollback records it leaves are the graph's
         # (filled by replays), while the states keep those of the pass that just ran.
         ran = _pending(seqs)
@@ -331,7 +348,8 @@ class DecodeGraphs:
             # pool the failed recording drew from is dropped with every graph in it
             self.failed = f"{type(e).__name__}: {e}"
             self.failed_shapes.add(shape[:3])
-            print(f"deltafin: recording the decode pass of {shape[0]} sequence(s) x {shape[1]} row(s) as a CUDA "
+            rows = f"x {shape[1]} row(s)" if isinstance(shape[1], int) else f"of {', '.join(map(str, shape[1]))} rows"
+            print(f"deltafin: recording the decode pass of {shape[0]} sequence(s) {rows} as a CUDA "
                   f"graph failed ({self.failed}); such passes run without it", file=sys.stderr)
             self.graphs, self._pool = {}, None
             return
@@ -413,6 +431,13 @@ class DecodeGraphs:
                     st.pending = {k: v.clone() if id(v) in mine else v for k, v in st.pending.items()}
             elif id(st.ckv) in mine:
                 st.ckv, st.krot = st.ckv[: st.length].clone(), st.krot[: st.length].clone()
+
+
+def rows_each(ns) -> int | tuple[int, ...]:
+    """A pass's shape's rows: the rows every sequence feeds, or where they differ (decode rows beside
+    prompt pieces, in the order they run) each one's."""
+    ns = tuple(ns)
+    return ns[0] if len(set(ns)) == 1 else ns
 
 
 def piece_size(left: int) -> int:

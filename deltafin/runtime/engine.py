@@ -276,13 +276,13 @@ class Engine:
         g = self.provider.globals()
         c0 = time.perf_counter()
         rows = logit_rows(seqs)
-        n = len(seqs[0].ids)
         if len(rows) == h.shape[0]:  # every row wanted (a full-logits pass): no copy
             pick = None
-        elif all(s.logits == "last" and len(s.ids) == n for s in seqs):
-            # each sequence's last row: a strided view, which a recorded pass (prompt pieces) can take
+        elif all(_logit_count(s) == 1 for s in seqs):
+            # each sequence's last row: strided views, which a recorded pass (prompt pieces, decode rows
+            # beside them) can take where an index tensor would be copied from the host
             def pick(t):
-                return t.reshape(len(seqs), n, *t.shape[1:])[:, -1]
+                return last_rows(t, [len(s.ids) for s in seqs])
         else:
             def pick(t):
                 return t[rows]
@@ -382,6 +382,19 @@ def _wait_for(device: torch.device) -> None:
 
 def _logit_count(s: Seq) -> int:
     return {"all": len(s.ids), "last": 1, "none": 0}[s.logits]
+
+
+def last_rows(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The last row of each sequence's rows of t (`counts` rows each, one after another): a strided view
+    for each run of sequences with as many rows, joined where there are several runs."""
+    views, i, start = [], 0, 0
+    while i < len(counts):
+        n, j = counts[i], i
+        while j < len(counts) and counts[j] == n:
+            j += 1
+        views.append(t[start:start + (j - i) * n].reshape(j - i, n, *t.shape[1:])[:, -1])
+        i, start = j, start + (j - i) * n
+    return views[0] if len(views) == 1 else torch.cat(views)
 
 
 def logit_rows(seqs: list[Seq]) -> torch.Tensor:

@@ -20,12 +20,12 @@ newcomer), so speculation keeps going beside a newcomer; a sequence whose drafts
 accepted drafts as much as it would alone (``draft_limits``), as far as MAX_PASS_ROWS allows. With
 nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. On a device that replays
 recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), where a decode pass
-costs a small fraction of any pass run eagerly, newcomers' prompts go in passes of their own taking
-turns with the decode passes, and a pass of several decoding sequences carries one token of each: a
-graph replays it, where a prompt piece or one sequence's drafts mixed in would make the whole pass
-eager. A short prompt (REPLAYED_PROMPT_MAX) is read in pieces that graphs replay too (16, 8, 4, 2, 1
-tokens, newcomers with as many tokens to go sharing a pass); a longer one in ``prefill_chunk``
-pieces. Each request keeps its own drafts and sampling generator; pieces and draft lengths change
+costs a small fraction of any pass run eagerly, a pass of several decoding sequences carries one token
+of each (one sequence's drafts mixed in would make the whole pass eager). A short prompt
+(REPLAYED_PROMPT_MAX) is read in pieces that graphs replay (16, 8, 4, 2, 1 tokens, newcomers with as
+many tokens to go sharing a pass) in the decode passes themselves, so the streams go on while a
+newcomer reads its prompt; a longer one in ``prefill_chunk`` pieces, in passes of its own taking turns
+with the decode passes. Each request keeps its own drafts and sampling generator; pieces and draft lengths change
 speed only, so its output is the one it gets served alone (up to the rounding of products over a
 different number of rows, which leaves greedy tokens and seeded samples unchanged in the tests).
 
@@ -521,8 +521,13 @@ class Scheduler:
         if not decoding:
             return self._prompt_pass(prefilling) if replays else [(r, r.decoding.next_pass()) for r in prefilling]
         if replays:
-            # A recorded pass carries rows of one shape: prompt pieces go in passes of their own, taking
-            # turns with the decode passes; several decoding sequences feed one token each.
+            # Several decoding sequences feed one token each (a lone one may check drafts). Newcomers'
+            # short prompts go in replayed pieces beside those tokens, in the same pass (a graph replays
+            # both); longer prompts in plain passes of their own, taking turns with the decode passes.
+            room = self.model.replayed_rows - len(decoding)
+            if prefilling and room > 0 and self._replays_piece(prefilling[0]):
+                return ([(r, r.decoding.next_pass(max_draft=0)) for r in decoding]
+                        + self._prompt_pass(prefilling, room))
             if not prefilling or self._prompt_turn is False:
                 self._prompt_turn = True
                 return [(r, r.decoding.next_pass(max_draft=0 if len(decoding) > 1 else None)) for r in decoding]
@@ -545,20 +550,26 @@ class Scheduler:
             room -= len(batch[-1][1].ids)
         return batch
 
-    def _prompt_pass(self, prefilling: list[_Request]) -> list:
-        """A pass of newcomers' prompt pieces on a model that replays recorded passes. A prompt with at
-        most REPLAYED_PROMPT_MAX tokens to go is read in the pieces a graph replays
-        (``Model.replayed_piece``: 16, 8, 4, 2 or 1 tokens): the earliest newcomer's, beside every other
-        newcomer with as many tokens to go, as many as a recorded pass takes. Longer prompts go in
-        ``prefill_chunk`` pieces, together, in a plain pass (at matrix speed)."""
+    def _replays_piece(self, newcomer: _Request) -> bool:
+        """Whether the newcomer's next prompt piece is one a recorded pass takes (its prompt short)."""
+        left = newcomer.decoding.prompt_left
+        return left <= REPLAYED_PROMPT_MAX and self.model.replayed_piece(min(left, self.prefill_chunk)) > 0
+
+    def _prompt_pass(self, prefilling: list[_Request], room: int | None = None) -> list:
+        """Newcomers' prompt pieces on a model that replays recorded passes, in at most `room` rows (a
+        recorded pass's, where None). A prompt with at most REPLAYED_PROMPT_MAX tokens to go is read in
+        the pieces a graph replays (``Model.replayed_piece``: 16, 8, 4, 2 or 1 tokens): the earliest
+        newcomer's, beside every other newcomer with as many tokens to go, as many as the room takes.
+        Longer prompts go in ``prefill_chunk`` pieces, together, in a plain pass (at matrix speed)."""
+        room = self.model.replayed_rows if room is None else room
         first = prefilling[0].decoding.prompt_left
-        piece = self.model.replayed_piece(min(first, self.prefill_chunk))
+        piece = self.model.replayed_piece(min(first, self.prefill_chunk, room))
         if not piece:  # no piece replays here (a rank's layers): every newcomer's next piece, together
             return [(r, r.decoding.next_pass()) for r in prefilling]
         if first > REPLAYED_PROMPT_MAX:
             return [(r, r.decoding.next_pass()) for r in prefilling if r.decoding.prompt_left > REPLAYED_PROMPT_MAX]
         group = [r for r in prefilling if piece <= r.decoding.prompt_left <= REPLAYED_PROMPT_MAX]
-        return [(r, r.decoding.next_pass(max_prompt=piece)) for r in group[:max(1, self.model.replayed_rows // piece)]]
+        return [(r, r.decoding.next_pass(max_prompt=piece)) for r in group[:max(1, room // piece)]]
 
     def _retire(self) -> None:
         """Resolve the finished requests, and drop them and the failed ones. One still in a pass (its
