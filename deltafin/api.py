@@ -72,6 +72,12 @@ def row_threads(settings: Settings, streaming: bool) -> int | None:
     return compute_threads(settings, streaming=False)  # every core
 
 
+def _shape_order(shape: tuple) -> tuple:
+    """A recorded pass's shape (decode_graph: B, rows each or each one's, keep_states, base) for sorting."""
+    b, rows, keep, base = shape
+    return b, rows if isinstance(rows, tuple) else (rows,), keep, base
+
+
 def _want_stream(settings: Settings, source, need: int) -> bool:
     """need: the bytes this process would hold in RAM (a rank of a split model: its share)."""
     if settings.stream != "auto":
@@ -326,7 +332,7 @@ class Model:
         if g is None:
             return None
         return {"recorded": g.recorded, "replayed": g.replayed, "replayed_by_kind": dict(g.replayed_by_kind),
-                "shapes": [list(shape) for shape in sorted(g.graphs)], "failed": g.failed,
+                "shapes": [list(shape) for shape in sorted(g.graphs, key=_shape_order)], "failed": g.failed,
                 "record_seconds": g.record_seconds, "states_moved_in": g.moved_in}
 
     def cpu_replay_stats(self) -> dict | None:

@@ -69,9 +69,12 @@ def test_cuda_resident_model_feeds_the_device_from_one_host_thread(tiny_k3_path,
         cores = os.cpu_count() or 1
         assert threads_message(m) == (f"1 compute thread (auto, the device holds the whole model: the host only "
                                       f"feeds it; {cores} for a long prompt's embedding rows)")
-        # a prompt of at least GATHER_SHARED_ROWS rows: its rows gathered on every core, the run's one after
         assert (m.logits(ids) - cpu).abs().max().item() <= 1e-3
+        # a pass of at least GATHER_SHARED_ROWS rows: its rows gathered on every core, the run's one after
+        gathers.clear()
+        rows = m.engine.embed(torch.tensor(ids))
         assert gathers == [cores] and torch.get_num_threads() == 1
+        assert torch.equal(rows.cpu(), m.engine.provider.globals()["embed"][torch.tensor(ids)].float())
         # streamed through the host, or threads set: as on the CPU
         sizes = ModelSizes.of(m.source)
         budget = (sizes.globals_bytes + sizes.spine_bytes[0]) / 1e9

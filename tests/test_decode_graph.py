@@ -294,6 +294,10 @@ def test_decode_rows_and_a_prompt_piece_share_a_pass_in_slots(request, fixture):
     assert _mixed(plain, m, 1e-4) == [3, 0, 0, 0, 0, 0, 0, 0]
     assert m.engine.graphs._pieces_seen == {(3, (1, 1, 16), False, 0), (3, (1, 1, 4), False, 0),
                                             (3, (1, 1, 2), False, 0)}  # the fourth pass a decode's shape
+    # the shapes as /metrics and bench list them (recorded ones on a GPU), decode and mixed together
+    m.engine.graphs.graphs = dict.fromkeys(m.engine.graphs._pieces_seen | {(3, 1, False, 0)})
+    assert m.graph_stats()["shapes"] == [[3, 1, False, 0], [3, (1, 1, 2), False, 0], [3, (1, 1, 4), False, 0],
+                                         [3, (1, 1, 16), False, 0]]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
@@ -478,6 +482,7 @@ def test_cuda_decode_rows_and_prompt_pieces_replay_together(request, fixture):
     for _ in range(3):
         _mixed(plain, m, 1e-4)
     assert graphs.failed is None and graphs.replayed_by_kind["mixed"] == 3
+    assert [3, (1, 1, 16), False, 0] in m.graph_stats()["shapes"]
     assert {(3, (1, 1, 16), False, 0), (3, (1, 1, 4), False, 0), (3, (1, 1, 2), False, 0)} <= set(graphs.graphs)
 
 
