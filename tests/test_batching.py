@@ -258,12 +258,12 @@ def test_a_device_that_replays_passes_gets_one_token_of_each_sequence(tiny_k3_pa
     # decoding sequences (every row's logits wanted) feed one row each where there are several
     decode = [[n for n, k in zip(rows, kinds) if k == "all"] for rows, kinds in shapes.passes]
     assert any(len(rows) > 1 for rows in decode) and all(set(rows) == {1} for rows in decode if len(rows) > 1)
-    # prompts in pieces a graph replays (8, 4, 2, 1 tokens here), newcomers with as many to go together,
-    # beside the decoding sequences' rows
+    # prompts in pieces a graph replays (8, 4, 2, 1 tokens here), newcomers with as many to go together
+    # while nobody decodes, and the earliest one's beside the decoding sequences' rows
     prompt = [[n for n, k in zip(rows, kinds) if k != "all"] for rows, kinds in shapes.passes]
     assert all(len(set(rows)) <= 1 and piece_size(rows[0]) == rows[0] for rows in prompt if rows)
-    assert any(len(rows) > 1 for rows in prompt)
     assert any(d and p and p[0] > 1 for d, p in zip(decode, prompt))  # decode rows and a prompt piece together
+    assert all(len(p) <= 1 for d, p in zip(decode, prompt) if d)
     assert all(shapes.replayable)  # every pass one that a graph records
 
 

@@ -521,13 +521,15 @@ class Scheduler:
         if not decoding:
             return self._prompt_pass(prefilling) if replays else [(r, r.decoding.next_pass()) for r in prefilling]
         if replays:
-            # Several decoding sequences feed one token each (a lone one may check drafts). Newcomers'
-            # short prompts go in replayed pieces beside those tokens, in the same pass (a graph replays
-            # both); longer prompts in plain passes of their own, taking turns with the decode passes.
+            # Several decoding sequences feed one token each (a lone one may check drafts). The earliest
+            # newcomer's short prompt goes in replayed pieces beside those tokens, in the same pass (a
+            # graph replays both; one newcomer a pass keeps the shapes to record few: a graph per
+            # decoding count and piece size); longer prompts in plain passes of their own, taking turns
+            # with the decode passes.
             room = self.model.replayed_rows - len(decoding)
             if prefilling and room > 0 and self._replays_piece(prefilling[0]):
                 return ([(r, r.decoding.next_pass(max_draft=0)) for r in decoding]
-                        + self._prompt_pass(prefilling, room))
+                        + self._prompt_pass(prefilling[:1], room))
             if not prefilling or self._prompt_turn is False:
                 self._prompt_turn = True
                 return [(r, r.decoding.next_pass(max_draft=0 if len(decoding) > 1 else None)) for r in decoding]
