@@ -282,8 +282,8 @@ class _SmallDevice(_Shapes):
 
 
 def test_a_prompt_too_long_for_the_device_ends_its_request_alone(tiny_k3_path, alone):
-    """With recorded passes prompt pieces are passes of their own: the one that does not fit ends its
-    request with a clear error, the others go on to the outputs they get alone."""
+    """With recorded passes a long prompt's pieces are passes of their own: the one that does not fit
+    ends its request with a clear error, the others go on to the outputs they get alone."""
     from deltafin.errors import DeviceOutOfMemory
     from deltafin.runtime.decode_graph import DecodeGraphs
     m = deltafin.load(tiny_k3_path, device="cpu", stream="off")

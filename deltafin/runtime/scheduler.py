@@ -490,8 +490,9 @@ class Scheduler:
         rows = sum(len(seq.ids) for _, seq in batch)
         if isinstance(e, torch.OutOfMemoryError):
             # Only the pass's own requests end (their states may be half updated); requests outside
-            # it were not touched and go on. With recorded passes a prompt piece is a pass of its
-            # own, so a prompt too long for the device ends its request alone.
+            # it were not touched and go on. With recorded passes a long prompt's pieces are passes of
+            # their own (a short one's, at most PIECE_MAX_ROWS rows, ride in the decode passes), so a
+            # prompt too long for the device ends its request alone.
             torch.cuda.empty_cache()
             rows_of = {id(r): len(seq.ids) for r, seq in batch}
             log.warning("the device ran out of memory in a pass of %d rows over %d request(s)", rows, len(batch))
