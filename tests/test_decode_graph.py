@@ -34,18 +34,24 @@ def _tokens(n, seed):
     return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _alone(plain, prompts, tokens):
+    """Each prompt read and then its tokens decoded alone, by plain passes: the logits, and the states."""
+    want, refs = [], []
+    for prompt, toks in zip(prompts, tokens):
+        st = plain.new_state()
+        plain.forward(prompt, st)
+        want.append(_decode(plain, st, toks))
+        refs.append(st)
+    return want, refs
+
+
 def _two_sequences(plain, m, n, b_prompt):
     """Two sequences (prompts PROMPT and PROMPT[:b_prompt]) decoding n tokens each: with `plain`
     one after the other, with `m` taking turns token by token (each moves into the buffers in
     turn). Returns [(want logits, got logits, want state, got state)] for both."""
     ids = (_tokens(n, 1), _tokens(n, 2))
     prompts = (PROMPT, PROMPT[:b_prompt])
-    want, ref = [], []
-    for prompt, tokens in zip(prompts, ids):
-        st = plain.new_state()
-        plain.forward(prompt, st)
-        want.append(_decode(plain, st, tokens))
-        ref.append(st)
+    want, ref = _alone(plain, prompts, ids)
     states = [m.new_state() for _ in prompts]
     for prompt, st in zip(prompts, states):
         m.forward(prompt, st)
@@ -244,12 +250,7 @@ def _mixed(plain, m, tol):
     `tol`. Returns the slot moves of each pass."""
     prompts, newcomer = [PROMPT, PROMPT[:5]], _tokens(23, 60)
     tokens = [_tokens(8, 61 + j) for j in range(3)]
-    want, refs = [], []
-    for prompt, toks in zip(prompts, tokens):
-        st = plain.new_state()
-        plain.forward(prompt, st)
-        want.append(_decode(plain, st, toks))
-        refs.append(st)
+    want, refs = _alone(plain, prompts, tokens)
     st = plain.new_state()
     want_first = plain.forward(newcomer, st, last_only=True)
     want.append(_decode(plain, st, tokens[2][:4]))
@@ -457,33 +458,22 @@ def test_cuda_graph_replay_matches_plain_pass(request, fixture, dtype, monkeypat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
-def test_cuda_prompt_pieces_replay_as_one_plain_pass_reads_the_prompt(request, fixture):
-    """fp32 on the device: prompt pieces run in recorded mode, recorded the second time their shapes
-    come and replayed the third, each time against the prompts read in one plain pass each (_pieces)."""
+@pytest.mark.parametrize("passes, kind, shapes", [
+    (_pieces, "prompt", [(2, 16, False, 0), (2, 4, False, 0), (2, 2, False, 0)]),
+    (_mixed, "mixed", [(3, (1, 1, 16), False, 0), (3, (1, 1, 4), False, 0), (3, (1, 1, 2), False, 0)])])
+def test_cuda_prompt_pieces_replay_as_plain_passes_read_them(request, fixture, passes, kind, shapes):
+    """fp32 on the device: prompt pieces, alone (_pieces) and beside decode rows (_mixed), run in recorded
+    mode, are recorded the second time their shapes come and replayed the third, each time against plain
+    passes."""
     path = request.getfixturevalue(fixture)
     plain = deltafin.load(path, device="cuda", stream="off", cuda_graphs=False)
     m = deltafin.load(path, device="cuda", stream="off")
     graphs = m.engine.graphs
     for _ in range(3):
-        _pieces(plain, m, 1e-4)
-    assert graphs.failed is None and graphs.replayed_by_kind["prompt"] == 3
-    assert {(2, 16, False, 0), (2, 4, False, 0), (2, 2, False, 0)} <= set(graphs.graphs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("fixture", ["tiny_k3_path", "tiny_kl_path"])
-def test_cuda_decode_rows_and_prompt_pieces_replay_together(request, fixture):
-    """fp32 on the device: passes of decode rows beside a prompt piece run in recorded mode, are recorded
-    the second time their shapes come and replayed the third, each time against plain passes (_mixed)."""
-    path = request.getfixturevalue(fixture)
-    plain = deltafin.load(path, device="cuda", stream="off", cuda_graphs=False)
-    m = deltafin.load(path, device="cuda", stream="off")
-    graphs = m.engine.graphs
-    for _ in range(3):
-        _mixed(plain, m, 1e-4)
-    assert graphs.failed is None and graphs.replayed_by_kind["mixed"] == 3
-    assert [3, (1, 1, 16), False, 0] in m.graph_stats()["shapes"]
-    assert {(3, (1, 1, 16), False, 0), (3, (1, 1, 4), False, 0), (3, (1, 1, 2), False, 0)} <= set(graphs.graphs)
+        passes(plain, m, 1e-4)
+    assert graphs.failed is None and graphs.replayed_by_kind[kind] == 3
+    assert set(shapes) <= set(graphs.graphs)
+    assert all(list(shape) in m.graph_stats()["shapes"] for shape in shapes)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
