@@ -631,7 +631,8 @@ def test_engine_passes_tool_times_every_pass(tiny_k3_path):
     tool = [sys.executable, str(Path(__file__).parent.parent / "tools" / "engine_passes.py"),
             "--model", str(tiny_k3_path)]
     for bad, says in ((["--clients", "0"], "--clients: expected positive integers"),
-                      (["--rounds", "x"], "--rounds: expected a positive integer")):
+                      (["--rounds", "x"], "--rounds: expected a positive integer"),
+                      (["--requests", "-1"], "--requests: expected 0 or a positive integer")):
         run = subprocess.run(tool + bad, capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
     run = subprocess.run(tool + ["--clients", "1,3", "--rounds", "1", "--max-tokens", "3", "--prompt-tokens", "4"],
@@ -644,6 +645,14 @@ def test_engine_passes_tool_times_every_pass(tiny_k3_path):
         assert 0 < x["tokens"] <= 3 * x["clients"] and x["passes"] >= 1 and x["pass_ms_p50"] > 0
         assert x["first_passes"][0]["rows"] == [4] and x["first_passes"][0]["sequences"] == x["clients"]
         assert x["slowest_passes"][0]["ms"] >= x["pass_ms_p50"]
+    # as tools/load.py loads a server: each client's requests one after another, nothing synchronized
+    run = subprocess.run(tool + ["--clients", "2", "--rounds", "1", "--max-tokens", "3", "--prompt-tokens", "4",
+                                 "--requests", "3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (x,) = json.loads(run.stdout)["rounds"]
+    assert x["clients"] == 2 and x["requests_per_client"] == 3 and 0 < x["tokens"] <= 2 * 3 * 3
+    assert x["passes"] >= 3 and 1 <= x["sequences_per_pass"] <= 2
+    assert x["device_busy"] is None  # device events on CUDA only
 
 
 def test_prompt_pieces_beside_decoding_sequences_are_sized_by_what_passes_cost():
