@@ -22,10 +22,10 @@ nobody decoding, prompts go in pieces of ``prefill_chunk`` tokens. On a device t
 recorded passes (``Model.replays_passes``: CUDA graphs, one per pass shape), where a decode pass
 costs a small fraction of any pass run eagerly, a pass of several decoding sequences carries one token
 of each (one sequence's drafts mixed in would make the whole pass eager). A short prompt
-(REPLAYED_PROMPT_MAX) is read in pieces that graphs replay (16, 8, 4, 2, 1 tokens, newcomers with as
-many tokens to go sharing a pass) in the decode passes themselves, so the streams go on while a
-newcomer reads its prompt; a longer one in ``prefill_chunk`` pieces, in passes of its own taking turns
-with the decode passes. Each request keeps its own drafts and sampling generator; pieces and draft lengths change
+(REPLAYED_PROMPT_MAX) is read in pieces that graphs replay (16, 8, 4, 2, 1 tokens): the earliest
+newcomer's piece in the decode pass itself, so the streams go on while a newcomer reads its prompt,
+and while nobody decodes, newcomers with as many tokens to go together; a longer prompt in
+``prefill_chunk`` pieces, in passes of its own taking turns with the decode passes. Each request keeps its own drafts and sampling generator; pieces and draft lengths change
 speed only, so its output is the one it gets served alone (up to the rounding of products over a
 different number of rows, which leaves greedy tokens and seeded samples unchanged in the tests).
 
