@@ -75,6 +75,26 @@ def test_slow_chat_template_neither_blocks_the_server_nor_waits_for_ever(model):
         assert "ok" in seen or "degraded" in seen
 
 
+def test_token_id_prompts_do_not_wait_for_a_busy_renderer(model):
+    """A completion whose prompt is token ids has nothing to render: it is checked on the event loop and
+    answers while every renderer thread is held (by slow templates, say), where a text prompt waits."""
+    with serving(model, render_timeout=0.2) as srv:
+        held = threading.Event()
+        renderer = srv.server.config.app.state.service.renderer
+        for _ in range(renderer._max_workers):
+            renderer.submit(held.wait, 30)
+        try:
+            status, body, _ = srv.request("POST", COMPLETIONS, {"prompt": "hello", "max_tokens": 2, "temperature": 0})
+            assert (status, body["error"]["code"]) == (503, "render_timeout")
+            status, body, _ = srv.request("POST", COMPLETIONS,
+                                          {"prompt": [11, 42, 7], "max_tokens": 2, "temperature": 0})
+            assert status == 200 and body["usage"]["prompt_tokens"] == 3
+            status, body, _ = srv.request("POST", COMPLETIONS, {"prompt": [11, 10 ** 9], "max_tokens": 2})
+            assert (status, body["error"]["param"]) == (400, "prompt") and "prompt[1]" in body["error"]["message"]
+        finally:
+            held.set()
+
+
 # -- f. engine faults are server errors, without local paths; /health says degraded -------------
 
 def test_weights_read_fault_is_a_503_and_health_turns_degraded(tiny_k3_path, tmp_path):
