@@ -566,8 +566,8 @@ def test_metrics_count_recorded_passes_and_states_moved_into_their_slots(tiny_k3
 
 
 def test_metrics_split_a_streamed_requests_first_token_by_phase(model):
-    """Each streamed request's way to its first text is counted by phase (rendering, waiting for a slot,
-    the engine, writing it); the phases add up to no more than the client waited. A request answered in
+    """Each streamed request's way to its first text is counted by phase (reading its body, rendering,
+    waiting for a slot, the engine, writing it); the phases add up to no more than the client waited. A request answered in
     one body is not counted."""
     import time
     settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=0)
@@ -585,7 +585,7 @@ def test_metrics_split_a_streamed_requests_first_token_by_phase(model):
               if line.startswith("deltafin_first_token")}
     assert values["deltafin_first_tokens_total"] == 1
     phases = {k.split('"')[1]: v for k, v in values.items() if "phase=" in k}
-    assert set(phases) == {"prepare", "queue", "engine", "send"} and min(phases.values()) >= 0
+    assert set(phases) == {"read", "prepare", "queue", "engine", "send"} and min(phases.values()) >= 0
     assert 0 < sum(phases.values()) <= waited and phases["engine"] > 0
     # both requests reached a first pass, each after a wait counted apart (part of the engine's phase)
     started = next(float(line.split()[1]) for line in text.splitlines()

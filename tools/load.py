@@ -22,8 +22,8 @@ prompt), the passes in flight at once (above 1: a split model's groups pipelined
 engine thread's milliseconds per pass in planning, the model, and taking the tokens, the share
 of the run it was busy, where passes replay CUDA graphs the share replayed and the decode states
 moved into their slots per pass, ``first_token_ms``: the server's own mean time from a request
-parsed to its first text written, by phase (what the client's ``ttft`` adds to it is the client and
-the connection), and ``wait_ms_per_request``: of its "engine" phase, the wait for the request's first
+handed to its app (headers read) to its first text written, by phase (what the client's ``ttft`` adds
+to it is the client, the connection and the server reading the headers), and ``wait_ms_per_request``: of its "engine" phase, the wait for the request's first
 pass. Another client using the server at the same time shows in these too.
 """
 from __future__ import annotations
@@ -134,8 +134,8 @@ def batching(before: dict | None, after: dict | None, wall: float) -> dict | Non
 
 
 def first_token_phases(d: dict[str, float]) -> dict | None:
-    """The server's own mean milliseconds from a streamed request parsed to its first text written, by
-    phase (its /metrics counters over the run), and their sum; None when it counted none."""
+    """The server's own mean milliseconds from a streamed request handed to its app to its first text
+    written, by phase (its /metrics counters over the run), and their sum; None when it counted none."""
     n = d.get("deltafin_first_tokens_total", 0.0)
     if n <= 0:
         return None

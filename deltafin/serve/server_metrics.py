@@ -33,8 +33,10 @@ class _CountBytes(PassObserver):
 @dataclass
 class FirstToken:
     """When a streamed request reached each step on the way to its first token's text going out: the
-    request parsed (``received``), its prompt rendered and tokenized (``prepared``), an engine slot
-    granted (``started``), the engine thread's first text (``made``), that text written (``sent``)."""
+    request handed to the app (``arrived``: its headers read), its body read and parsed (``received``),
+    its prompt rendered and tokenized (``prepared``), an engine slot granted (``started``), the engine
+    thread's first text (``made``), that text written (``sent``)."""
+    arrived: float
     received: float
     prepared: float
     started: float = 0.0
@@ -62,7 +64,8 @@ class ServerMetrics:
                                       "deterministic requests looked up in the response memo", ("result",))
         # Where a streamed request's time to its first token went, summed over requests (divide by the count).
         self._first_phases = m.counter("deltafin_first_token_seconds_total", "seconds from a streamed request "
-                                       "parsed to its first text written, by phase (prepare: rendering and "
+                                       "handed to the app to its first text written, by phase (read: reading "
+                                       "and parsing the body; prepare: rendering and "
                                        "tokenizing; queue: waiting for an engine slot; engine: until the engine "
                                        "thread made the text; send: until it was written), summed over requests",
                                        ("phase",))
@@ -115,7 +118,8 @@ class ServerMetrics:
 
     def first_token(self, f: FirstToken) -> None:
         """Count a streamed request's way to its first token (its text written)."""
-        for phase, seconds in (("prepare", f.prepared - f.received), ("queue", f.started - f.prepared),
+        for phase, seconds in (("read", f.received - f.arrived), ("prepare", f.prepared - f.received),
+                               ("queue", f.started - f.prepared),
                                ("engine", f.made - f.started), ("send", f.sent - f.made)):
             self._first_phases.inc(seconds, phase=phase)
         self._firsts.inc()
