@@ -17,7 +17,7 @@ from ..kernels.kept import KeptByWeights
 from ..kernels.linear import QWeight, dense_kind, native_dense
 from .binding import Bindable
 from .ops import HalfMatmul, linear, linears, plain, rms_norm
-from .state import MLAState, Rows, joined, stacked
+from .state import MLAState, Rows, joined, runs, stacked
 
 # The latent norms use a fixed eps of 1e-6 (not rms_norm_eps), like the published implementations.
 LATENT_NORM_EPS = 1e-6
@@ -207,18 +207,14 @@ def _slot_groups(parts: list[Rows]) -> list[tuple] | None:
     device tensor. None for any other pass."""
     if parts[0].state.at is None:
         return None
-    groups, i, start = [], 0, 0
-    while i < len(parts):
-        n, j = parts[i].n, i
-        while j < len(parts) and parts[j].n == n:
-            j += 1
-        run = parts[i:j]
+    groups = []
+    for which, rows, n in runs([p.n for p in parts]):
+        run = parts[which]
         ckv, krot = stacked([st.ckv for st, _, _ in run]), stacked([st.krot for st, _, _ in run])
         at = joined([st.at for st, _, _ in run])
         if ckv is None or krot is None or at is None:
             raise RuntimeError("a recorded pass's MLA caches are not consecutive decode-graph slots")
-        groups.append((slice(start, start + (j - i) * n), ckv, krot, at, n))
-        i, start = j, start + (j - i) * n
+        groups.append((rows, ckv, krot, at, n))
     return groups
 
 

@@ -131,6 +131,20 @@ def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
 
 
+def runs(counts: list[int]) -> list[tuple[slice, slice, int]]:
+    """Runs of consecutive sequences that feed the same number n of rows (`counts`: each one's, in the
+    pass's order): per run, (its sequences, its rows of the pass, n). A recorded pass's sequences sit
+    in such runs (decode rows, then prompt pieces by size), each run one block of slots and rows."""
+    out, i, start = [], 0, 0
+    while i < len(counts):
+        n, j = counts[i], i
+        while j < len(counts) and counts[j] == n:
+            j += 1
+        out.append((slice(i, j), slice(start, start + (j - i) * n), n))
+        i, start = j, start + (j - i) * n
+    return out
+
+
 class Rows(NamedTuple):
     """One sequence's share of a layer's rows in a batched pass: its layer state and row count."""
     state: "KDAState | MLAState"

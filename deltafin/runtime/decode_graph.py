@@ -143,7 +143,7 @@ class DecodeGraphs:
 
     def applies(self, seqs, base: int = 0) -> bool:
         ns, keep = sorted(len(s.ids) for s in seqs), seqs[0].keep_states
-        if (len(seqs), rows_each(ns), keep) in self.failed_shapes or sum(ns) > self.max_rows \
+        if shape_of(seqs, base)[:3] in self.failed_shapes or sum(ns) > self.max_rows \
                 or base + len(seqs) > MAX_SLOTS or any(s.keep_states != keep for s in seqs):
             return False
         if keep:  # a check pass: every sequence a token and as many drafts, every row's logits wanted
@@ -263,7 +263,7 @@ class DecodeGraphs:
     def _pass(self, seqs, stats: PassStats, base: int, t0: float) -> torch.Tensor:
         """The pass over the input in place: recorded mode (then recorded) for a new shape, else replayed."""
         ns, keep = [len(s.ids) for s in seqs], seqs[0].keep_states
-        shape = (len(seqs), rows_each(ns), keep, base)
+        shape = shape_of(seqs, base)
         recorded = self.graphs.get(shape)
         if recorded is None:
             out = self._recorded_mode(seqs, stats, capture=False)
@@ -336,7 +336,7 @@ class DecodeGraphs:
 
     def _capture(self, seqs, base: int) -> None:
         stats = PassStats()
-        shape = (len(seqs), rows_each([len(s.ids) for s in seqs]), seqs[0].keep_states, base)
+        shape = shape_of(seqs, base)
         # Recording runs the pass's Python again: the rollback records it leaves are the graph's
         # (filled by replays), while the states keep those of the pass that just ran.
         ran = _pending(seqs)
@@ -433,11 +433,11 @@ class DecodeGraphs:
                 st.ckv, st.krot = st.ckv[: st.length].clone(), st.krot[: st.length].clone()
 
 
-def rows_each(ns) -> int | tuple[int, ...]:
-    """A pass's shape's rows: the rows every sequence feeds, or where they differ (decode rows beside
-    prompt pieces, in the order they run) each one's."""
-    ns = tuple(ns)
-    return ns[0] if len(set(ns)) == 1 else ns
+def shape_of(seqs, base: int) -> tuple:
+    """A pass's recorded shape: (B, n, keep_states, base), n the rows every sequence feeds or, where they
+    differ (decode rows beside prompt pieces), each one's in the order they run (fewer rows first)."""
+    ns = tuple(sorted(len(s.ids) for s in seqs))
+    return len(seqs), ns[0] if len(set(ns)) == 1 else ns, seqs[0].keep_states, base
 
 
 def piece_size(left: int) -> int:

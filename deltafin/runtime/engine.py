@@ -29,7 +29,7 @@ from ..kernels import cpu_native
 from ..model.binding import bind, slot_names, unbind
 from ..model.layers import NOT_PRODUCTS, attn_res, build_templates, layer_kind
 from ..model.ops import HalfMatmul, linear, rms_norm
-from ..model.state import DecodeState, Rows
+from ..model.state import DecodeState, Rows, runs
 from ..settings import Settings
 from .cpu_replay import CpuReplay
 from .decode_graph import DecodeGraphs
@@ -387,13 +387,7 @@ def _logit_count(s: Seq) -> int:
 def last_rows(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The last row of each sequence's rows of t (`counts` rows each, one after another): a strided view
     for each run of sequences with as many rows, joined where there are several runs."""
-    views, i, start = [], 0, 0
-    while i < len(counts):
-        n, j = counts[i], i
-        while j < len(counts) and counts[j] == n:
-            j += 1
-        views.append(t[start:start + (j - i) * n].reshape(j - i, n, *t.shape[1:])[:, -1])
-        i, start = j, start + (j - i) * n
+    views = [t[rows].reshape(which.stop - which.start, n, *t.shape[1:])[:, -1] for which, rows, n in runs(counts)]
     return views[0] if len(views) == 1 else torch.cat(views)
 
 
