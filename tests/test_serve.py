@@ -567,8 +567,8 @@ def test_metrics_count_recorded_passes_and_states_moved_into_their_slots(tiny_k3
 
 def test_metrics_split_a_streamed_requests_first_token_by_phase(model):
     """Each streamed request's way to its first text is counted by phase (reading its body, rendering,
-    waiting for a slot, the engine, writing it); the phases add up to no more than the client waited. A request answered in
-    one body is not counted."""
+    waiting for a slot, the engine, writing it); the phases add up to no more than the client waited.
+    A request answered in one body is not counted."""
     import time
     settings = dataclasses.replace(model.settings, memo_size=0, prefix_cache_mb=0)
     with RunningServer(create_app(model, settings)) as srv:

@@ -23,7 +23,8 @@ engine thread's milliseconds per pass in planning, the model, and taking the tok
 of the run it was busy, where passes replay CUDA graphs the share replayed and the decode states
 moved into their slots per pass, ``first_token_ms``: the server's own mean time from a request
 handed to its app (headers read) to its first text written, by phase (what the client's ``ttft`` adds
-to it is the client, the connection and the server reading the headers), and ``wait_ms_per_request``: of its "engine" phase, the wait for the request's first
+to it is the client, the connection and the server reading the headers), and
+``wait_ms_per_request``: of its "engine" phase, the wait for the request's first
 pass. Another client using the server at the same time shows in these too.
 """
 from __future__ import annotations

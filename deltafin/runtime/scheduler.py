@@ -25,9 +25,10 @@ of each (one sequence's drafts mixed in would make the whole pass eager). A shor
 (REPLAYED_PROMPT_MAX) is read in pieces that graphs replay (16, 8, 4, 2, 1 tokens): the earliest
 newcomer's piece in the decode pass itself, so the streams go on while a newcomer reads its prompt,
 and while nobody decodes, newcomers with as many tokens to go together; a longer prompt in
-``prefill_chunk`` pieces, in passes of its own taking turns with the decode passes. Each request keeps its own drafts and sampling generator; pieces and draft lengths change
-speed only, so its output is the one it gets served alone (up to the rounding of products over a
-different number of rows, which leaves greedy tokens and seeded samples unchanged in the tests).
+``prefill_chunk`` pieces, in passes of its own taking turns with the decode passes. Each request keeps
+its own drafts and sampling generator; pieces and draft lengths change speed only, so its output is
+the one it gets served alone (up to the rounding of products over a different number of rows, which
+leaves greedy tokens and seeded samples unchanged in the tests).
 
 On a model split across ranks (``Model.pipeline_depth`` > 1) the engine thread keeps that many
 passes in flight, each over a share of the active requests not already in one: while rank 1 runs one

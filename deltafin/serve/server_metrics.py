@@ -109,8 +109,8 @@ class ServerMetrics:
                        "together, passes of others before one is let in)", lambda: tally().wait_seconds)
         if graphs() is not None:
             m.read_counter("deltafin_passes_replayed_total", "forward passes replayed as a recorded CUDA graph, by "
-                           "kind (decode: one token of each sequence; check: drafts; prompt: prompt pieces; mixed: decode rows "
-                           "and a prompt piece)",
+                           "kind (decode: one token of each sequence; check: drafts; prompt: prompt pieces; "
+                           "mixed: decode rows and a prompt piece)",
                            lambda: {(k,): v for k, v in graphs()["replayed_by_kind"].items()}, ("kind",))
             m.read_counter("deltafin_pass_states_moved_total", "decode states copied into the recorded passes' "
                            "state slots (a sequence not already in one of its pass's slots)",
