@@ -1,6 +1,6 @@
 """Load a running ``deltafin serve`` with N concurrent streaming clients (the real openai client).
 
-Each client sends its requests one after another: a prompt of ``--prompt-tokens`` token ids (a
+Each client is a process of its own and sends its requests one after another: a prompt of ``--prompt-tokens`` token ids (a
 different one per request and per run unless ``--seed`` is given, so the server's memo of
 deterministic answers never answers) with ``--max-tokens`` and
 ``--temperature``. Printed as one JSON record: aggregate completion tok/s over the whole run,
@@ -11,6 +11,11 @@ running: once every client is streaming, one more client sends an N-token prompt
 inter-token latency of the running streams is reported separately for the window in which the
 newcomer's prompt is being read (from its send to its first token) and for the time before
 (``--join-after`` tokens of every running stream).
+
+Clients are processes, not threads of this one: the openai client spends ~0.26 ms of Python on each
+streamed chunk (measured on a 2-core EPYC), so eight clients in one process at 3,000 tok/s would keep its
+one interpreter lock busy most of the time, and a chunk would wait for the lock before its arrival is
+noted (a stream's end before its client's next request is sent): the figures would be the client's.
 
 ``--warmup N`` sends N requests from one client before the measured run and leaves them out of every
 figure: a server whose caches start cold (a streamed model's RAM cache) otherwise counts its warm-up as
@@ -31,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import queue
 import random
 import statistics
 import sys
@@ -62,11 +69,10 @@ def _prompt(rng: random.Random, n: int, top: int) -> list[int]:
 
 
 def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int, temperature: float,
-               seed: int, into: list[Stream] | None = None) -> Stream:
-    """One streamed completion; appended to ``into`` as it starts, so others can watch it grow."""
+               seed: int, shown=None) -> Stream:
+    """One streamed completion. ``shown(n)``, where given, is told each time the stream has shown n chunks
+    of text (so that another process can watch it grow)."""
     s = Stream(sent=time.perf_counter())
-    if into is not None:
-        into.append(s)
     response = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                          seed=seed, stream=True, stream_options={"include_usage": True})
     for chunk in response:
@@ -74,8 +80,93 @@ def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens:
             s.completion_tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].text:
             s.arrivals.append(time.perf_counter())
+            if shown is not None:
+                shown(len(s.arrivals))
     s.ended = time.perf_counter()
     return s
+
+
+# The processes' clocks agree: perf_counter is CLOCK_MONOTONIC on Linux, one clock for the whole machine.
+FAILED = -1  # a client's entry in ``shown`` once it failed
+
+
+def client_process(c: int, url: str, model: str, args: dict, seed: int, start, shown, results) -> None:
+    """One client (a process of its own): its requests one after another, once every client is ready
+    (``start``, a barrier); ``shown[c]`` follows its first stream's chunks (the joining newcomer waits on
+    them). Puts (c, its streams as tuples, an error or None) on ``results``."""
+    rng = random.Random(seed * 1_000_003 + c)
+    streams, error = [], None
+
+    def first_shows(n: int) -> None:
+        shown[c] = n
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+        start.wait()
+        for r in range(args["requests"]):
+            s = run_stream(client, model, _prompt(rng, args["prompt_tokens"], args["max_token_id"]),
+                           args["max_tokens"], args["temperature"], seed=c * 1000 + r,
+                           shown=first_shows if r == 0 else None)
+            streams.append((s.sent, s.arrivals, s.completion_tokens, s.ended))
+    except Exception as e:  # reported, not raised: the other clients' figures still count
+        error = f"client {c}: {type(e).__name__}: {e}"
+        shown[c] = FAILED
+        start.abort()  # a client that failed before the start lets the others go rather than wait forever
+    results.put((c, streams, error))
+
+
+def run_clients(args: argparse.Namespace, model: str, seed: int, joining) -> tuple[list[Stream], list[str], float,
+                                                                                      Stream | None]:
+    """Every client's streams (in client order), the errors, the wall time from the start to the last
+    stream's end, and the joining newcomer's stream (``joining()``, once every client's first stream has
+    shown ``--join-after`` chunks; None without one)."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's client is shared
+    start = ctx.Barrier(args.clients + 1)
+    shown = ctx.Array("i", args.clients)
+    results = ctx.Queue()
+    knobs = {k: getattr(args, k) for k in ("requests", "prompt_tokens", "max_tokens", "temperature", "max_token_id")}
+    procs = [ctx.Process(target=client_process, args=(c, args.url, model, knobs, seed, start, shown, results),
+                         daemon=True) for c in range(args.clients)]
+    for p in procs:
+        p.start()
+    errors: list[str] = []
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:
+        pass  # a client failed before the start: its error comes with its results
+    t0 = time.perf_counter()
+    joined = None
+    if joining is not None:
+        need = max(1, min(args.join_after, args.max_tokens // 2))
+        while (any(0 <= n < need for n in shown[:]) and FAILED not in shown[:]
+               and any(p.is_alive() for p in procs)):
+            time.sleep(0.01)
+        try:
+            joined = joining()
+        except Exception as e:
+            errors.append(f"joining client: {type(e).__name__}: {e}")
+    got: dict[int, tuple] = {}
+    while len(got) < args.clients:
+        try:
+            c, streams, error = results.get(timeout=0.5)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break  # a client died without reporting
+            continue
+        got[c] = (streams, error)
+    for p in procs:
+        p.join()
+    streams = []
+    for c in range(args.clients):
+        if c not in got:
+            errors.append(f"client {c}: ended without a report (exit code {procs[c].exitcode})")
+            continue
+        for sent, arrivals, tokens, ended in got[c][0]:
+            streams.append(Stream(sent=sent, arrivals=arrivals, completion_tokens=tokens, ended=ended))
+        if got[c][1]:
+            errors.append(got[c][1])
+    ends = [s.ended for s in streams]
+    wall = (max(ends) if ends else time.perf_counter()) - t0
+    return streams, errors, wall, joined
 
 
 def gaps(streams: list[Stream], start: float = float("-inf"), end: float = float("inf")) -> list[float]:
@@ -198,43 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             print(f"load: the warm-up request failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-    streams: list[list[Stream]] = [[] for _ in range(args.clients)]
-    errors: list[str] = []
-    started = threading.Barrier(args.clients + 1)
-
-    def work(c: int) -> None:
-        rng = random.Random(seed * 1_000_003 + c)
-        try:
-            started.wait()
-            for r in range(args.requests):
-                run_stream(client, model, _prompt(rng, args.prompt_tokens, args.max_token_id), args.max_tokens,
-                           args.temperature, seed=c * 1000 + r, into=streams[c])
-        except Exception as e:  # reported, not raised: the other clients' figures still count
-            errors.append(f"client {c}: {type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=work, args=(c,)) for c in range(args.clients)]
-    for t in threads:
-        t.start()
-    before = server_counts(args.url)
-    started.wait()
-    t0 = time.perf_counter()
-    joined = None
+    joining = None
     if args.join_prompt_tokens:
-        # Join once every client's first stream has shown a few tokens (or the clients are done).
-        need = max(1, min(args.join_after, args.max_tokens // 2))
-        while (any(not s or len(s[0].arrivals) < need for s in streams) and not errors
-               and any(t.is_alive() for t in threads)):
-            time.sleep(0.01)
-        try:
-            joined = run_stream(client, model, _prompt(random.Random(seed - 1), args.join_prompt_tokens,
-                                                       args.max_token_id), 1, args.temperature, seed=0)
-        except Exception as e:
-            errors.append(f"joining client: {type(e).__name__}: {e}")
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+        def joining() -> Stream:
+            return run_stream(client, model, _prompt(random.Random(seed - 1), args.join_prompt_tokens,
+                                                     args.max_token_id), 1, args.temperature, seed=0)
+    before = server_counts(args.url)
+    everything, errors, wall, joined = run_clients(args, model, seed, joining)
     passes = batching(before, server_counts(args.url), wall)
-    everything = [s for per in streams for s in per]
     tokens = sum(s.completion_tokens for s in everything)
     record = {
         "url": args.url, "model": model, "clients": args.clients, "requests_per_client": args.requests,
