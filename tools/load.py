@@ -1,10 +1,10 @@
 """Load a running ``deltafin serve`` with N concurrent streaming clients (the real openai client).
 
-Each client is a process of its own and sends its requests one after another: a prompt of ``--prompt-tokens`` token ids (a
-different one per request and per run unless ``--seed`` is given, so the server's memo of
-deterministic answers never answers) with ``--max-tokens`` and
-``--temperature``. Printed as one JSON record: aggregate completion tok/s over the whole run,
-time to first token and inter-token latency (p50 / p95) over every stream.
+Each client, a process of its own, sends its requests one after another: a prompt of
+``--prompt-tokens`` token ids (a different one per request and per run unless ``--seed`` is given, so
+the server's memo of deterministic answers never answers) with ``--max-tokens`` and ``--temperature``.
+Printed as one JSON record: aggregate completion tok/s over the whole run, time to first token and
+inter-token latency (p50 / p95) over every stream.
 
 ``--join-prompt-tokens N`` also measures what admitting a newcomer costs the streams already
 running: once every client is streaming, one more client sends an N-token prompt, and the
