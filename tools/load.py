@@ -90,10 +90,10 @@ def run_stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens:
 FAILED = -1  # a client's entry in ``shown`` once it failed
 
 
-def client_process(c: int, url: str, model: str, args: dict, seed: int, start, shown, results) -> None:
+def client_process(c: int, url: str, model: str, knobs: dict, seed: int, start, shown, results) -> None:
     """One client (a process of its own): its requests one after another, once every client is ready
     (``start``, a barrier); ``shown[c]`` follows its first stream's chunks (the joining newcomer waits on
-    them). Puts (c, its streams as tuples, an error or None) on ``results``."""
+    them). Puts (c, its streams, an error or None) on ``results``."""
     rng = random.Random(seed * 1_000_003 + c)
     streams, error = [], None
 
@@ -102,11 +102,11 @@ def client_process(c: int, url: str, model: str, args: dict, seed: int, start, s
     try:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
         start.wait()
-        for r in range(args["requests"]):
-            s = run_stream(client, model, _prompt(rng, args["prompt_tokens"], args["max_token_id"]),
-                           args["max_tokens"], args["temperature"], seed=c * 1000 + r,
+        for r in range(knobs["requests"]):
+            s = run_stream(client, model, _prompt(rng, knobs["prompt_tokens"], knobs["max_token_id"]),
+                           knobs["max_tokens"], knobs["temperature"], seed=c * 1000 + r,
                            shown=first_shows if r == 0 else None)
-            streams.append((s.sent, s.arrivals, s.completion_tokens, s.ended))
+            streams.append(s)
     except Exception as e:  # reported, not raised: the other clients' figures still count
         error = f"client {c}: {type(e).__name__}: {e}"
         shown[c] = FAILED
@@ -160,8 +160,7 @@ def run_clients(args: argparse.Namespace, model: str, seed: int, joining) -> tup
         if c not in got:
             errors.append(f"client {c}: ended without a report (exit code {procs[c].exitcode})")
             continue
-        for sent, arrivals, tokens, ended in got[c][0]:
-            streams.append(Stream(sent=sent, arrivals=arrivals, completion_tokens=tokens, ended=ended))
+        streams.extend(got[c][0])
         if got[c][1]:
             errors.append(got[c][1])
     ends = [s.ended for s in streams]
