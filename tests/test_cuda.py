@@ -78,7 +78,7 @@ def test_cuda_resident_model_feeds_the_device_from_one_host_thread(tiny_k3_path,
         # streamed through the host, or threads set: as on the CPU
         sizes = ModelSizes.of(m.source)
         budget = (sizes.globals_bytes + sizes.spine_bytes[0]) / 1e9
-        streamed = deltafin.load(tiny_k3_path, device="cuda", stream="on", gpu_budget=str(budget))
+        streamed = deltafin.load(tiny_k3_path, device="cuda", stream="on", gpu_budget=str(budget), threads=0)
         assert streamed.threads == max(1, cores - 1)
         assert deltafin.load(tiny_k3_path, device="cuda", stream="off", threads=3).engine.gather_threads is None
     finally:
